@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The test command. On a fresh machine: creates .venv (unless a virtualenv is active), installs
+# atb-plugin editable with its test extra, then runs the whole pytest suite. Idempotent: the
+# install is skipped while setup.py is unchanged. Exit code = pytest's (5 = no tests collected).
+# Extra arguments go to pytest, e.g. scripts/run_tests.sh tests/test_shm_codec.py -x
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if [ -z "${VIRTUAL_ENV:-}" ]; then
+  if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+  fi
+  # shellcheck disable=SC1091
+  source .venv/bin/activate
+fi
+
+stamp="$VIRTUAL_ENV/.atb-plugin-install-stamp"
+want="$(sha256sum setup.py | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "run_tests.sh: installing atb-plugin[test] into $VIRTUAL_ENV" >&2
+  python -m pip install --quiet --upgrade pip setuptools wheel
+  python -m pip install --quiet -e '.[test]'
+  echo "$want" > "$stamp"
+fi
+
+exec python -m pytest "$@"

@@ -1,0 +1,26 @@
+"""atb-plugin: one distribution, four top-level packages (see ../shared/DESIGN.md §1)."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="atb-plugin",
+    version="0.1.0",
+    description="Serving backend for Huawei Ascend NPUs (ATB ops), with CUDA and CPU fallbacks",
+    python_requires=">=3.10",
+    packages=find_packages(include=["atb_plugin", "atb_plugin.*", "routers", "routers.*",
+                                    "input_builders", "input_builders.*", "shm", "shm.*"]),
+    install_requires=[
+        # Pinned: a loose torch requirement pulls the newest CUDA build (several GB).
+        "torch==2.13.0",
+        "numpy>=1.26,<3",
+    ],
+    extras_require={
+        # Ascend only: needs CANN's libraries to even import. Never installed in CI.
+        "npu": ["torch-npu==2.13.0"],
+        "test": [
+            "pytest==9.2.0",
+            "hypothesis==6.170.15",
+        ],
+        "bench": [],
+    },
+)
