@@ -18,8 +18,8 @@ stamp="$VIRTUAL_ENV/.atb-plugin-install-stamp"
 want="$(sha256sum setup.py | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   echo "run_tests.sh: installing atb-plugin[test] into $VIRTUAL_ENV" >&2
-  python -m pip install --quiet --upgrade pip setuptools wheel
-  python -m pip install --quiet -e '.[test]'
+  python -m pip install -qq --upgrade pip setuptools wheel
+  python -m pip install -qq -e '.[test]'
   echo "$want" > "$stamp"
 fi
 

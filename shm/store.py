@@ -131,9 +131,10 @@ class ShmStore:
         With ``request_id`` the segment is leased to that request until :meth:`release`;
         without, it is only cached and may be evicted at any time.
         """
-        array = np.ascontiguousarray(array)
+        array = np.asarray(array)
         dtype_code_of(array.dtype)
         shape_value = encode_shape_to_int64(array.shape)  # refuses 0-d, > 5-d and oversized dims
+        array = np.ascontiguousarray(array)
         if array.nbytes > self.config.max_segment_bytes:
             raise ValueError(
                 f"array of shape {array.shape} and dtype {array.dtype} is {array.nbytes} bytes; "

@@ -1,0 +1,42 @@
+"""Suite-wide rules: every test leaves /dev/shm as it found it.
+
+A running service or benchmark beside the suite is fine (live owners are ignored); two test
+runs at once on one machine are not supported: each would see the other's crashed-on-purpose
+children as its own leaks, and the reaper tests would reap each other's fixtures.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from shm.errors import ShmHandleError
+from shm.process import ProcessIdentity
+from shm.segment import list_segment_names, marker_name, parse_name, read_header, unlink_segment
+
+_ME = ProcessIdentity.current()
+
+
+def _left_by_this_run(name: str) -> bool:
+    """True for a segment this test session answers for: created here or by a process that has
+    died (a test's child). Segments of other live processes (a benchmark, a service, a second
+    test run) appear and vanish on their own schedule and are none of our business."""
+    try:
+        owner = read_header(name).owner
+    except ShmHandleError:
+        # Headerless: a write in flight elsewhere (its instance marker is live) or a test's fake.
+        try:
+            owner = read_header(marker_name(parse_name(name)[0])).owner
+        except ShmHandleError:
+            return True
+    return owner == _ME or not owner.is_alive()
+
+
+@pytest.fixture(autouse=True)
+def no_leaked_segments():
+    """Fail any test that leaves a segment of ours in /dev/shm (then clean up after it)."""
+    before = set(list_segment_names())
+    yield
+    new = sorted(set(list_segment_names()) - before)
+    # Counted only if it was still there to unlink: one that vanished meanwhile did not leak.
+    leaked = [name for name in new if _left_by_this_run(name) and unlink_segment(name)]
+    assert not leaked, f"test leaked shared-memory segments: {leaked}"
