@@ -38,6 +38,7 @@ import os
 import re
 import struct
 import threading
+import time
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -141,10 +142,13 @@ def list_segment_names() -> list[str]:
 
 
 def unlink_segment(name: str) -> bool:
-    """Remove ``name``; False if it was already gone. Mappings in other processes stay valid."""
+    """Remove ``name``; False if it was already gone (or is not ours to remove: another user's).
+
+    Mappings of it in other processes stay valid until they are unmapped.
+    """
     try:
         os.unlink(segment_path(name))
-    except FileNotFoundError:
+    except (FileNotFoundError, PermissionError):
         return False
     return True
 
@@ -229,6 +233,8 @@ def read_header(name: str) -> SegmentHeader:
         fd = os.open(segment_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
         raise ShmHandleError(f"segment {name} does not exist") from None
+    except PermissionError:
+        raise ShmHandleError(f"segment {name} belongs to another user") from None
     try:
         return SegmentHeader.unpack(os.pread(fd, HEADER_SIZE, 0), name)
     finally:
@@ -336,16 +342,20 @@ class ShmReader:
 
     A segment's content never changes after it is committed, and a name is only reused after
     the segment is unlinked, so a cached mapping is valid while the name still points at the
-    same inode (one ``stat`` per hit). Mappings of unlinked segments are dropped on the next
-    miss or by :meth:`sweep`; the cache is bounded by ``max_cached_bytes`` and
-    ``max_cached_segments``. Safe for concurrent use by several threads.
+    same inode (one ``stat`` per hit). A mapping keeps an unlinked segment's memory alive, so
+    mappings of unlinked segments are dropped by :meth:`sweep` (call it when a request ends)
+    and by a miss at most every ``sweep_interval_s``; the cache is bounded by
+    ``max_cached_bytes`` and ``max_cached_segments``. Safe for concurrent use by threads.
     """
 
-    def __init__(self, max_cached_bytes: int = 1 << 30, max_cached_segments: int = 1024):
-        if max_cached_bytes < 0 or max_cached_segments < 0:
-            raise ValueError("ShmReader cache limits must be >= 0")
+    def __init__(self, max_cached_bytes: int = 1 << 30, max_cached_segments: int = 1024,
+                 sweep_interval_s: float = 1.0):
+        if max_cached_bytes < 0 or max_cached_segments < 0 or sweep_interval_s < 0:
+            raise ValueError("ShmReader cache limits and sweep interval must be >= 0")
         self.max_cached_bytes = max_cached_bytes
         self.max_cached_segments = max_cached_segments
+        self.sweep_interval_s = sweep_interval_s
+        self._last_sweep = time.monotonic()
         self._cache: OrderedDict[str, _Attached] = OrderedDict()
         self._cached_bytes = 0
         self._lock = threading.Lock()
@@ -365,7 +375,8 @@ class ShmReader:
             shape = decode_shape_from_int64(shape_value)
         except ValueError as error:
             raise ShmHandleError(f"invalid handle: {error}") from error
-        if parse_name(name) is None or parse_name(name)[1]:
+        parsed = parse_name(name)
+        if parsed is None or parsed[1]:
             raise ShmHandleError(f"segment {name} is foreign: not an atb-plugin data segment name")
         if writable:
             mapping, header = self._map(name, private=True)
@@ -378,8 +389,7 @@ class ShmReader:
     def sweep(self) -> None:
         """Drop cached mappings whose segment has been unlinked (frees their memory)."""
         with self._lock:
-            for name in [n for n, a in self._cache.items() if self._current_inode(n) != a.inode]:
-                self._drop(name)
+            self._sweep_locked()
 
     def clear(self) -> None:
         with self._lock:
@@ -424,6 +434,8 @@ class ShmReader:
             raise ShmHandleError(
                 f"segment {name} does not exist: it was released, reaped, or never created"
             ) from None
+        except PermissionError:
+            raise ShmHandleError(f"segment {name} belongs to another user: cannot read it") from None
         try:
             stat = os.fstat(fd)
             header = SegmentHeader.unpack(os.pread(fd, HEADER_SIZE, 0), name)
@@ -449,10 +461,15 @@ class ShmReader:
         attached = self._cache.pop(name)
         self._cached_bytes -= len(attached.mapping)
 
-    def _evict(self) -> None:
-        stale = [n for n, a in self._cache.items() if self._current_inode(n) != a.inode]
-        for name in stale:
+    def _sweep_locked(self) -> None:
+        for name in [n for n, a in self._cache.items() if self._current_inode(n) != a.inode]:
             self._drop(name)
+        self._last_sweep = time.monotonic()
+
+    def _evict(self) -> None:
+        # A stat per cached segment: done at most every sweep_interval_s, not on every miss.
+        if time.monotonic() - self._last_sweep >= self.sweep_interval_s:
+            self._sweep_locked()
         while self._cache and (
             self._cached_bytes > self.max_cached_bytes or len(self._cache) > self.max_cached_segments
         ):

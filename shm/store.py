@@ -17,6 +17,7 @@ instance's segments are unlinked by the next store's reaper.
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 from collections import OrderedDict
@@ -81,8 +82,10 @@ class _Segment:
     leases: set = field(default_factory=set)
 
 
-def _unlink_all(names: dict, marker: str) -> None:
+def _unlink_all(names: dict, marker: str, owner_pid: int) -> None:
     """Finalizer: runs on close(), garbage collection or interpreter exit; never touches self."""
+    if os.getpid() != owner_pid:
+        return  # a forked child exiting: the segments belong to its parent, which lives on
     for name in list(names):
         unlink_segment(name)
     names.clear()
@@ -109,7 +112,9 @@ class ShmStore:
         self._cached_bytes = 0
         self._sequence = 0
         self._closed = False
-        self._finalizer = weakref.finalize(self, _unlink_all, self._segments, marker_name(self.instance_id))
+        self._finalizer = weakref.finalize(
+            self, _unlink_all, self._segments, marker_name(self.instance_id), self.owner.pid
+        )
 
     def _claim_instance_id(self) -> str:
         # The O_EXCL marker makes the id unique among instances on this host and records the

@@ -229,3 +229,21 @@ def test_segments_are_private_to_the_user():
     with make_store() as store:
         handle = store.put(item(1), request_id="r")
         assert os.stat(os.path.join("/dev/shm", handle.name)).st_mode & 0o077 == 0
+
+
+def test_a_forked_child_exiting_does_not_unlink_its_parents_segments():
+    from tests.shm_helpers import run_python
+
+    result = run_python("""
+        import os, sys, numpy as np, shm
+        store = shm.ShmStore(shm.ShmStoreConfig(reap_on_start=False))
+        handle = store.put(np.ones(4, np.float32), request_id="r")
+        pid = os.fork()
+        if pid == 0:
+            sys.exit(0)  # a normal exit: atexit hooks and finalizers run in the child
+        os.waitpid(pid, 0)
+        print("alive" if os.path.exists("/dev/shm/" + handle.name) else "unlinked")
+        store.close()
+    """)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "alive"
