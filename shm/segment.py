@@ -378,13 +378,9 @@ class ShmReader:
         parsed = parse_name(name)
         if parsed is None or parsed[1]:
             raise ShmHandleError(f"segment {name} is foreign: not an atb-plugin data segment name")
-        if writable:
-            mapping, header = self._map(name, private=True)
-        else:
-            attached = self._attach(name)
-            mapping, header = attached.mapping, attached.header
-        stored = _verify(header, name, shape, dtype, expected_instance)
-        return np.ndarray(tuple(shape), dtype=stored, buffer=mapping, offset=HEADER_SIZE)
+        attached = self._map(name, private=True) if writable else self._attach(name)
+        stored = _verify(attached.header, name, shape, dtype, expected_instance)
+        return np.ndarray(tuple(shape), dtype=stored, buffer=attached.mapping, offset=HEADER_SIZE)
 
     def sweep(self) -> None:
         """Drop cached mappings whose segment has been unlinked (frees their memory)."""
@@ -418,16 +414,16 @@ class ShmReader:
                     self._cache.move_to_end(name)
                     return attached
                 self._drop(name)
-        mapping, header, inode = self._map(name, private=False, with_inode=True)
-        attached = _Attached(mapping, header, inode)
+        attached = self._map(name, private=False)
         with self._lock:
-            if name not in self._cache and len(mapping) <= self.max_cached_bytes:
+            if name not in self._cache and len(attached.mapping) <= self.max_cached_bytes:
                 self._cache[name] = attached
-                self._cached_bytes += len(mapping)
+                self._cached_bytes += len(attached.mapping)
                 self._evict()
         return attached
 
-    def _map(self, name: str, private: bool, with_inode: bool = False):
+    @staticmethod
+    def _map(name: str, private: bool) -> _Attached:
         try:
             fd = os.open(segment_path(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
         except FileNotFoundError:
@@ -451,9 +447,7 @@ class ShmReader:
                 mapping = mmap.mmap(fd, stat.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
-        if with_inode:
-            return mapping, header, (stat.st_dev, stat.st_ino)
-        return mapping, header
+        return _Attached(mapping, header, (stat.st_dev, stat.st_ino))
 
     def _drop(self, name: str) -> None:
         # The mapping is not closed: arrays handed out may still view it; it is unmapped when

@@ -247,3 +247,16 @@ def test_a_forked_child_exiting_does_not_unlink_its_parents_segments():
     """)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "alive"
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ({"max_segment_bytes": 0}, "max_segment_bytes must be > 0"),
+        ({"cache_bytes": -1}, "cache_bytes must be >= 0"),
+        ({"capacity_bytes": 0}, "capacity_bytes must be > 0"),
+    ],
+)
+def test_invalid_config_is_refused(config, message):
+    with pytest.raises(ValueError, match=message):
+        shm.ShmStoreConfig(**config)
