@@ -13,6 +13,12 @@ setup(
         # Pinned: a loose torch requirement pulls the newest CUDA build (several GB).
         "torch==2.13.0",
         "numpy>=1.26,<3",
+        # Tokenizers, chat templates and the checkpoint configs the routers read; pinned because
+        # preprocessing and model parity are checked against this exact version.
+        "transformers==5.23.0",
+        "tokenizers>=0.22,<0.24",
+        "safetensors>=0.7,<0.9",
+        "pillow>=11,<14",
     ],
     extras_require={
         # Ascend only: needs CANN's libraries to even import. Never installed in CI.
