@@ -1,2 +1,27 @@
-"""Input builders: chat templates, media loading, preprocessing into shm. Arrives with the
-routers / input-builders issue; see ../shared/DESIGN.md §4."""
+"""Input builders: conversation or prompt -> ``input_ids`` with shared-memory handles.
+
+- ``base.InputBuilder``: the MindIE contract (``make_context``, ``tokenize``), chat template,
+  history window, leases; ``conversation``: both content spellings;
+- ``media``: loading images safely; ``preprocess``: our image preprocessing per family;
+- one module per family (``qwen_vl``, ``qwen2_vl``, ``llava``, ``text``) laying out its media
+  block as in DESIGN §3.
+"""
+
+from input_builders.base import InputBuilder, PreparedImage
+from input_builders.conversation import (
+    ContextTooLongError,
+    ConversationError,
+    InputBuilderError,
+    TooManyImagesError,
+    UnsupportedContentError,
+)
+
+__all__ = [
+    "ContextTooLongError",
+    "ConversationError",
+    "InputBuilder",
+    "InputBuilderError",
+    "PreparedImage",
+    "TooManyImagesError",
+    "UnsupportedContentError",
+]

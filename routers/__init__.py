@@ -1,2 +1,23 @@
-"""Model routers: ``get_router(model_dir)`` and one router per family. Arrives with the
-routers / input-builders issue; see ../shared/DESIGN.md §4."""
+"""Model routers: ``get_router(model_dir)`` picks the family's router from ``config.json``; a
+router hands out the tokenizer, the input builder and (lazily) the model class.
+
+To add a family: subclass ``BaseRouter`` in ``routers/families.py``, decorate it with
+``@register_router("<model_type>")`` and implement ``make_input_builder``.
+"""
+
+from routers.base import BaseRouter, process_shm_store
+from routers.families import BertRouter, LlavaRouter, Qwen2VlRouter, QwenVlRouter, TextRouter
+from routers.registry import ROUTERS, get_router, register_router
+
+__all__ = [
+    "ROUTERS",
+    "BaseRouter",
+    "BertRouter",
+    "LlavaRouter",
+    "Qwen2VlRouter",
+    "QwenVlRouter",
+    "TextRouter",
+    "get_router",
+    "process_shm_store",
+    "register_router",
+]

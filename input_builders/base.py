@@ -1,0 +1,270 @@
+"""``InputBuilder``: conversation or prompt -> ``input_ids`` with shared-memory handles.
+
+How a chat becomes ids (``make_context``)::
+
+    conversation ──parse──► messages ──load images──► (window: drop oldest turns to fit)
+         ──apply_chat_template──► text with ONE anchor token per image ──tokenize──► ids
+         ──for each image: preprocess (or reuse by key) → ShmStore.put(lease=request_id)──►
+         ──replace each anchor by the family's media block──► input_ids
+
+A media block is the family's layout of DESIGN §3, e.g. Qwen2-VL (n = t·h·w / merge²)::
+
+    ... <|vision_start|> NAME SHAPE THW <|image_pad|> × (n − 3) <|vision_end|> ...
+                         └─ int64 < 0 ─┘
+                         └────────── n slots, one per merged patch ──┘
+
+The anchor is the single token the chat template renders for an image (``<|image_pad|>``,
+``<image>``, ``<img>``); the template's text around it is kept verbatim, so the ids equal the
+template's ids with each anchor widened into its block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from input_builders.conversation import (
+    ContextTooLongError,
+    ConversationError,
+    ImagePart,
+    InputBuilderError,
+    Message,
+    TextPart,
+    TooManyImagesError,
+    UnsupportedContentError,
+    parse_conversation,
+    parse_prompt,
+)
+from input_builders.media import LoadedImage, MediaConfig, load_image
+from input_builders.preprocess import ImagePreprocessor
+from shm import ShmHandle, ShmStore
+
+
+@dataclass(frozen=True)
+class PreparedImage:
+    """An image in shared memory, leased to the request, with what its media block needs."""
+
+    handle: ShmHandle
+    num_tokens: int  # length of the block that replaces the anchor
+    grid_thw: tuple[int, int, int] | None = None
+
+
+class InputBuilder:
+    """Turns a conversation (``make_context``) or a plain prompt (``tokenize``) into input ids.
+
+    Contract (MindIE's signature, so MindIE services can call it unchanged):
+
+    - ``make_context(rank, conversation, add_generation_prompt=True, adapt_to_max_length=False,
+      **kwargs) -> list[int]`` applies the checkpoint's chat template; ``tokenize(inputs,
+      **kwargs) -> list[int]`` is the non-chat form (a string or MindIE's item list).
+    - ids are token ids (>= 0) except the metadata slots of media blocks (< 0, shm handles).
+    - every segment a call writes or reuses is leased to ``kwargs["request_id"]`` (required when
+      there are images); if the call fails, that request's leases are released before the error
+      propagates. The caller ends the lease with ``store.release(request_id)``.
+    - bad input raises a ``ValueError`` subclass (``InputBuilderError`` or ``MediaError``) whose
+      message names the limit and how to fix the input.
+
+    Text-only families use this class as is. Multimodal families set ``image_anchor`` and
+    ``max_images_per_prompt``, get ``image_token_id`` (the anchor, from the model config) and an
+    ``ImagePreprocessor``, and implement ``num_media_tokens`` and ``media_block``.
+    """
+
+    max_images_per_prompt: int = 0  # 0: the family takes no images
+
+    def __init__(
+        self,
+        tokenizer,
+        *,
+        store: Callable[[], ShmStore] | None = None,
+        preprocessor: ImagePreprocessor | None = None,
+        media_config: MediaConfig | None = None,
+        max_length: int | None = None,
+        max_images_per_prompt: int | None = None,
+        image_token_id: int | None = None,
+    ):
+        self.tokenizer = tokenizer
+        self._store = store  # a callable: text-only use never creates a store
+        self.preprocessor = preprocessor
+        self.media_config = media_config or MediaConfig()
+        self.max_length = max_length
+        if max_images_per_prompt is not None:
+            if max_images_per_prompt < 0:
+                raise ValueError(f"max_images_per_prompt must be >= 0, got {max_images_per_prompt}")
+            self.max_images_per_prompt = max_images_per_prompt
+        # The anchor: the one token the template renders per image (from the model config).
+        self.image_anchor_id = image_token_id
+        self.image_anchor = None if image_token_id is None else tokenizer.convert_ids_to_tokens(image_token_id)
+        if self.max_images_per_prompt and image_token_id is None:
+            raise ValueError(f"{type(self).__name__} takes images but got no image_token_id")
+
+    # -- public (MindIE's signatures) -------------------------------------------------------------
+
+    def make_context(self, rank: int, conversation, add_generation_prompt: bool = True,
+                     adapt_to_max_length: bool = False, **kwargs) -> list[int]:
+        """Chat template + media blocks. kwargs: ``request_id``, ``max_length``, ``truncate``.
+
+        With ``adapt_to_max_length`` the oldest turns are dropped (the system prompt stays) until
+        the prompt fits ``max_length``; if the last user turn alone is too long the call raises
+        ``ContextTooLongError``, or with ``truncate=True`` keeps the last ``max_length`` tokens
+        (never cutting through a media block). ``rank`` is MindIE's and unused here.
+        """
+        messages = parse_conversation(conversation)
+        images = self._load_images([part for message in messages for part in message.images])
+        max_length = kwargs.get("max_length", self.max_length)
+        if adapt_to_max_length and max_length is None:
+            raise ValueError("adapt_to_max_length needs max_length (from the model config or the call)")
+        if adapt_to_max_length:
+            messages, images = self._drop_oldest_turns(messages, images, add_generation_prompt, max_length)
+        ids = self._render(messages, add_generation_prompt)
+        if adapt_to_max_length:
+            length = self._expanded_length(ids, images)
+            if length > max_length and kwargs.get("truncate", False):
+                ids, images = self._truncate_left(ids, images, max_length)
+            elif length > max_length:
+                raise ContextTooLongError(
+                    f"the last user turn alone needs {length} tokens (with the system prompt and "
+                    f"{len(images)} image(s)); max_length is {max_length}. Shorten it, send fewer or "
+                    "smaller images, or pass truncate=True"
+                )
+        return self._with_media(ids, images, kwargs.get("request_id"))
+
+    def tokenize(self, inputs, **kwargs) -> list[int]:
+        """A string, or MindIE's list of ``{"text": ...}`` / ``{"image": ...}`` items, in order."""
+        parts = parse_prompt(inputs)
+        images = self._load_images([part for part in parts if isinstance(part, ImagePart)])
+        text = self._prompt_text(parts)
+        ids = self.tokenizer(text, add_special_tokens=kwargs.get("add_special_tokens", True))["input_ids"]
+        return self._with_media(list(ids), images, kwargs.get("request_id"))
+
+    # -- family hooks ----------------------------------------------------------------------------
+
+    def image_prompt_text(self, index: int) -> str:
+        """How image ``index`` (0-based) appears in a non-chat prompt; defaults to the anchor."""
+        return self.image_anchor
+
+    def template_content(self, message: Message):
+        """A message's content as the chat template expects it."""
+        if not self.max_images_per_prompt:
+            return message.text
+        return [
+            {"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"}
+            for part in message.parts
+        ]
+
+    def num_media_tokens(self, image: LoadedImage) -> int:
+        """Length of the block that replaces this image's anchor (known before preprocessing)."""
+        raise NotImplementedError
+
+    def media_block(self, image: PreparedImage) -> list[int]:
+        raise NotImplementedError
+
+    def grid_thw(self, image: LoadedImage) -> tuple[int, int, int] | None:
+        return None
+
+    # -- steps -----------------------------------------------------------------------------------
+
+    def render_text(self, messages: list[Message], add_generation_prompt: bool) -> str:
+        """The prompt text with one anchor per image: the checkpoint's chat template by default."""
+        chat = [{"role": m.role, "content": self.template_content(m)} for m in messages]
+        return self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def _render(self, messages: list[Message], add_generation_prompt: bool) -> list[int]:
+        text = self.render_text(messages, add_generation_prompt)
+        # The template already wrote BOS / role markers: adding special tokens again would double them.
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _prompt_text(self, parts) -> str:
+        pieces, index = [], 0
+        for part in parts:
+            if isinstance(part, TextPart):
+                pieces.append(part.text)
+            else:
+                pieces.append(self.image_prompt_text(index))
+                index += 1
+        return "".join(pieces)
+
+    def _load_images(self, parts: list[ImagePart]) -> list[LoadedImage]:
+        if parts and not self.max_images_per_prompt:
+            raise UnsupportedContentError(
+                f"{type(self).__name__} serves a text-only model: the prompt has {len(parts)} image(s); "
+                "remove the image parts"
+            )
+        if len(parts) > self.max_images_per_prompt:
+            raise TooManyImagesError(
+                f"the prompt has {len(parts)} images; this model takes at most "
+                f"{self.max_images_per_prompt} per prompt (max_images_per_prompt)"
+            )
+        return [load_image(part.ref, self.media_config) for part in parts]
+
+    def _expanded_length(self, ids: list[int], images: list[LoadedImage]) -> int:
+        return len(ids) + sum(self.num_media_tokens(image) - 1 for image in images)
+
+    def _drop_oldest_turns(self, messages, images, add_generation_prompt, max_length):
+        """Drop whole turns from the front (never the system prompt nor the last user turn)."""
+        system = messages[:1] if messages[0].role == "system" else []
+        turns = messages[len(system):]
+        while True:
+            kept_images = images[len(images) - sum(len(m.images) for m in turns):]
+            if self._expanded_length(self._render(system + turns, add_generation_prompt), kept_images) <= max_length:
+                break
+            # A turn starts at a user message: cut up to the next one after the oldest kept.
+            next_user = next((i for i, m in enumerate(turns) if i > 0 and m.role == "user"), None)
+            if next_user is None:
+                break  # only the last user turn is left: the caller truncates or refuses
+            turns = turns[next_user:]
+        return system + turns, kept_images
+
+    def _truncate_left(self, ids: list[int], images: list[LoadedImage], max_length: int):
+        """Keep the last ``max_length`` tokens, never cutting through a media block."""
+        anchors = [i for i, token in enumerate(ids) if token == self.image_anchor_id]
+        widths = {position: self.num_media_tokens(image) for position, image in zip(anchors, images)}
+        cut, total = len(ids), 0
+        while cut > 0 and total + widths.get(cut - 1, 1) <= max_length:
+            cut -= 1
+            total += widths.get(cut, 1)
+        dropped = sum(1 for position in anchors if position < cut)
+        return ids[cut:], images[dropped:]
+
+    def _with_media(self, ids: list[int], images: list[LoadedImage], request_id) -> list[int]:
+        if not images:
+            return ids
+        if request_id is None:
+            raise ValueError("request_id is required when the prompt has images: the segments are leased to it")
+        anchors = [i for i, token in enumerate(ids) if token == self.image_anchor_id]
+        if len(anchors) != len(images):
+            raise InputBuilderError(
+                f"found {len(anchors)} image placeholders ({self.image_anchor!r}) for {len(images)} images: "
+                "the text must not contain the image token itself"
+            )
+        with self._leases_released_on_error(request_id) as store:
+            out, start = [], 0
+            for position, image in zip(anchors, images):
+                out += ids[start:position]
+                out += self.media_block(self._prepare(image, store, request_id))
+                start = position + 1
+            return out + ids[start:]
+
+    def _prepare(self, image: LoadedImage, store: ShmStore, request_id) -> PreparedImage:
+        # Content-addressed: the same source bytes under the same preprocessing reuse one segment.
+        key = f"{image.digest}:{self.preprocessor.cache_key()}"
+        grid = self.grid_thw(image)
+        handle = store.get(key, request_id=request_id)
+        if handle is None:
+            processed = self.preprocessor(image.image)
+            if processed.grid_thw is not None and tuple(processed.grid_thw) != grid:
+                raise AssertionError(f"grid {processed.grid_thw} differs from the predicted {grid}")
+            handle = store.put(processed.pixel_values, key=key, request_id=request_id)
+        return PreparedImage(handle, self.num_media_tokens(image), grid)
+
+    @contextmanager
+    def _leases_released_on_error(self, request_id) -> Iterator[ShmStore]:
+        store = self._store()
+        try:
+            yield store
+        except BaseException:
+            store.release(request_id)
+            raise
+
+
+__all__ = ["ContextTooLongError", "ConversationError", "InputBuilder", "PreparedImage"]

@@ -1,0 +1,22 @@
+"""Text-only families: decoders (Qwen2, Llama) use InputBuilder unchanged; BERT-style encoders
+have no chat template."""
+
+from __future__ import annotations
+
+from input_builders.base import InputBuilder
+from input_builders.conversation import parse_conversation
+
+
+class TextInputBuilder(InputBuilder):
+    """Qwen2, Llama and other decoders: the checkpoint's chat template, no media."""
+
+
+class BertInputBuilder(InputBuilder):
+    """Encoders embed text: ``make_context`` joins the messages' text with newlines (there is no
+    chat template to apply) and adds ``[CLS]`` / ``[SEP]`` like ``tokenize``."""
+
+    def make_context(self, rank: int, conversation, add_generation_prompt: bool = True,
+                     adapt_to_max_length: bool = False, **kwargs) -> list[int]:
+        messages = parse_conversation(conversation)
+        self._load_images([image for message in messages for image in message.images])  # refuses any
+        return self.tokenize("\n".join(message.text for message in messages), **kwargs)

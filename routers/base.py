@@ -1,0 +1,138 @@
+"""``BaseRouter``: everything the service needs to know about one checkpoint directory.
+
+A router is cheap to create: the config, tokenizer, input builder and model class are built on
+first use, so picking a router (``routers.get_router``) only reads ``config.json``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import threading
+from functools import cached_property
+from pathlib import Path
+
+from input_builders.base import InputBuilder
+from input_builders.media import MediaConfig
+from shm import ShmStore
+
+_process_store: ShmStore | None = None
+_process_store_lock = threading.Lock()
+
+
+def process_shm_store() -> ShmStore:
+    """The store of this process, created on first use (unlinks what it owns at exit)."""
+    global _process_store
+    with _process_store_lock:
+        if _process_store is None:
+            _process_store = ShmStore()
+        return _process_store
+
+
+def read_json(path: Path) -> dict:
+    try:
+        with open(path, encoding="utf-8") as file:
+            return json.load(file)
+    except FileNotFoundError:
+        return {}
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from error
+
+
+class BaseRouter:
+    """Contract: one router per model directory, for one model family.
+
+    Exposes lazily-built ``config``, ``generation_config`` (dict), ``tokenizer``,
+    ``input_builder`` and ``model_cls``, plus ``tokenize(inputs)`` and ``shm_store`` (the
+    store the builder writes images to: the one passed in, else this process's).
+    Subclasses implement ``make_input_builder`` and name ``model_cls_path``
+    (``"module:Class"``, imported only when ``model_cls`` is read).
+    """
+
+    model_cls_path: str = ""
+
+    def __init__(self, model_dir, *, raw_config: dict | None = None, shm_store: ShmStore | None = None,
+                 media_config: MediaConfig | None = None, max_images_per_prompt: int | None = None):
+        self.model_dir = Path(model_dir)
+        self.raw_config = raw_config if raw_config is not None else read_json(self.model_dir / "config.json")
+        self._shm_store = shm_store
+        self.media_config = media_config or MediaConfig()
+        self.max_images_per_prompt = max_images_per_prompt
+
+    # -- lazily built ----------------------------------------------------------------------------
+
+    @cached_property
+    def config(self):
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(self.model_dir)
+
+    @cached_property
+    def generation_config(self) -> dict:
+        return read_json(self.model_dir / "generation_config.json")
+
+    @cached_property
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(self.model_dir)
+
+    @cached_property
+    def input_builder(self) -> InputBuilder:
+        return self.make_input_builder()
+
+    @cached_property
+    def model_cls(self) -> type:
+        module_name, _, class_name = self.model_cls_path.partition(":")
+        try:
+            return getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError) as error:
+            raise NotImplementedError(
+                f"{type(self).__name__}: the model class {self.model_cls_path} is not available yet"
+            ) from error
+
+    @property
+    def shm_store(self) -> ShmStore:
+        return self._shm_store if self._shm_store is not None else process_shm_store()
+
+    @property
+    def max_model_len(self) -> int | None:
+        """The context window the checkpoint declares."""
+        for scope in (self.raw_config, self.raw_config.get("text_config") or {}):
+            for key in ("max_position_embeddings", "seq_length"):
+                if isinstance(scope.get(key), int):
+                    return scope[key]
+        return None
+
+    # -- family hooks ----------------------------------------------------------------------------
+
+    def make_input_builder(self) -> InputBuilder:
+        raise NotImplementedError
+
+    def builder_kwargs(self) -> dict:
+        """What every family's builder gets from the router."""
+        return {
+            "store": lambda: self.shm_store,
+            "media_config": self.media_config,
+            "max_length": self.max_model_len,
+            "max_images_per_prompt": self.max_images_per_prompt,
+        }
+
+    def preprocessor_config(self) -> dict:
+        path = self.model_dir / "preprocessor_config.json"
+        config = read_json(path)
+        if not config:
+            raise ValueError(f"{path} is missing: a multimodal checkpoint needs its preprocessor config")
+        return config
+
+    def config_value(self, key: str):
+        """A value from config.json, top level first, then text_config (transformers 5 nests)."""
+        for scope in (self.raw_config, self.raw_config.get("text_config") or {}):
+            if key in scope:
+                return scope[key]
+        raise ValueError(f"{self.model_dir / 'config.json'} has no {key!r}; is this a {type(self).__name__} checkpoint?")
+
+    # -- convenience -----------------------------------------------------------------------------
+
+    def tokenize(self, inputs, **kwargs) -> list[int]:
+        return self.input_builder.tokenize(inputs, **kwargs)

@@ -1,0 +1,93 @@
+"""One router per model family: what each checkpoint's config says its builder needs."""
+
+from __future__ import annotations
+
+from functools import cached_property
+
+from input_builders.llava import LlavaInputBuilder
+from input_builders.preprocess import ClipPreprocessor, Qwen2VLPreprocessor, QwenVLPreprocessor
+from input_builders.qwen2_vl import Qwen2VlInputBuilder
+from input_builders.qwen_vl import QwenVlInputBuilder
+from input_builders.text import BertInputBuilder, TextInputBuilder
+from routers.base import BaseRouter
+from routers.registry import register_router
+
+
+@register_router("qwen2", "llama")
+class TextRouter(BaseRouter):
+    """Decoder-only text models: Qwen2 and Llama share everything the front end needs."""
+
+    @property
+    def model_cls_path(self) -> str:
+        return {"qwen2": "atb_plugin.models.qwen2:Qwen2ForCausalLM",
+                "llama": "atb_plugin.models.llama:LlamaForCausalLM"}[self.raw_config["model_type"]]
+
+    def make_input_builder(self):
+        return TextInputBuilder(self.tokenizer, **self.builder_kwargs())
+
+
+@register_router("qwen2_vl", "qwen2_5_vl")
+class Qwen2VlRouter(BaseRouter):
+    model_cls_path = "atb_plugin.models.qwen2_vl:Qwen2VLForConditionalGeneration"
+
+    def make_input_builder(self):
+        return Qwen2VlInputBuilder(
+            self.tokenizer,
+            image_token_id=self.config_value("image_token_id"),
+            vision_start_token_id=self.config_value("vision_start_token_id"),
+            vision_end_token_id=self.config_value("vision_end_token_id"),
+            preprocessor=Qwen2VLPreprocessor.from_config(self.preprocessor_config()),
+            **self.builder_kwargs(),
+        )
+
+
+@register_router("llava")
+class LlavaRouter(BaseRouter):
+    model_cls_path = "atb_plugin.models.llava:LlavaForConditionalGeneration"
+
+    def make_input_builder(self):
+        vision = self.config_value("vision_config")
+        token_key = "image_token_index" if "image_token_index" in self.raw_config else "image_token_id"
+        return LlavaInputBuilder(
+            self.tokenizer,
+            image_token_id=self.config_value(token_key),
+            image_size=vision["image_size"],
+            patch_size=vision["patch_size"],
+            feature_select_strategy=self.raw_config.get("vision_feature_select_strategy", "default"),
+            preprocessor=ClipPreprocessor.from_config(self.preprocessor_config()),
+            **self.builder_kwargs(),
+        )
+
+
+@register_router("qwen_vl")
+class QwenVlRouter(BaseRouter):
+    """Qwen-VL (``model_type: qwen`` + ``visual``): not in transformers, so its config is read
+    as a plain ``PretrainedConfig`` and its prompt format is the builder's own."""
+
+    model_cls_path = "atb_plugin.models.qwen_vl:QwenVLForCausalLM"
+
+    @cached_property
+    def config(self):
+        from transformers import PretrainedConfig
+
+        class QWenConfig(PretrainedConfig):
+            model_type = "qwen"
+
+        return QWenConfig.from_dict(self.raw_config)
+
+    def make_input_builder(self):
+        visual = self.config_value("visual")
+        return QwenVlInputBuilder(
+            self.tokenizer,
+            image_start_id=visual["image_start_id"],
+            preprocessor=QwenVLPreprocessor.from_config(visual),
+            **self.builder_kwargs(),
+        )
+
+
+@register_router("bert")
+class BertRouter(BaseRouter):
+    model_cls_path = "atb_plugin.models.bert:BertModel"
+
+    def make_input_builder(self):
+        return BertInputBuilder(self.tokenizer, **self.builder_kwargs())
