@@ -1,0 +1,608 @@
+"""Media loading for the input builders: turn an image reference from a request into an upright RGB
+``PIL.Image`` plus a digest, or refuse it with a ``MediaError`` that says what was wrong and how to fix
+it (the server answers those with HTTP 400). See ../shared/DESIGN.md §4.
+
+What ``load_image(ref, config)`` accepts
+----------------------------------------
+* ``PIL.Image.Image``: already decoded; only the pixel cap, EXIF orientation and RGB conversion apply.
+* ``bytes`` / ``bytearray`` / ``memoryview``: an encoded image file.
+* ``os.PathLike``: a local path.
+* ``str``, classified in this order (the first rule that matches wins):
+
+  1. ``data:`` → data URL, which must be base64 (``data:image/png;base64,...``).
+  2. ``file:`` → ``file:///absolute/path`` (host empty or ``localhost``) → a local path.
+  3. ``http://`` / ``https://`` → fetched, only from hosts in the domain allow-list.
+  4. any other ``scheme://`` → refused.
+  5. **raw base64** if it is longer than PATH_MAX (4096: no path is that long) or starts with ``/9j/``.
+  6. a **local path** if it starts with ``/``, ``./``, ``../`` or ``~``.
+  7. **raw base64** if it consists only of the base64 alphabet ``A-Z a-z 0-9 + / =`` (and line breaks).
+  8. otherwise a **local path** (``images/cat.png``: the ``.`` is not base64).
+
+  Why ``/9j/``: base64 starts with ``/`` only when the first byte is >= 0xFC, and of the formats we
+  decode only JPEG (FF D8 FF, i.e. ``/9j/``) does that. So absolute paths are paths (``/etc/passwd``),
+  base64 JPEGs are base64, and the one thing given up is a top-level directory named ``9j``. The
+  remaining ambiguity is a *relative* path made only of base64 characters (``images/cat``, no
+  extension): it is read as base64, and the decode error says to write ``./images/cat`` instead.
+
+Policy (each limit is a ``MediaConfig`` field and is named in the error that enforces it)
+----------------------------------------------------------------------------------------
+* Local files only below ``allowed_local_media_paths``, checked on the fully resolved path (``..``
+  and every symlink resolved), so a symlink inside an allowed directory that points outside is refused.
+* http(s) only when ``allowed_domains`` is set: exact host or a subdomain of a listed domain, every
+  redirect hop checked again, ``http_timeout_s`` per socket operation and for the whole download.
+* ``max_image_bytes`` caps the encoded bytes of every source kind (checked before base64 decoding, and
+  a download reads at most cap + 1 bytes); ``max_image_pixels`` caps width × height, checked from the
+  header before the pixels are decoded.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import functools
+import hashlib
+import http.client
+import io
+import ipaddress
+import math
+import os
+import re
+import stat
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+import warnings
+from dataclasses import dataclass
+from typing import BinaryIO, Iterator
+
+import numpy as np
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
+
+__all__ = [
+    "LoadedImage",
+    "MediaConfig",
+    "MediaDecodeError",
+    "MediaError",
+    "MediaFetchError",
+    "MediaNotAllowedError",
+    "MediaNotFoundError",
+    "MediaTooLargeError",
+    "load_image",
+]
+
+
+# ----------------------------------------------------------------------------------------- errors
+
+
+class MediaError(ValueError):
+    """An image reference that cannot be served; the message says what is wrong and how to fix it.
+    The server maps every ``MediaError`` to HTTP 400."""
+
+
+class MediaNotAllowedError(MediaError):
+    """Path outside the allowed directories, http(s) without (or outside) the allow-list, bad scheme."""
+
+
+class MediaTooLargeError(MediaError):
+    """Over ``max_image_bytes`` (encoded size) or ``max_image_pixels`` (width × height)."""
+
+
+class MediaDecodeError(MediaError):
+    """Not an image, truncated or corrupt, bad base64 / data URL, unsupported mode, empty, wrong type."""
+
+
+class MediaNotFoundError(MediaError):
+    """An allowed path that does not exist or is not a regular file; an http(s) 404 / 410."""
+
+
+class MediaFetchError(MediaError):
+    """An allowed http(s) URL that could not be fetched: timeout, connection failure, HTTP error status."""
+
+
+# ----------------------------------------------------------------------------------------- config
+
+# Server flags named in error messages, so the fix is one copy-paste away.
+_LOCAL_FLAG = "--allowed-local-media-path"
+_DOMAINS_FLAG = "--allowed-media-domains"
+
+
+@dataclass(frozen=True)
+class MediaConfig:
+    """Where images may come from and how big they may be. Validated and normalised on construction."""
+
+    # Directories (normalised with realpath; each must exist). Empty: local files are refused.
+    allowed_local_media_paths: tuple[str, ...] = ()
+    # http(s) host allow-list: bare host names or IPs; a name also admits its subdomains. Empty: refused.
+    allowed_domains: tuple[str, ...] = ()
+    # Encoded size. 20 MiB is OpenAI's per-image limit, so clients written for it fit.
+    max_image_bytes: int = 20 * 1024 * 1024
+    # 36 MP: admits 8K UHD (33.2 MP) and 12–33 MP camera photos; the biggest input any family uses is
+    # Qwen2-VL's 12.8 MP max_pixels, so more only costs decode time and memory (108 MB as RGB, ~250 MB
+    # peak while converting). It is below Pillow's own bomb threshold (PIL.Image.MAX_IMAGE_PIXELS,
+    # 89.5 MP), so our check fires first with our message; raising it above that needs Pillow's raised too.
+    max_image_pixels: int = 6000 * 6000
+    # Per socket operation and for the whole download.
+    http_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        dirs = tuple(_normalise_dir(p) for p in _as_tuple(self.allowed_local_media_paths))
+        domains = tuple(_normalise_domain(d) for d in _as_tuple(self.allowed_domains))
+        object.__setattr__(self, "allowed_local_media_paths", tuple(dict.fromkeys(dirs)))
+        object.__setattr__(self, "allowed_domains", tuple(dict.fromkeys(domains)))
+        for name in ("max_image_bytes", "max_image_pixels"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"MediaConfig.{name} must be a positive integer, got {value!r}")
+        timeout = self.http_timeout_s
+        if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                or not math.isfinite(timeout) or timeout <= 0):
+            raise ValueError(f"MediaConfig.http_timeout_s must be a positive number of seconds, got {timeout!r}")
+
+
+def _as_tuple(value) -> tuple:
+    # A lone string is one entry, not a tuple of characters (the usual CLI-wiring slip).
+    if isinstance(value, (str, os.PathLike)):
+        return (value,)
+    return tuple(value)
+
+
+def _normalise_dir(path) -> str:
+    real = os.path.realpath(os.path.expanduser(os.fspath(path)))
+    if not os.path.isdir(real):
+        # Fail at startup: a typo here would otherwise refuse every request with a confusing message.
+        raise ValueError(f"MediaConfig.allowed_local_media_paths: {path!r} is not an existing directory")
+    return real
+
+
+def _normalise_domain(domain) -> str:
+    name = str(domain).strip().lower().strip("[]")
+    if name.startswith("*."):  # "*.example.com" means what "example.com" already means here
+        name = name[2:]
+    name = name.strip(".")
+    if not name or (not _is_ip(name) and re.search(r"[/:@?#\s]", name)):
+        raise ValueError(
+            f"MediaConfig.allowed_domains: {domain!r} is not a host name; give bare hosts such as "
+            "'example.com' or '10.0.0.5' (no scheme, port or path)"
+        )
+    return name
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------- result
+
+
+@dataclass(frozen=True)
+class LoadedImage:
+    image: Image.Image  # RGB, EXIF-transposed, fully loaded
+    digest: str  # sha256 hex of the source bytes (of mode, size and pixels for a PIL input)
+    source: str  # short description for messages and logs: path, "data: URL (1234 bytes)", host
+
+
+# ------------------------------------------------------------------------------------- entry point
+
+_PATH_MAX = 4096  # Linux PATH_MAX: a longer string cannot be a path
+_BASE64_ONLY = re.compile(r"[A-Za-z0-9+/=\r\n]+")
+_BASE64_JPEG = "/9j/"  # base64 of FF D8 FF: the only image base64 that starts with "/"
+_PATH_PREFIXES = ("/", "./", "../", "~")
+_OTHER_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+_NOT_A_PATH_HINT = (
+    " (a relative name made only of base64 characters is read as base64: write a local file as "
+    "./name or /absolute/path)"
+)
+
+
+def load_image(ref, config: MediaConfig) -> LoadedImage:
+    """Load ``ref`` (see the module docstring) under ``config``'s policy; raise a ``MediaError`` if not."""
+    if isinstance(ref, Image.Image):
+        source = f"PIL image ({ref.mode}, {ref.width}x{ref.height})"
+        with _pillow_errors(source, config):
+            image = _finish(ref, source, config, owned=False)
+        # The caller's image has no file bytes; hash what we serve. Hashing the input's tobytes() alone
+        # would give two palette images with equal indices but different palettes one dedup key.
+        return LoadedImage(image, _pixel_digest(image), source)
+
+    hint = ""
+    if isinstance(ref, (bytes, bytearray, memoryview)):
+        data = bytes(ref)
+        source = f"image bytes ({len(data)} bytes)"
+        _check_bytes(len(data), "image bytes", config)
+    elif isinstance(ref, os.PathLike):
+        data, source = _read_local(os.fspath(ref), config)
+    elif isinstance(ref, str):
+        data, source, hint = _read_str(ref, config)
+    else:
+        unwrap = " (unwrap OpenAI {'url': ...} parts first)" if isinstance(ref, dict) else ""
+        raise MediaDecodeError(
+            f"unsupported image reference of type {type(ref).__name__}{unwrap}; send a path, a file://, "
+            "data: or http(s) URL, a base64 string, bytes or a PIL image"
+        )
+    image = _decode(data, source, config, hint)
+    return LoadedImage(image, hashlib.sha256(data).hexdigest(), source)
+
+
+def _read_str(ref: str, config: MediaConfig) -> tuple[bytes, str, str]:
+    """Classify a string reference (module docstring, rules 1–8) and return (bytes, source, hint)."""
+    text = ref.strip()
+    if not text:
+        raise MediaDecodeError("the image reference is an empty string; send a path, URL or base64 image")
+    head = text[:8].lower()
+    if head.startswith("data:"):
+        data, source = _read_data_url(text, config)
+        return data, source, ""
+    if head.startswith("file:"):
+        data, source = _read_local(_file_url_path(text), config)
+        return data, source, ""
+    if head.startswith(("http://", "https://")):
+        data, source = _fetch(text, config)
+        return data, source, ""
+    scheme = _OTHER_SCHEME.match(text)
+    if scheme:
+        raise MediaNotAllowedError(
+            f"URL scheme {scheme.group(1)!r} is not supported; send a path, a file://, data: or http(s):// URL, "
+            "or base64 image data"
+        )
+    if len(text) > _PATH_MAX or text.startswith(_BASE64_JPEG):
+        return _read_raw_base64(text, "", config)
+    if text.startswith(_PATH_PREFIXES):
+        data, source = _read_local(text, config)
+        return data, source, ""
+    if _BASE64_ONLY.fullmatch(text):
+        return _read_raw_base64(text, _NOT_A_PATH_HINT, config)
+    data, source = _read_local(text, config)
+    return data, source, ""
+
+
+def _read_raw_base64(text: str, hint: str, config: MediaConfig) -> tuple[bytes, str, str]:
+    data = _b64decode(text, "base64 string", config, hint)
+    return data, f"base64 string ({len(data)} bytes)", hint
+
+
+# -------------------------------------------------------------------------------------- the sources
+
+
+def _check_bytes(size: int, what: str, config: MediaConfig, *, at_least: bool = False) -> None:
+    if size > config.max_image_bytes:
+        amount = f"more than {config.max_image_bytes}" if at_least else str(size)
+        raise MediaTooLargeError(
+            f"image ({what}) is {amount} bytes; the limit is {config.max_image_bytes} (max_image_bytes); "
+            "send a smaller image"
+        )
+
+
+def _clip(text: str, limit: int = 120) -> str:
+    """User text echoed in a message, shortened: a 20 MB base64 string must not become the message."""
+    return text if len(text) <= limit else f"{text[:limit]}…"
+
+
+def _read_local(path: str, config: MediaConfig) -> tuple[bytes, str]:
+    shown = _clip(path)
+    dirs = config.allowed_local_media_paths
+    if not dirs:
+        raise MediaNotAllowedError(
+            f"path {shown} refused: reading local files is disabled on this server (no allowed media "
+            f"directories); start the server with {_LOCAL_FLAG} DIR, or send the image inline as a data: URL"
+        )
+    if "\0" in path:
+        raise MediaNotAllowedError(f"path {shown!r} contains a NUL byte; send a plain file path")
+    # Resolve `..` and every symlink *before* the check: the target is what would be read. The check
+    # comes before any existence test, so nobody can probe which files exist outside the directories.
+    real = os.path.realpath(os.path.expanduser(path))
+    if not any(real == d or real.startswith(d.rstrip(os.sep) + os.sep) for d in dirs):
+        raise MediaNotAllowedError(
+            f"path {shown} is outside the allowed media directories [{', '.join(dirs)}] (symlinks and '..' "
+            f"are resolved first); put the image there or start the server with {_LOCAL_FLAG}"
+        )
+    try:
+        # O_NOFOLLOW: the resolved path must not have become a symlink since the check (a swap race);
+        # O_NONBLOCK: a FIFO must not hang the worker before fstat says it is not a regular file.
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise MediaNotFoundError(
+            f"path {shown} does not exist (paths are read on the server, not the client); check the path"
+        ) from None
+    except PermissionError:
+        raise MediaNotAllowedError(
+            f"path {shown} cannot be read by the server (permission denied); make the file readable"
+        ) from None
+    except OSError as exc:
+        raise MediaNotFoundError(f"path {shown} cannot be opened ({exc.strerror}); check the path") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise MediaNotFoundError(f"path {shown} is not a regular file (a directory, device or pipe); "
+                                     "send the path of an image file")
+        _check_bytes(info.st_size, f"path {shown}", config)
+        with open(fd, "rb", closefd=False) as file:
+            data = file.read(config.max_image_bytes + 1)  # the file may have grown since fstat
+    finally:
+        os.close(fd)
+    _check_bytes(len(data), f"path {shown}", config, at_least=True)
+    return data, shown
+
+
+def _file_url_path(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise MediaNotAllowedError(
+            f"file URL {_clip(url)} names host {parts.netloc!r}; only this server's files can be read: "
+            "use file:///absolute/path (three slashes)"
+        )
+    path = urllib.parse.unquote(parts.path)
+    if not path.startswith("/"):
+        raise MediaNotAllowedError(f"file URL {_clip(url)} has no absolute path; use file:///absolute/path")
+    return path
+
+
+def _read_data_url(url: str, config: MediaConfig) -> tuple[bytes, str]:
+    header, comma, payload = url.partition(",")
+    if not comma:
+        raise MediaDecodeError("data: URL has no ',' before the data; send data:image/png;base64,<data>")
+    media_type, *params = (p.strip().lower() for p in header[len("data:"):].split(";"))
+    if media_type and not media_type.startswith("image/"):
+        raise MediaDecodeError(
+            f"data: URL media type is {_clip(media_type, 40)!r}; send an image: data:image/png;base64,<data>"
+        )
+    if "base64" not in params:
+        raise MediaDecodeError("data: URL is not base64-encoded; send data:image/png;base64,<data>")
+    data = _b64decode(payload, "data: URL", config)
+    return data, f"data: URL ({len(data)} bytes)"
+
+
+def _b64decode(text: str, what: str, config: MediaConfig, hint: str = "") -> bytes:
+    payload = "".join(text.split()).rstrip("=")
+    # Missing '=' padding is tolerated (some encoders drop it); a remainder of 1 is never valid.
+    if len(payload) % 4 == 1:
+        raise MediaDecodeError(f"{what} is not valid base64 (truncated: impossible length){hint}; "
+                               "send standard base64 (A-Z a-z 0-9 + /)")
+    # Cap the decoded size from the encoded length, before allocating anything.
+    _check_bytes(len(payload) * 3 // 4, what, config)
+    try:
+        return base64.b64decode(payload + "=" * (-len(payload) % 4), validate=True)
+    except ValueError as exc:  # binascii.Error, and non-ASCII text
+        raise MediaDecodeError(
+            f"{what} is not valid base64 ({exc}){hint}; send standard base64 (A-Z a-z 0-9 + /)"
+        ) from None
+
+
+# ------------------------------------------------------------------------------------------- http(s)
+
+
+def _host_allowed(host: str, domains: tuple[str, ...]) -> bool:
+    """Exact match, or a subdomain of a listed name ("img.example.com" under "example.com", never
+    "badexample.com"). IP entries match exactly: "1.127.0.0.1" is not "under" 127.0.0.1."""
+    host = host.lower().rstrip(".")
+    return any(host == d or (not _is_ip(d) and host.endswith("." + d)) for d in domains)
+
+
+def _allowed_host(url: str, config: MediaConfig) -> str:
+    """The URL's host if fetching it is allowed; raise ``MediaNotAllowedError`` otherwise."""
+    shown = _clip(url)
+    try:
+        parts = urllib.parse.urlsplit(url)
+        host = parts.hostname  # lower-cased; user-info ("allowed.com@evil.com") is not the host
+        parts.port  # noqa: B018 -- raises ValueError on a malformed port
+    except ValueError as exc:
+        raise MediaNotAllowedError(f"URL {shown} is malformed ({exc}); send a valid http(s) URL") from None
+    if parts.scheme.lower() not in ("http", "https"):
+        raise MediaNotAllowedError(f"URL {shown} is not http(s); only http(s) URLs are fetched")
+    if not config.allowed_domains:
+        raise MediaNotAllowedError(
+            f"URL {shown} refused: fetching http(s) images is disabled on this server (no allowed media "
+            f"domains); send the image inline as a data: URL, or start the server with {_DOMAINS_FLAG} HOST"
+        )
+    if not host:
+        raise MediaNotAllowedError(f"URL {shown} has no host; send a full http(s) URL")
+    if not _host_allowed(host, config.allowed_domains):
+        raise MediaNotAllowedError(
+            f"host {host} is not in the allowed media domains [{', '.join(config.allowed_domains)}]; send the "
+            f"image inline as a data: URL, or start the server with {_DOMAINS_FLAG} {host}"
+        )
+    return host
+
+
+class _AllowListRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows a redirect only to an allowed host: the allow-list would mean nothing if an allowed
+    host could bounce us anywhere (an internal address, say)."""
+
+    def __init__(self, config: MediaConfig):
+        super().__init__()
+        self._config = config
+
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        try:
+            _allowed_host(newurl, self._config)
+        except MediaNotAllowedError as exc:
+            fp.close()
+            raise MediaNotAllowedError(f"redirect from {urllib.parse.urlsplit(req.full_url).hostname} "
+                                       f"refused: {exc}") from None
+        return super().redirect_request(req, fp, code, msg, headers, newurl)
+
+
+def _fetch(url: str, config: MediaConfig) -> tuple[bytes, str]:
+    host = _allowed_host(url, config)
+    source = f"URL on host {host}"
+    timeout = config.http_timeout_s
+    opener = urllib.request.build_opener(_AllowListRedirects(config))
+    request = urllib.request.Request(url, headers={"User-Agent": "atb-plugin-media/1", "Accept": "image/*"})
+    deadline = time.monotonic() + timeout
+    try:
+        with opener.open(request, timeout=timeout) as response:
+            length = response.headers.get("Content-Length", "")
+            if length.isdigit():  # refuse early when the server tells us; never trust it as an upper bound
+                _check_bytes(int(length), source, config)
+            data = _read_capped(response, config.max_image_bytes, deadline)
+    except MediaError:
+        raise
+    except urllib.error.HTTPError as exc:
+        exc.close()
+        kind = MediaNotFoundError if exc.code in (404, 410) else MediaFetchError
+        raise kind(f"{source} answered HTTP {exc.code} {exc.reason}; check the URL") from None
+    except TimeoutError:
+        raise _timed_out(source, timeout) from None
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, TimeoutError):
+            raise _timed_out(source, timeout) from None
+        raise MediaFetchError(f"{source} could not be fetched ({exc.reason}); check the URL") from None
+    except (OSError, http.client.HTTPException) as exc:  # reset connection, bad status line, short body
+        raise MediaFetchError(
+            f"{source} could not be fetched ({type(exc).__name__}: {exc}); check the URL"
+        ) from None
+    if data is None:
+        raise _timed_out(source, timeout)
+    _check_bytes(len(data), source, config, at_least=True)
+    return data, source
+
+
+def _timed_out(source: str, timeout: float) -> MediaFetchError:
+    return MediaFetchError(f"{source} timed out after {timeout} s (http_timeout_s); try a faster host or "
+                           "send the image inline as a data: URL")
+
+
+def _read_capped(stream: BinaryIO, cap: int, deadline: float, chunk: int = 1 << 16) -> bytes | None:
+    """At most ``cap + 1`` bytes (one more than allowed is enough to know it is too big). None when
+    ``deadline`` passes first: the socket timeout bounds each read, not a server that trickles."""
+    parts, total = [], 0
+    while total <= cap:
+        if time.monotonic() > deadline:
+            return None
+        block = stream.read(min(chunk, cap + 1 - total))
+        if not block:
+            break
+        parts.append(block)
+        total += len(block)
+    return b"".join(parts)
+
+
+# ------------------------------------------------------------------------------------------ decoding
+
+# Raster formats a client may send. Pillow can open many more, but each plugin is attack surface, and
+# some are worse than that: EPS hands the file to Ghostscript. (MPO phone photos open via JPEG.)
+_WANTED_FORMATS = ("PNG", "JPEG", "GIF", "WEBP", "AVIF", "BMP", "TIFF", "PPM")
+
+
+@functools.cache
+def _formats() -> tuple[str, ...]:
+    Image.init()
+    return tuple(f for f in _WANTED_FORMATS if f in Image.OPEN)  # AVIF only where Pillow has libavif
+
+
+def _decode(data: bytes, source: str, config: MediaConfig, hint: str = "") -> Image.Image:
+    """The one decode path of every encoded source: header → pixel cap → pixels → upright RGB."""
+    if not data:
+        raise MediaDecodeError(f"{source} is empty; send the image file's contents")
+    with _pillow_errors(source, config, hint):
+        image = Image.open(io.BytesIO(data), formats=_formats())  # reads the header only
+        return _finish(image, source, config, owned=True)
+
+
+def _finish(image: Image.Image, source: str, config: MediaConfig, *, owned: bool) -> Image.Image:
+    """Pixel cap (from the header size, before any pixel is decoded), load, EXIF orientation, RGB.
+    ``owned``: the image is ours to transform in place (not the caller's object)."""
+    width, height = image.size
+    if width * height > config.max_image_pixels:
+        raise MediaTooLargeError(
+            f"image ({source}) is {width}x{height} = {width * height} pixels; the limit is "
+            f"{config.max_image_pixels} (max_image_pixels); send a smaller image"
+        )
+    image.load()
+    return _to_rgb(_upright(image, owned), source)
+
+
+@contextlib.contextmanager
+def _pillow_errors(source: str, config: MediaConfig, hint: str = "") -> Iterator[None]:
+    """Turns whatever Pillow raises on bad input into a ``MediaError``."""
+    try:
+        with warnings.catch_warnings():
+            # Pillow only *warns* between MAX_IMAGE_PIXELS and twice that; a bomb must be a refusal, not
+            # a log line. (catch_warnings is process-global before Python 3.14: in a thread race the
+            # filter may be dropped — our own pixel cap still refuses — or linger, which only makes
+            # this one warning category an error elsewhere too. Both are safe.)
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            yield
+    except MediaError:
+        raise
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise MediaTooLargeError(
+            f"image ({source}) is too large to decode safely ({exc}); this server's limit is "
+            f"{config.max_image_pixels} pixels (max_image_pixels); send a smaller image"
+        ) from None
+    except UnidentifiedImageError:
+        raise MediaDecodeError(
+            f"{source} is not an image in a supported format ({', '.join(_formats())}){hint}; "
+            "send the image file's bytes"
+        ) from None
+    except MemoryError:
+        raise
+    except Exception as exc:
+        # Pillow's decoders raise a zoo of types on hostile or broken input (OSError for truncation,
+        # SyntaxError, ValueError, struct.error, EOFError, IndexError, zlib.error...). Any of them means
+        # the client's bytes cannot be decoded: that is their 400, not our 500.
+        raise MediaDecodeError(
+            f"{source} could not be decoded ({type(exc).__name__}: {exc}){hint}; the file is truncated "
+            "or corrupt: send the complete image file"
+        ) from None
+
+
+def _upright(image: Image.Image, owned: bool) -> Image.Image:
+    """Applies the EXIF orientation, as every photo viewer does: phones store pixels sideways."""
+    if image.getexif().get(ExifTags.Base.Orientation, 1) not in range(2, 9):
+        return image  # nothing to do; exif_transpose would still copy the image
+    if owned:
+        ImageOps.exif_transpose(image, in_place=True)
+        return image
+    return ImageOps.exif_transpose(image)  # a transposed copy: never modify the caller's image
+
+
+_SIXTEEN_BIT = {"I;16": "<u2", "I;16L": "<u2", "I;16B": ">u2", "I;16N": "=u2", "I": "=i4"}
+_HAS_ALPHA = ("RGBA", "LA", "PA", "RGBa")
+_PLAIN_TO_RGB = ("1", "L", "P", "CMYK", "YCbCr", "HSV")
+
+
+def _to_rgb(image: Image.Image, source: str) -> Image.Image:
+    mode = image.mode
+    if mode in _HAS_ALPHA or (mode in ("P", "L", "RGB") and "transparency" in image.info):
+        # Transparent pixels become white, as in vLLM's rgba_to_rgb: Pillow's plain convert("RGB")
+        # would keep whatever colour hides under alpha 0 (often black) and models would see it.
+        return _on_white(image.convert("RGBA"))
+    if mode == "RGB":
+        return image
+    if mode in _PLAIN_TO_RGB:
+        return image.convert("RGB")
+    if mode in _SIXTEEN_BIT:
+        return _sixteen_bit_to_rgb(image, source)
+    raise MediaDecodeError(
+        f"{source} has image mode {mode!r}, which this server does not convert to RGB; send an 8-bit or "
+        "16-bit RGB / grayscale image (PNG or JPEG)"
+    )
+
+
+def _on_white(rgba: Image.Image) -> Image.Image:
+    background = Image.new("RGB", rgba.size, (255, 255, 255))
+    background.paste(rgba, mask=rgba.getchannel("A"))
+    return background
+
+
+def _sixteen_bit_to_rgb(image: Image.Image, source: str) -> Image.Image:
+    """16-bit grayscale (PNG / TIFF give I;16, 16-bit PGM gives I) scaled to 8 bits (v / 257).
+    Pillow's convert clips to 255 instead, which turns an ordinary 16-bit photo nearly white."""
+    samples = np.frombuffer(image.tobytes(), dtype=_SIXTEEN_BIT[image.mode]).reshape(image.height, image.width)
+    if image.mode == "I" and samples.size and (samples.min() < 0 or samples.max() > 0xFFFF):
+        raise MediaDecodeError(
+            f"{source} has 32-bit integer samples outside the 16-bit range; send an 8-bit or 16-bit image"
+        )
+    eight = ((samples.astype(np.uint32) + 128) // 257).astype(np.uint8)
+    return Image.fromarray(eight).convert("RGB")
+
+
+def _pixel_digest(image: Image.Image) -> str:
+    digest = hashlib.sha256(f"{image.mode}:{image.width}x{image.height}:".encode())
+    digest.update(image.tobytes())
+    return digest.hexdigest()
