@@ -65,9 +65,9 @@ class InputBuilder:
     - bad input raises a ``ValueError`` subclass (``InputBuilderError`` or ``MediaError``) whose
       message names the limit and how to fix the input.
 
-    Text-only families use this class as is. Multimodal families set ``image_anchor`` and
-    ``max_images_per_prompt``, get ``image_token_id`` (the anchor, from the model config) and an
-    ``ImagePreprocessor``, and implement ``num_media_tokens`` and ``media_block``.
+    Text-only families use this class as is. Multimodal families set ``max_images_per_prompt``,
+    are given ``image_token_id`` (the anchor, from the model config) and an ``ImagePreprocessor``,
+    and implement ``num_media_tokens`` and ``media_block`` (and ``grid_thw`` where blocks vary).
     """
 
     max_images_per_prompt: int = 0  # 0: the family takes no images

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from functools import cached_property
 
 from input_builders.llava import LlavaInputBuilder
@@ -68,12 +69,7 @@ class QwenVlRouter(BaseRouter):
 
     @cached_property
     def config(self):
-        from transformers import PretrainedConfig
-
-        class QWenConfig(PretrainedConfig):
-            model_type = "qwen"
-
-        return QWenConfig.from_dict(self.raw_config)
+        return _qwen_config_class().from_dict(self.raw_config)
 
     def make_input_builder(self):
         visual = self.config_value("visual")
@@ -83,6 +79,16 @@ class QwenVlRouter(BaseRouter):
             preprocessor=QwenVLPreprocessor.from_config(visual),
             **self.builder_kwargs(),
         )
+
+
+@functools.cache
+def _qwen_config_class():
+    from transformers import PretrainedConfig  # lazily: picking a router must stay cheap
+
+    class QWenConfig(PretrainedConfig):
+        model_type = "qwen"
+
+    return QWenConfig
 
 
 @register_router("bert")

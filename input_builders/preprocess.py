@@ -1,0 +1,525 @@
+"""Image preprocessing for the vision-language families we serve (no torchvision).
+
+Every preprocessor maps a decoded RGB ``PIL.Image.Image`` to float32, C-contiguous pixel values
+equal (max abs diff <= 1e-5) to transformers' ``*ImageProcessorPil`` output for the same image and
+settings:
+
+* Qwen-VL: bicubic resize to image_size x image_size, rescale, normalise (CLIP mean/std)
+  -> ``[1, 3, S, S]``.
+* Qwen2-VL / Qwen2.5-VL: ``smart_resize`` to multiples of patch_size * merge_size within
+  [min_pixels, max_pixels], bicubic, rescale, normalise, patchify in merge-window-major order
+  -> ``[t*h*w, 3*T*p*p]`` plus ``grid_thw = (t, h, w)``.
+* LLaVA-1.5 / CLIP: bicubic resize so the shortest edge is shortest_edge, centre crop to
+  crop_size, rescale, normalise -> ``[1, 3, crop_h, crop_w]``.
+
+Where the time goes, and why the code looks the way it does: the resize is Pillow's own bicubic
+``Image.resize`` on the uint8 image, exactly what the Pil processors call, because only that
+reproduces their output bit for bit (one uint8 step off is 1/255/std ~ 0.015, far beyond 1e-5).
+At photo sizes it is 35-70 % of the reference's time and 76-98 % of ours, which caps the
+speedup there (see benchmarks/RESULTS.md). Everything else, which the reference does as a chain
+of full-size copies (RGB convert, HWC->CHW, back to PIL, float64 rescale, float32 normalise,
+strided float layout), is one vectorised pass here: layout gathers on uint8, then uint8 ->
+float32 with a per-channel ``x * scale + offset`` (scale = rescale/std, offset = -mean/std,
+folded once per preprocessor) straight into the output layout.
+``benchmarks/bench_preprocess.py`` times ours, the reference and the resize alone.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, fields
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import numpy as np
+import PIL
+from PIL import Image
+
+if TYPE_CHECKING:  # annotations are strings at runtime; typing.Self needs 3.11
+    from typing_extensions import Self
+
+__all__ = [
+    "OPENAI_CLIP_MEAN",
+    "OPENAI_CLIP_STD",
+    "ClipPreprocessor",
+    "ImagePreprocessor",
+    "MAX_ASPECT_RATIO",
+    "PreprocessedImage",
+    "Qwen2VLPreprocessor",
+    "QwenVLPreprocessor",
+    "smart_resize",
+]
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+# Bumped whenever a code change alters any output for the same parameters, so that cache keys
+# (the shm dedup key) of an older build never match arrays of a newer one.
+_ALGORITHM_VERSION = 1
+
+# The aspect-ratio limit of transformers' smart_resize (and of Qwen2-VL's vision tower).
+MAX_ASPECT_RATIO = 200
+
+_BICUBIC = Image.Resampling.BICUBIC
+
+# Working-set size for blocked passes: fits the L2 of the CPUs we run on (512 KiB - 2 MiB).
+_BLOCK_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: comparing arrays field-wise is ambiguous
+class PreprocessedImage:
+    """What a preprocessor returns for one image.
+
+    ``pixel_values`` is float32 and C-contiguous (so it can be written to shm as one block);
+    ``grid_thw`` is ``(grid_t, grid_h, grid_w)`` in patches for Qwen2-VL and None otherwise.
+    """
+
+    pixel_values: np.ndarray
+    grid_thw: tuple[int, int, int] | None = None
+
+    def __post_init__(self) -> None:
+        values = self.pixel_values
+        if not isinstance(values, np.ndarray) or values.dtype != np.float32:
+            raise TypeError(f"pixel_values must be a float32 numpy array, got {_describe(values)}")
+        if not values.flags.c_contiguous:
+            raise ValueError("pixel_values must be C-contiguous")
+        if self.grid_thw is not None:
+            grid = tuple(self.grid_thw)
+            if len(grid) != 3 or not all(_is_int(v) and v > 0 for v in grid):
+                raise ValueError(f"grid_thw must be three positive ints, got {self.grid_thw!r}")
+            t, h, w = (int(v) for v in grid)
+            if values.ndim != 2 or values.shape[0] != t * h * w:
+                raise ValueError(
+                    f"pixel_values shape {values.shape} does not hold grid_thw {grid}: "
+                    f"expected {t * h * w} rows of patches"
+                )
+            object.__setattr__(self, "grid_thw", (t, h, w))
+
+
+@dataclass(frozen=True, kw_only=True)
+class ImagePreprocessor(ABC):
+    """Turns one decoded image into model-ready pixel values.
+
+    Contract:
+
+    * input: a ``PIL.Image.Image`` in mode ``"RGB"`` (decoding, EXIF handling and alpha
+      compositing belong to the media loader; any other mode is refused rather than converted
+      here with a rule that may differ from the loader's);
+    * output: a :class:`PreprocessedImage` whose ``pixel_values`` are float32, C-contiguous, and
+      equal to transformers' ``*ImageProcessorPil`` output for the same settings within 1e-5;
+    * deterministic: the same image and parameters give the same bytes, in any process;
+    * immutable and thread-safe: instances hold no mutable state, so one instance can serve
+      concurrent requests (Pillow releases the GIL while resizing).
+
+    Subclasses are frozen dataclasses: every dataclass field is a parameter that affects the
+    output, which is what :meth:`cache_key` relies on. A subclass implements
+    :meth:`_preprocess` and :meth:`from_config`, reusing the shared resize and normalise helpers.
+    """
+
+    family: ClassVar[str]
+
+    image_mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
+    image_std: tuple[float, float, float] = OPENAI_CLIP_STD
+    rescale_factor: float = 1 / 255
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "image_mean", _three_floats("image_mean", self.image_mean))
+        std = _three_floats("image_std", self.image_std)
+        if min(std) <= 0:
+            raise ValueError(f"image_std entries must be > 0, got {std}")
+        object.__setattr__(self, "image_std", std)
+        factor = self.rescale_factor
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+            raise ValueError(f"rescale_factor must be a number, got {_describe(factor)}")
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"rescale_factor must be finite and > 0, got {factor!r}")
+        object.__setattr__(self, "rescale_factor", float(factor))
+        # (x * rescale - mean) / std == x * (rescale / std) + (-mean / std): one multiply-add per
+        # element. Folded in float64 and rounded once, so the result stays within a few float32
+        # ulps (~5e-7 at these magnitudes) of the reference's step-by-step float32 arithmetic.
+        mean64 = np.asarray(self.image_mean, dtype=np.float64)
+        std64 = np.asarray(std, dtype=np.float64)
+        scale = (self.rescale_factor / std64).astype(np.float32)
+        offset = (-mean64 / std64).astype(np.float32)
+        scale.flags.writeable = False
+        offset.flags.writeable = False
+        object.__setattr__(self, "_scale", scale)
+        object.__setattr__(self, "_offset", offset)
+
+    def __call__(self, image: Image.Image) -> PreprocessedImage:
+        if not isinstance(image, Image.Image):
+            raise TypeError(f"expected a PIL.Image.Image, got {_describe(image)}")
+        if image.mode != "RGB":
+            raise ValueError(
+                f"expected an RGB image, got mode {image.mode!r}: convert it in the media loader "
+                "(transformers composites transparency onto white before preprocessing)"
+            )
+        width, height = image.size
+        if width < 1 or height < 1:
+            raise ValueError(f"image has no pixels: {width}x{height}")
+        return self._preprocess(image)
+
+    @abstractmethod
+    def _preprocess(self, image: Image.Image) -> PreprocessedImage:
+        """The family's steps, for a validated RGB image."""
+
+    def cache_key(self) -> str:
+        """A stable string of every parameter that affects the output (part of the shm dedup key).
+
+        Built from the dataclass fields in declaration order with ``repr`` of each value (floats
+        print their shortest round-trip form), plus the family, the algorithm version and the
+        Pillow version (the resize is Pillow's). Nothing in it depends on hash seeds or ids, so
+        two processes with the same parameters agree.
+        """
+        parts = [f"{self.family}/v{_ALGORITHM_VERSION}"]
+        for spec in fields(self):
+            value = getattr(self, spec.name)
+            text = ",".join(repr(v) for v in value) if isinstance(value, tuple) else repr(value)
+            parts.append(f"{spec.name}={text}")
+        parts.append(f"pillow={PIL.__version__}")
+        return ";".join(parts)
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, preprocessor_config: Mapping[str, Any]) -> Self:
+        """Build from the contents of the checkpoint's preprocessing config."""
+
+    # Shared steps -------------------------------------------------------------------------
+
+    def _normalize(self, pixels: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """uint8 ``[..., 3, rows, cols]`` (any strides) -> float32 ``x * scale + offset``.
+
+        The cast happens inside the multiply's buffered loop, so a strided uint8 view (a crop,
+        a transposed layout) is read once and written once in the destination layout.
+        """
+        scale = self._scale[:, None, None]
+        offset = self._offset[:, None, None]
+        out = np.multiply(pixels, scale, out=out, dtype=np.float32)
+        out += offset
+        return out
+
+    def _chw_output(self, hwc: np.ndarray) -> PreprocessedImage:
+        """uint8 HWC (possibly a crop view) -> float32 ``[1, 3, H, W]``."""
+        height, width, _ = hwc.shape
+        out = np.empty((1, 3, height, width), dtype=np.float32)
+        self._normalize(hwc.transpose(2, 0, 1), out=out[0])
+        return PreprocessedImage(out)
+
+
+@dataclass(frozen=True, kw_only=True)
+class QwenVLPreprocessor(ImagePreprocessor):
+    """Qwen-VL (the first one): bicubic resize to ``image_size`` x ``image_size``, no crop.
+
+    Qwen-VL's own code is torchvision ``Resize((448, 448), BICUBIC)`` on the PIL image, ToTensor,
+    Normalize(OpenAI CLIP mean/std), i.e. ``CLIPImageProcessorPil`` with
+    ``size={"height": 448, "width": 448}`` and ``do_center_crop=False``, which is what the
+    parity tests compare against.
+    """
+
+    family: ClassVar[str] = "qwen_vl"
+
+    image_size: int = 448
+
+    def __post_init__(self) -> None:
+        _check_positive_int("image_size", self.image_size)
+        super().__post_init__()
+
+    def _preprocess(self, image: Image.Image) -> PreprocessedImage:
+        resized = _resize_bicubic(image, self.image_size, self.image_size)
+        return self._chw_output(np.asarray(resized))
+
+    @classmethod
+    def from_config(cls, preprocessor_config: Mapping[str, Any]) -> Self:
+        """From the ``"visual"`` dict of Qwen-VL's ``config.json`` (the whole config.json is
+        accepted too). Only ``image_size`` is read: mean, std and the 1/255 rescale are fixed in
+        Qwen-VL's code, not in the checkpoint."""
+        if not isinstance(preprocessor_config, Mapping):
+            raise ValueError(
+                f"preprocessor_config must be a dict, got {_describe(preprocessor_config)}"
+            )
+        visual = preprocessor_config.get("visual", preprocessor_config)
+        if not isinstance(visual, Mapping):
+            raise ValueError(f"visual must be a dict, got {_describe(visual)}")
+        return cls(image_size=visual.get("image_size", cls.image_size))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Qwen2VLPreprocessor(ImagePreprocessor):
+    """Qwen2-VL / Qwen2.5-VL: ``smart_resize``, bicubic, normalise, patchify.
+
+    ``pixel_values`` has one row per ``patch_size`` x ``patch_size`` patch, rows ordered
+    merge-window-major (the ``merge_size`` x ``merge_size`` patches the vision tower merges into
+    one LLM token are consecutive), each row ``channel, temporal, patch_row, patch_col``. A still
+    image is one frame repeated ``temporal_patch_size`` times, so ``grid_t == 1``.
+
+    Defaults are transformers' ``Qwen2VLImageProcessor`` defaults (note: real checkpoints ship
+    ``max_pixels = 12845056``; use :meth:`from_config`).
+    """
+
+    family: ClassVar[str] = "qwen2_vl"
+
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+
+    def __post_init__(self) -> None:
+        for name in ("min_pixels", "max_pixels", "patch_size", "temporal_patch_size", "merge_size"):
+            _check_positive_int(name, getattr(self, name))
+        if self.min_pixels > self.max_pixels:
+            raise ValueError(
+                f"min_pixels ({self.min_pixels}) must be <= max_pixels ({self.max_pixels})"
+            )
+        super().__post_init__()
+
+    @property
+    def factor(self) -> int:
+        """Resized sides are multiples of this: one merge window of patches."""
+        return self.patch_size * self.merge_size
+
+    def smart_resize(self, height: int, width: int) -> tuple[int, int]:
+        """``(resized_height, resized_width)`` for an image of this size, with our parameters."""
+        return smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
+
+    def num_image_tokens(self, grid_thw: tuple[int, int, int]) -> int:
+        """LLM tokens for an image of ``grid_thw`` patches: a merge window is one token."""
+        t, h, w = grid_thw
+        return t * h * w // self.merge_size**2
+
+    def _preprocess(self, image: Image.Image) -> PreprocessedImage:
+        width, height = image.size
+        resized_height, resized_width = self.smart_resize(height, width)
+        hwc = np.asarray(_resize_bicubic(image, resized_width, resized_height))
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        grid_h, grid_w = resized_height // p, resized_width // p
+        num_patches = grid_h * grid_w
+        # transformers reshapes CHW to (C, gh/m, m, p, gw/m, m, p) and transposes to
+        # (gh/m, gw/m, m, m, C, p, p). We start from HWC, hence the different axis numbers for
+        # the same target order. The gather runs on uint8 (4x fewer bytes than float32, and a
+        # strided float gather is the slowest step of the reference), so every float pass
+        # below reads and writes contiguously.
+        window_rows = grid_h // m  # rows of merge windows
+        windows = hwc.reshape(window_rows, m, p, grid_w // m, m, p, 3).transpose(0, 3, 1, 4, 6, 2, 5)
+        patches = np.ascontiguousarray(windows).reshape(window_rows, -1, 3, p, p)
+        if t == 1:
+            pixel_values = self._normalize(patches)
+        else:
+            # The temporal repeat sits between channel and patch rows, so the normalised frame
+            # is written t times. Done a few window rows at a time so the frame (half the output
+            # at t=2) stays in L2 between its normalise and its copies instead of going through
+            # memory (~15 % of this step at photo sizes).
+            pixel_values = np.empty((*patches.shape[:3], t, p, p), dtype=np.float32)
+            row_bytes = patches[0].size * 4
+            step = max(1, _BLOCK_BYTES // row_bytes)
+            frame = np.empty((min(step, window_rows), *patches.shape[1:]), dtype=np.float32)
+            for start in range(0, window_rows, step):
+                block = frame[: min(step, window_rows - start)]
+                self._normalize(patches[start : start + len(block)], out=block)
+                pixel_values[start : start + len(block)] = block[:, :, :, None]
+        pixel_values = pixel_values.reshape(num_patches, 3 * t * p * p)
+        return PreprocessedImage(pixel_values, grid_thw=(1, grid_h, grid_w))
+
+    @classmethod
+    def from_config(cls, preprocessor_config: Mapping[str, Any]) -> Self:
+        """From ``preprocessor_config.json``. Pixel bounds follow transformers' precedence:
+        top-level ``min_pixels``/``max_pixels``, then ``size.shortest_edge``/``longest_edge``
+        (which hold pixel counts for this family), then ``size.min_pixels``/``max_pixels``."""
+        config = _check_common_config(preprocessor_config, cls.family)
+        size = config.get("size") or {}
+        if not isinstance(size, Mapping):
+            raise ValueError(f"size must be a dict for {cls.family}, got {_describe(size)}")
+        kwargs = _common_kwargs(config)
+        for key, size_keys in (
+            ("min_pixels", ("shortest_edge", "min_pixels")),
+            ("max_pixels", ("longest_edge", "max_pixels")),
+        ):
+            value = config.get(key)
+            for size_key in size_keys:
+                if value is None:
+                    value = size.get(size_key)
+            if value is not None:
+                kwargs[key] = value
+        for key in ("patch_size", "temporal_patch_size", "merge_size"):
+            if config.get(key) is not None:
+                kwargs[key] = config[key]
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClipPreprocessor(ImagePreprocessor):
+    """LLaVA-1.5 / CLIP: bicubic resize so the shortest edge is ``shortest_edge``, centre crop.
+
+    Defaults are LLaVA-1.5's (CLIP ViT-L/14-336): shortest edge 336, crop 336 x 336.
+    """
+
+    family: ClassVar[str] = "clip"
+
+    shortest_edge: int = 336
+    crop_height: int = 336
+    crop_width: int = 336
+
+    def __post_init__(self) -> None:
+        for name in ("shortest_edge", "crop_height", "crop_width"):
+            _check_positive_int(name, getattr(self, name))
+        super().__post_init__()
+
+    def resized_size(self, height: int, width: int) -> tuple[int, int]:
+        """``(height, width)`` after the shortest-edge resize: transformers'
+        ``get_resize_output_image_size(default_to_square=False)`` rule, truncation included."""
+        short, long = (width, height) if width <= height else (height, width)
+        new_short, new_long = self.shortest_edge, int(self.shortest_edge * long / short)
+        return (new_long, new_short) if width <= height else (new_short, new_long)
+
+    def _preprocess(self, image: Image.Image) -> PreprocessedImage:
+        width, height = image.size
+        resized_height, resized_width = self.resized_size(height, width)
+        # The whole image is resized, then cropped, as the reference does. Resizing only the
+        # columns the crop keeps would be cheaper but is not bit-identical: Pillow's two resize
+        # passes do not round-trip through uint8 (splitting them into two calls differs by one
+        # step on ~26 % of random geometries with Pillow 13).
+        hwc = np.asarray(_resize_bicubic(image, resized_width, resized_height))
+        return self._chw_output(_center_crop(hwc, self.crop_height, self.crop_width))
+
+    @classmethod
+    def from_config(cls, preprocessor_config: Mapping[str, Any]) -> Self:
+        """From ``preprocessor_config.json``: ``size`` as ``{"shortest_edge": n}`` or an int,
+        ``crop_size`` as ``{"height": h, "width": w}`` or an int (older configs)."""
+        config = _check_common_config(preprocessor_config, cls.family)
+        if config.get("do_center_crop", True) is not True:
+            raise ValueError("do_center_crop must be true for clip: the crop is part of the family")
+        kwargs = _common_kwargs(config)
+        size = config.get("size")
+        if size is not None:
+            if isinstance(size, Mapping):
+                if set(size) != {"shortest_edge"}:
+                    raise ValueError(
+                        f"size must be {{'shortest_edge': n}} for clip, got {dict(size)!r}"
+                    )
+                size = size["shortest_edge"]
+            kwargs["shortest_edge"] = size
+        crop = config.get("crop_size")
+        if crop is not None:
+            if isinstance(crop, Mapping):
+                if set(crop) != {"height", "width"}:
+                    raise ValueError(
+                        f"crop_size must be {{'height': h, 'width': w}}, got {dict(crop)!r}"
+                    )
+                kwargs["crop_height"], kwargs["crop_width"] = crop["height"], crop["width"]
+            else:
+                kwargs["crop_height"] = kwargs["crop_width"] = crop
+        return cls(**kwargs)
+
+
+def smart_resize(
+    height: int,
+    width: int,
+    factor: int = 28,
+    min_pixels: int = 56 * 56,
+    max_pixels: int = 28 * 28 * 1280,
+) -> tuple[int, int]:
+    """``(height, width)`` rounded to multiples of ``factor``, scaled into
+    ``[min_pixels, max_pixels]`` keeping the aspect ratio as well as the rounding allows.
+
+    The same rule, float expressions and Python ``round`` (half to even) as transformers'
+    ``qwen2_vl`` ``smart_resize``, so the two agree on every input; ours also refuses
+    non-positive sides and says which image it refuses.
+    """
+    for name, value in (("height", height), ("width", width), ("factor", factor)):
+        _check_positive_int(name, value)
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise ValueError(
+            f"image aspect ratio must be at most {MAX_ASPECT_RATIO}, got {ratio:.1f} "
+            f"(height={height}, width={width})"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+# Helpers ------------------------------------------------------------------------------------
+
+
+def _resize_bicubic(image: Image.Image, width: int, height: int) -> Image.Image:
+    """Pillow bicubic on the uint8 image: the very call the Pil processors make (they turn their
+    CHW uint8 array back into a PIL image, resize, and take the array again)."""
+    if image.size == (width, height):
+        return image  # Pillow would return an identical copy
+    return image.resize((width, height), _BICUBIC)
+
+
+def _center_crop(hwc: np.ndarray, crop_h: int, crop_w: int) -> np.ndarray:
+    """transformers' ``center_crop`` on uint8 HWC, returning a view when the crop fits.
+
+    When the crop is larger than the image, the image is centred on zeros exactly as
+    transformers pads (before normalising, so padding becomes ``-mean/std``); no shipped config
+    does this (crop_size <= shortest_edge), but the rule is cheap to keep identical.
+    """
+    height, width, _ = hwc.shape
+    top = (height - crop_h) // 2
+    left = (width - crop_w) // 2
+    if top >= 0 and left >= 0 and top + crop_h <= height and left + crop_w <= width:
+        return hwc[top : top + crop_h, left : left + crop_w]
+    new_h, new_w = max(crop_h, height), max(crop_w, width)
+    top_pad, left_pad = math.ceil((new_h - height) / 2), math.ceil((new_w - width) / 2)
+    canvas = np.zeros((new_h, new_w, 3), dtype=np.uint8)
+    canvas[top_pad : top_pad + height, left_pad : left_pad + width] = hwc
+    top, left = top + top_pad, left + left_pad
+    return canvas[max(0, top) : min(new_h, top + crop_h), max(0, left) : min(new_w, left + crop_w)]
+
+
+def _check_common_config(config: Mapping[str, Any], family: str) -> Mapping[str, Any]:
+    """Refuse settings we do not implement instead of silently preprocessing differently."""
+    if not isinstance(config, Mapping):
+        raise ValueError(f"preprocessor_config must be a dict, got {_describe(config)}")
+    for flag in ("do_resize", "do_rescale", "do_normalize"):
+        if config.get(flag, True) is not True:
+            raise ValueError(f"{flag} must be true for {family} (got {config[flag]!r})")
+    resample = config.get("resample", int(_BICUBIC))
+    if resample != int(_BICUBIC) or isinstance(resample, bool):
+        raise ValueError(
+            f"resample must be {int(_BICUBIC)} (bicubic) for {family}, got {resample!r}"
+        )
+    return config
+
+
+def _common_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
+    keys = ("image_mean", "image_std", "rescale_factor")
+    return {key: config[key] for key in keys if config.get(key) is not None}
+
+
+def _three_floats(name: str, value: Any) -> tuple[float, float, float]:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 3:
+        raise ValueError(f"{name} must have 3 elements (one per RGB channel), got {value!r}")
+    out = []
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, numbers.Real) or not math.isfinite(item):
+            raise ValueError(f"{name} must hold 3 finite numbers, got {value!r}")
+        out.append(float(item))
+    return tuple(out)
+
+
+def _check_positive_int(name: str, value: Any) -> None:
+    if not _is_int(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, np.ndarray):
+        return f"ndarray of {value.dtype}"
+    return type(value).__name__
