@@ -1,0 +1,23 @@
+"""Ops: one API per op, kernels chosen by the current platform (``atb_plugin.platform``).
+
+- attention: ``write_kv_cache``, ``paged_attention`` (prefill / decode / chunked prefill over the
+  paged cache), ``varlen_attention`` (vision encoders), ``AttentionMetadata``;
+- ``rms_norm``; rotary (``RotaryEmbedding`` with rope scalings and M-RoPE, ``apply_rotary``);
+- ``silu_and_mul``.
+"""
+
+from atb_plugin.ops.activation import silu_and_mul
+from atb_plugin.ops.attention import AttentionMetadata, paged_attention, varlen_attention, write_kv_cache
+from atb_plugin.ops.layernorm import rms_norm
+from atb_plugin.ops.rotary import RotaryEmbedding, apply_rotary
+
+__all__ = [
+    "AttentionMetadata",
+    "RotaryEmbedding",
+    "apply_rotary",
+    "paged_attention",
+    "rms_norm",
+    "silu_and_mul",
+    "varlen_attention",
+    "write_kv_cache",
+]

@@ -1,0 +1,66 @@
+"""Rotary position embeddings: cos/sin tables (with the rope scalings checkpoints name, and
+Qwen2-VL's multimodal M-RoPE) and their application (rotate-half convention, as transformers).
+
+M-RoPE: positions are ``(3, num_tokens)`` (temporal, height, width); the head dimension's
+frequency bands are split by ``mrope_section`` (e.g. [16, 24, 24] of 64) and band i takes its
+angle from position row i. For text tokens the three rows are equal, which is plain RoPE.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from atb_plugin.platform import current_platform
+
+
+def _inverse_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
+    base = float(rope.get("rope_theta", 10000.0))
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type in ("default", "mrope"):
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / float(rope["factor"])
+    if rope_type == "llama3":
+        factor = float(rope["factor"])
+        low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+        old_context = float(rope["original_max_position_embeddings"])
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are scaled down by factor, short ones kept, the band between blended.
+        scaled = torch.where(wavelen > old_context / low, inv_freq / factor, inv_freq)
+        smooth = (old_context / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
+        return torch.where(medium, blended, scaled)
+    raise ValueError(f"rope type {rope_type!r} is not supported (default, linear, llama3, mrope)")
+
+
+class RotaryEmbedding:
+    """cos/sin for given positions. ``rope`` is the config's ``rope_parameters`` (transformers 5)
+    or ``rope_scaling`` merged with ``rope_theta``; ``mrope_section`` switches on M-RoPE."""
+
+    def __init__(self, head_dim: int, rope: dict | None = None, mrope_section: list[int] | None = None):
+        self.head_dim = head_dim
+        self.inv_freq = _inverse_frequencies(head_dim, rope or {})
+        self.mrope_section = list(mrope_section) if mrope_section else None
+        if self.mrope_section and sum(self.mrope_section) != head_dim // 2:
+            raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim / 2 = {head_dim // 2}")
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """``positions`` ``(T,)``, or ``(3, T)`` with M-RoPE. Returns cos, sin ``(T, head_dim)``."""
+        inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float().unsqueeze(-1) * inv_freq  # (..., T, head_dim / 2)
+        if self.mrope_section is not None:
+            if positions.dim() == 1:
+                freqs = freqs.expand(3, *freqs.shape)
+            bands = freqs.split(self.mrope_section, dim=-1)
+            freqs = torch.cat([band[i % 3] for i, band in enumerate(bands)], dim=-1)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x`` ``(T, num_heads, head_dim)``, cos/sin ``(T, head_dim)``: ``x·cos + rotate_half(x)·sin``."""
+    return current_platform().kernels.apply_rotary(x, cos, sin)

@@ -1,0 +1,19 @@
+"""CPU: plain torch kernels, gloo for torch.distributed. Always available."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from atb_plugin.platform.base import Platform
+
+
+@dataclass(frozen=True)
+class CpuPlatform(Platform):
+    name: str = "cpu"
+    device_type: str = "cpu"
+    dist_backend: str = "gloo"
+    visible_devices_env: str | None = None
+    kernels_module: str = "atb_plugin.ops.torch_kernels"
+
+    def is_available(self) -> bool:
+        return True
