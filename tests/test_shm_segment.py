@@ -146,7 +146,9 @@ def test_dtype_mismatch(store):
 def test_tampered_name_value_is_an_invalid_handle(store):
     handle = store.put(image(shape=(2, 2)), request_id="r")
     with pytest.raises(shm.ShmHandleError, match="invalid handle"):
-        shm.read_array(handle.name_value ^ 0b1, handle.shape_value)  # flips a checksum bit
+        # Flip bit 1 of the magnitude: a checksum bit (XOR on the negative value itself would
+        # flip two's-complement bits, which can carry into a character instead).
+        shm.read_array(-((-handle.name_value) ^ 0b10), handle.shape_value)
 
 
 def test_other_instance_is_refused_when_an_instance_is_expected(store):
