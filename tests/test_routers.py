@@ -77,8 +77,13 @@ def test_qwen_vl_config_and_generation_config():
 
 def test_model_classes_are_resolved_lazily():
     router = get_router(tiny_checkpoint("qwen2"))
-    assert router.model_cls_path == "atb_plugin.models.qwen2:Qwen2ForCausalLM"
-    # The device-side models arrive with the next issue: asking now says so instead of crashing.
+    assert "model_cls" not in vars(router)
+    from atb_plugin.models.qwen2 import Qwen2ForCausalLM
+
+    assert router.model_cls is Qwen2ForCausalLM
+    # A family whose model has not arrived yet says so instead of crashing with an ImportError.
+    router = get_router(tiny_checkpoint("qwen_vl"))
+    router.model_cls_path = "atb_plugin.models.not_there:Nothing"
     with pytest.raises(NotImplementedError, match="not available yet"):
         router.model_cls
 

@@ -17,7 +17,8 @@ from atb_plugin.platform import current_platform
 
 def _inverse_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
     base = float(rope.get("rope_theta", 10000.0))
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # device="cpu" explicitly: models are built under torch.device("meta"), tables must be real.
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type in ("default", "mrope"):
         return inv_freq

@@ -1,0 +1,251 @@
+"""The decoder-only transformer shared by Qwen2, Llama and the language models of the VL
+families: RMSNorm, GQA attention over the paged KV cache with rotary positions, SwiGLU MLP.
+
+Parameters follow transformers' names (``model.layers.N.self_attn.o_proj.weight`` ...) except
+two fused projections, filled from the checkpoint's separate ones at load time::
+
+    qkv_proj     = [q_proj; k_proj; v_proj]   (one matmul instead of three)
+    gate_up_proj = [gate_proj; up_proj]       (feeds silu_and_mul directly)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from atb_plugin import ops
+from atb_plugin.models.base import PretrainedModel
+from atb_plugin.models.weights import WeightLoadingError, copy_param
+from atb_plugin.ops import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache) of one layer
+
+# checkpoint projection -> (fused parameter, shard index)
+_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+_STACKED_NAME = re.compile(r"(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
+_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some old checkpoints still carry
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: dict
+    qkv_bias: bool = False
+    tie_word_embeddings: bool = False
+    mrope_section: tuple[int, ...] | None = None
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                     "num_attention_heads", "num_key_value_heads", "head_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"DecoderConfig.{name} must be > 0, got {getattr(self, name)}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    @classmethod
+    def from_hf(cls, config: dict, *, qkv_bias: bool = False) -> "DecoderConfig":
+        """From a (text) config.json dict, published layout or transformers 5's ``rope_parameters``."""
+        heads = config["num_attention_heads"]
+        rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
+        rope.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+        mrope = rope.get("mrope_section")
+        return cls(
+            vocab_size=config["vocab_size"],
+            hidden_size=config["hidden_size"],
+            intermediate_size=config["intermediate_size"],
+            num_hidden_layers=config["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=config.get("num_key_value_heads") or heads,
+            head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+            rope=rope,
+            qkv_bias=config.get("attention_bias", qkv_bias),
+            tie_word_embeddings=config.get("tie_word_embeddings", False),
+            mrope_section=tuple(mrope) if mrope else None,
+        )
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.scale = self.head_dim**-0.5
+
+    def shard_sizes(self, fused: str) -> list[int]:
+        return [self.q_size, self.kv_size, self.kv_size]
+
+    def forward(self, hidden, cos, sin, kv_cache: KVCache, metadata: AttentionMetadata):
+        q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = ops.apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = ops.apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        key_cache, value_cache = kv_cache
+        ops.write_kv_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
+        out = ops.paged_attention(q, key_cache, value_cache, metadata, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def shard_sizes(self, fused: str) -> list[int]:
+        return [self.intermediate_size, self.intermediate_size]
+
+    def forward(self, hidden):
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, hidden, cos, sin, kv_cache, metadata):
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = ops.RotaryEmbedding(config.head_dim, config.rope, config.mrope_section)
+
+    def forward(self, positions, kv_caches: list[KVCache], metadata: AttentionMetadata, inputs_embeds):
+        cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
+        hidden = inputs_embeds
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, kv_cache, metadata)
+        return self.norm(hidden)
+
+
+class DecoderForCausalLM(PretrainedModel):
+    """A decoder LM. Contract shared by every model here (vLLM's, simplified):
+
+    - ``get_input_embeddings(input_ids, mm_embeds=None)`` -> ``(T, hidden)``;
+    - ``forward(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=None)`` -> hidden states
+      of the step's tokens; ``compute_logits(hidden)`` -> ``(T, vocab)``;
+    - ``make_kv_caches(num_blocks, block_size)``; ``load_weights(pairs)`` -> names filled;
+      ``accepts_weight(name)`` says whether a checkpoint tensor belongs to the model.
+    """
+
+    def __init__(self, config: DecoderConfig):
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def get_language_model(self) -> "DecoderForCausalLM":
+        return self
+
+    def get_input_embeddings(self, input_ids: torch.Tensor, mm_embeds=None) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata, inputs_embeds=None):
+        if inputs_embeds is None:
+            inputs_embeds = self.get_input_embeddings(input_ids)
+        return self.model(positions, kv_caches, attn_metadata, inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return hidden @ weight.t()
+
+    def make_kv_caches(self, num_blocks: int, block_size: int, dtype=None, device=None) -> list[KVCache]:
+        weight = self.model.embed_tokens.weight
+        shape = (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
+        return [
+            (torch.zeros(shape, dtype=dtype or weight.dtype, device=device or weight.device),
+             torch.zeros(shape, dtype=dtype or weight.dtype, device=device or weight.device))
+            for _ in range(self.config.num_hidden_layers)
+        ]
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    def _target(self, name: str) -> str | None:
+        """The parameter a checkpoint tensor fills (fused ones included), or None."""
+        stacked = _STACKED_NAME.match(name)
+        if stacked:
+            prefix, projection, kind = stacked.groups()
+            name = f"{prefix}.{_STACKED[projection][0]}.{kind}"
+        return name if name in dict(self.named_parameters()) else None
+
+    def accepts_weight(self, name: str) -> bool:
+        if _IGNORED.match(name) or (name == "lm_head.weight" and self.lm_head is None):
+            return True  # known and deliberately unused (tied head, rotary buffers)
+        return self._target(name) is not None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        modules = dict(self.named_modules())
+        loaded: set[str] = set()
+        shards_seen: dict[str, set[int]] = {}
+        for name, tensor in weights:
+            if _IGNORED.match(name) or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            stacked = _STACKED_NAME.match(name)
+            if stacked is None:
+                if name not in params:
+                    raise WeightLoadingError(f"{name}: no such parameter in {type(self).__name__}")
+                copy_param(params[name], tensor, name)
+                loaded.add(name)
+                continue
+            prefix, projection, kind = stacked.groups()
+            fused, shard = _STACKED[projection]
+            sizes = modules[prefix].shard_sizes(fused)
+            target = f"{prefix}.{fused}.{kind}"
+            copy_param(params[target].narrow(0, sum(sizes[:shard]), sizes[shard]), tensor, name)
+            shards_seen.setdefault(target, set()).add(shard)
+            if len(shards_seen[target]) == len(sizes):  # filled only once every shard came
+                loaded.add(target)
+        return loaded
+
+
+class Qwen2ForCausalLM(DecoderForCausalLM):
+    @classmethod
+    def config_from_hf(cls, config: dict) -> DecoderConfig:
+        return DecoderConfig.from_hf(config, qkv_bias=True)  # Qwen2 has q/k/v biases, no flag for it
+
+
+class LlamaForCausalLM(DecoderForCausalLM):
+    @classmethod
+    def config_from_hf(cls, config: dict) -> DecoderConfig:
+        return DecoderConfig.from_hf(config)

@@ -1,0 +1,45 @@
+"""Drive one sequence through a model's paged path, chunk by chunk (tests and examples; the
+engine's model runner does this for many requests at once)."""
+
+from __future__ import annotations
+
+import torch
+
+from atb_plugin.ops import AttentionMetadata
+
+
+class SequenceRunner:
+    """Feeds a sequence in chunks of any size through the KV cache, as prefill / chunked prefill /
+    decode steps, with blocks taken in a deliberately scrambled order (not 1, 2, 3 ...)."""
+
+    def __init__(self, model, max_len: int, block_size: int = 4):
+        self.model = model
+        self.block_size = block_size
+        num_blocks = -(-max_len // block_size)
+        self.kv_caches = model.make_kv_caches(num_blocks + 1, block_size)  # + the null block 0
+        self.block_table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)) + 1
+        self.num_computed = 0
+
+    def metadata(self, num_new: int) -> AttentionMetadata:
+        positions = torch.arange(self.num_computed, self.num_computed + num_new)
+        slots = self.block_table[positions // self.block_size] * self.block_size + positions % self.block_size
+        seq_len = self.num_computed + num_new
+        return AttentionMetadata(
+            query_start_loc=torch.tensor([0, num_new], dtype=torch.int32),
+            seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+            block_tables=self.block_table[None, :].to(torch.int32),
+            slot_mapping=slots.to(torch.int64),
+            max_query_len=num_new,
+            max_seq_len=seq_len,
+        )
+
+    @torch.no_grad()
+    def step(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+             inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Run the next ``len(input_ids)`` tokens; returns their logits ``(n, vocab)``."""
+        num_new = input_ids.shape[0]
+        if positions is None:
+            positions = torch.arange(self.num_computed, self.num_computed + num_new)
+        hidden = self.model(input_ids, positions, self.kv_caches, self.metadata(num_new), inputs_embeds=inputs_embeds)
+        self.num_computed += num_new
+        return self.model.compute_logits(hidden)
