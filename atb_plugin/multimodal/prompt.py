@@ -1,0 +1,150 @@
+"""From a prompt's ids to merged input embeddings: the device side of DESIGN §3.
+
+A media block is found by its first metadata slot (ids < 0 are always metadata)::
+
+    ids:   ... t  t  NAME SHAPE [THW] pad pad ... pad  t  t ...
+                     └──────────── block: length n ───┘
+    restored ids:    pad  pad   [pad] pad pad ... pad          (metadata -> placeholder id)
+    embeddings:      f0   f1    [f2]  f3  ...     f(n-1)       (the encoder's n feature rows)
+
+``MultimodalPrompt.from_ids`` checks every block (layout, handle, segment header, pixel shape)
+and reads the pixels zero-copy from shared memory; the encoder runs once per prompt and
+``embed(model, start, end)`` merges the rows that fall in a prefill chunk ``[start, end)``, so a
+chunk boundary may cut a block anywhere. Any problem raises ``MediaBlockError`` for this prompt
+only, naming the block and the counts; nothing is ever replaced by zeros.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+import shm
+
+
+class MediaBlockError(ValueError):
+    """A prompt's media block is malformed, its segment is missing/foreign/mismatched, or the
+    encoder's output does not fit it. Fails the request that owns the prompt, nothing else."""
+
+
+@dataclass(frozen=True)
+class MediaLayout:
+    """How a family lays out a block (DESIGN §3), as the model's config says."""
+
+    placeholder_id: int  # what every slot holds once the metadata is restored
+    num_metadata_slots: int  # NAME, SHAPE (2) or NAME, SHAPE, THW (3)
+    tokens_per_block: int | None = None  # None: from THW, t·h·w / merge_size²
+    merge_size: int = 1
+
+    def __post_init__(self):
+        if self.num_metadata_slots not in (2, 3):
+            raise ValueError(f"num_metadata_slots must be 2 or 3, got {self.num_metadata_slots}")
+        if self.tokens_per_block is None and self.num_metadata_slots != 3:
+            raise ValueError("a block whose length comes from grid_thw needs the THW slot (3 metadata slots)")
+        if self.tokens_per_block is not None and self.tokens_per_block < self.num_metadata_slots:
+            raise ValueError(f"tokens_per_block {self.tokens_per_block} < {self.num_metadata_slots} metadata slots")
+
+    def block_length(self, grid_thw) -> int:
+        if self.tokens_per_block is not None:
+            return self.tokens_per_block
+        t, h, w = grid_thw
+        return t * h * w // self.merge_size**2
+
+
+@dataclass
+class MediaBlock:
+    index: int
+    start: int  # prompt position of the block's first slot (NAME)
+    length: int
+    pixel_values: torch.Tensor
+    grid_thw: tuple[int, int, int] | None = None
+
+
+class MultimodalPrompt:
+    def __init__(self, token_ids: torch.Tensor, blocks: list[MediaBlock]):
+        self.token_ids = token_ids
+        self.blocks = blocks
+        self._features: list[torch.Tensor] | None = None
+
+    @classmethod
+    def from_ids(cls, prompt_ids, layout: MediaLayout, *, expected_instance: str | None = None) -> "MultimodalPrompt":
+        ids = np.asarray(prompt_ids, dtype=np.int64)
+        restored = ids.copy()
+        blocks: list[MediaBlock] = []
+        position = 0
+        for first in np.flatnonzero(ids < 0):
+            if first < position:
+                continue  # a metadata slot of the block just read
+            block = cls._read_block(ids, int(first), len(blocks), layout, expected_instance)
+            restored[block.start:block.start + layout.num_metadata_slots] = layout.placeholder_id
+            blocks.append(block)
+            position = block.start + block.length
+        return cls(torch.from_numpy(restored), blocks)
+
+    @staticmethod
+    def _read_block(ids: np.ndarray, start: int, index: int, layout: MediaLayout, expected_instance) -> MediaBlock:
+        where = f"media block {index} at position {start}"
+        meta = ids[start:start + layout.num_metadata_slots]
+        if len(meta) < layout.num_metadata_slots or (meta >= 0).any():
+            raise MediaBlockError(
+                f"{where}: expected {layout.num_metadata_slots} metadata slots (NAME, SHAPE"
+                f"{', THW' if layout.num_metadata_slots == 3 else ''}), found ids {meta.tolist()}"
+            )
+        grid = None
+        if layout.num_metadata_slots == 3:
+            try:
+                grid = tuple(shm.decode_shape_from_int64(int(meta[2])))
+            except ValueError as error:
+                raise MediaBlockError(f"{where}: bad THW slot: {error}") from error
+            if len(grid) != 3 or min(grid) <= 0:
+                raise MediaBlockError(f"{where}: THW decodes to {list(grid)}, expected 3 positive dims")
+        length = layout.block_length(grid)
+        slots = ids[start + layout.num_metadata_slots:start + length]
+        placeholders = int((slots == layout.placeholder_id).sum())
+        expected = length - layout.num_metadata_slots
+        if len(slots) != expected or placeholders != expected:
+            raise MediaBlockError(
+                f"{where}: the block needs {length} slots ({layout.num_metadata_slots} metadata + {expected} "
+                f"placeholders {layout.placeholder_id}), found {placeholders} placeholders"
+            )
+        try:
+            # Copy-on-write view: zero-copy, and the model may not write into shared pages.
+            pixels = shm.read_array(int(meta[0]), int(meta[1]), expected_instance=expected_instance, writable=True)
+        except shm.ShmHandleError as error:
+            raise MediaBlockError(f"{where}: {error}") from error
+        pixel_values = torch.from_numpy(pixels)
+        if grid is not None and pixel_values.shape[0] != grid[0] * grid[1] * grid[2]:
+            raise MediaBlockError(
+                f"{where}: grid_thw {list(grid)} needs {grid[0] * grid[1] * grid[2]} patch rows, "
+                f"the segment holds {pixel_values.shape[0]}"
+            )
+        return MediaBlock(index, start, length, pixel_values, grid)
+
+    def features(self, model) -> list[torch.Tensor]:
+        """Encoder output per block, computed once per prompt and checked against the block size."""
+        if self._features is None:
+            weight = next(model.parameters())
+            features = []
+            for block in self.blocks:
+                rows = model.get_multimodal_embeddings(block.pixel_values.to(weight.device, weight.dtype), block.grid_thw)
+                if rows.shape[0] != block.length:
+                    raise MediaBlockError(
+                        f"media block {block.index} at position {block.start}: the encoder produced "
+                        f"{rows.shape[0]} feature rows for {block.length} placeholder slots"
+                    )
+                features.append(rows)
+            self._features = features
+        return self._features
+
+    def embed(self, model, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """Input embeddings of prompt positions ``[start, end)`` with the image features merged."""
+        end = self.token_ids.shape[0] if end is None else end
+        weight = next(model.parameters())
+        embeds = model.get_input_embeddings(self.token_ids[start:end].to(weight.device))
+        for block, rows in zip(self.blocks, self.features(model) if self.blocks else []):
+            lo, hi = max(start, block.start), min(end, block.start + block.length)
+            if lo < hi:
+                embeds[lo - start:hi - start] = rows[lo - block.start:hi - block.start].to(embeds.dtype)
+        return embeds
