@@ -78,3 +78,31 @@ def test_missing_and_unexpected_weights_are_named(tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"))
     with pytest.raises(WeightLoadingError, match=r"missing from the checkpoint: model\.layers\.0\.self_attn\.qkv_proj\.weight.*not used by the model: model\.layers\.0\.extra\.weight"):
         get_router(tmp_path).model_cls.from_pretrained(tmp_path)
+
+
+def test_sharded_checkpoint_and_dtype(tmp_path):
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_checkpoint("llama")
+    for item in source.iterdir():
+        if item.is_file() and item.name != "model.safetensors":
+            shutil.copy(item, tmp_path / item.name)
+    state = load_file(str(source / "model.safetensors"))
+    names = sorted(state)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    weight_map = {}
+    for file, keys in shards.items():
+        save_file({k: state[k] for k in keys}, str(tmp_path / file))
+        weight_map.update({k: file for k in keys})
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    cls = get_router(tmp_path).model_cls
+    sharded = cls.from_pretrained(tmp_path)
+    single = cls.from_pretrained(source)
+    ids = prompt(9, sharded.config.vocab_size)
+    assert torch.equal(SequenceRunner(sharded, 16).step(ids), SequenceRunner(single, 16).step(ids))
+    half = cls.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in half.parameters())
+    assert (SequenceRunner(half, 16).step(ids).float() - SequenceRunner(single, 16).step(ids)).abs().max() < 0.1
