@@ -1,0 +1,223 @@
+"""BERT encoders (sentence-transformers/all-MiniLM-L6-v2 and the like): a batch of sequences
+packed into one ``(T,)`` token row, segments given by ``cu_seqlens``::
+
+    input_ids  = [s0 t0 .. t4 | s1 t0 .. t2 | s2 t0 .. t6]     cu_seqlens = [0, 5, 8, 15]
+
+Embeddings = word + position (restarting at 0 in every sequence) + token type, then LayerNorm;
+each layer is post-norm: ``LN(x + attn(x))`` with bidirectional attention inside each sequence
+(``ops.varlen_attention``), then ``LN(h + W2·gelu(W1·h))``. ``forward`` returns the last hidden
+states ``(T, hidden)``; pooling (mean, CLS, ...) is the caller's, ``pooled_output`` gives BERT's
+own pooler (``tanh(dense(h[CLS]))``) where the checkpoint has one.
+
+Parameter names are the checkpoint's (``embeddings.word_embeddings.weight``,
+``encoder.layer.N.attention.self.query.weight`` ...; an optional ``bert.`` prefix is stripped) except
+one fused projection, filled from the three separate ones::
+
+    encoder.layer.N.attention.self.qkv = [query; key; value]   (weights and biases)
+
+The legacy ``embeddings.position_ids`` buffer (transformers 4.x checkpoints) is accepted and
+ignored. A checkpoint without ``pooler.*`` loads too: the model then has no pooler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import nn
+
+from atb_plugin import ops
+from atb_plugin.models.base import PretrainedModel
+from atb_plugin.models.clip import IGNORE, FusedWeights, activation
+
+_QKV = {"query": ("qkv", 0), "key": ("qkv", 1), "value": ("qkv", 2)}
+_BUFFERS = {"embeddings.position_ids"}  # known checkpoint tensors that are not parameters
+
+
+@dataclass(frozen=True)
+class BertConfig:
+    vocab_size: int
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    position_embedding_type: str = "absolute"
+
+    def __post_init__(self):
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(f"BERT hidden_size {self.hidden_size} is not a multiple of "
+                             f"num_attention_heads {self.num_attention_heads}")
+        if self.position_embedding_type != "absolute":
+            raise ValueError(f"position_embedding_type {self.position_embedding_type!r} is not supported (absolute)")
+        activation(self.hidden_act)
+
+    @classmethod
+    def from_hf(cls, config: dict) -> "BertConfig":
+        """From config.json (missing keys take transformers' BertConfig defaults)."""
+        return cls(**{key: config[key] for key in cls.__dataclass_fields__ if key in config})
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+class BertEmbeddings(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.word_embeddings = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, input_ids, positions, token_type_ids):
+        hidden = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        return self.LayerNorm(hidden + self.position_embeddings(positions))
+
+
+class BertSelfAttention(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.hidden_size = config.hidden_size
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.scale = self.head_dim**-0.5
+
+    def shard_sizes(self, fused: str) -> list[int]:
+        return [self.hidden_size] * 3
+
+    def forward(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(hidden).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
+        return ops.varlen_attention(q, k, v, cu_seqlens, self.scale).reshape(-1, self.hidden_size)
+
+
+class BertDenseNorm(nn.Module):
+    """``LayerNorm(residual + dense(x))`` (BertSelfOutput and BertOutput)."""
+
+    def __init__(self, in_features: int, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(in_features, config.hidden_size)
+        self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(residual + self.dense(hidden))
+
+
+class BertAttention(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.self = BertSelfAttention(config)
+        self.output = BertDenseNorm(config.hidden_size, config)
+
+    def forward(self, hidden, cu_seqlens):
+        return self.output(self.self(hidden, cu_seqlens), hidden)
+
+
+class BertIntermediate(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.act = activation(config.hidden_act)
+
+    def forward(self, hidden):
+        return self.act(self.dense(hidden))
+
+
+class BertLayer(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.attention = BertAttention(config)
+        self.intermediate = BertIntermediate(config)
+        self.output = BertDenseNorm(config.intermediate_size, config)
+
+    def forward(self, hidden, cu_seqlens):
+        attended = self.attention(hidden, cu_seqlens)
+        return self.output(self.intermediate(attended), attended)
+
+
+class BertEncoder(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+
+
+class BertPooler(nn.Module):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.dense = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, first_tokens):
+        return torch.tanh(self.dense(first_tokens))
+
+
+class BertModel(PretrainedModel):
+    def __init__(self, config: BertConfig):
+        super().__init__()
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.encoder = BertEncoder(config)
+        self.pooler: BertPooler | None = BertPooler(config)
+
+    @classmethod
+    def config_from_hf(cls, config: dict) -> BertConfig:
+        return BertConfig.from_hf(config)
+
+    @staticmethod
+    def positions(cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """0, 1, ... within each segment of ``cu_seqlens``."""
+        cu = cu_seqlens.to(torch.long)
+        lengths = cu[1:] - cu[:-1]
+        starts = torch.repeat_interleave(cu[:-1], lengths)
+        return torch.arange(int(cu[-1]), device=cu.device) - starts
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``input_ids`` ``(T,)`` of the packed sequences -> last hidden states ``(T, hidden)``."""
+        cu_seqlens = cu_seqlens.to(device=input_ids.device, dtype=torch.int32)
+        if input_ids.dim() != 1 or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 \
+                or int(cu_seqlens[0]) != 0 or int(cu_seqlens[-1]) != input_ids.numel():
+            raise ValueError(f"input_ids must be (T,) with cu_seqlens [0, ..., T]; got {list(input_ids.shape)} "
+                             f"and {cu_seqlens.tolist()}")
+        positions = self.positions(cu_seqlens)
+        longest = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        if longest > self.config.max_position_embeddings:
+            raise ValueError(f"a sequence of {longest} tokens exceeds max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        hidden = self.embeddings(input_ids, positions, token_type_ids)
+        for layer in self.encoder.layer:
+            hidden = layer(hidden, cu_seqlens)
+        return hidden
+
+    def pooled_output(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """BERT's pooler on each sequence's first token: ``(num_seqs, hidden)``."""
+        if self.pooler is None:
+            raise ValueError("this checkpoint has no pooler")
+        return self.pooler(hidden[cu_seqlens[:-1].to(torch.long)])
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    @cached_property
+    def _fused(self) -> FusedWeights:
+        return FusedWeights(self, _QKV)
+
+    @staticmethod
+    def _own_name(name: str) -> str:
+        name = name.removeprefix("bert.")
+        return IGNORE if name in _BUFFERS else name
+
+    def accepts_weight(self, name: str) -> bool:
+        return self._fused.accepts(self._own_name(name))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = self._fused.load(weights, self._own_name)
+        if self.pooler is not None and not any(name.startswith("pooler.") for name in loaded):
+            self.pooler = None  # the checkpoint has none (e.g. saved with add_pooling_layer=False)
+            self.__dict__.pop("_fused", None)
+        return loaded

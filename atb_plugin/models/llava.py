@@ -1,0 +1,216 @@
+"""LLaVA-1.5 (llava-hf/llava-1.5-*-hf): CLIP vision tower -> 2-layer projector -> Llama decoder.
+
+Image features: the tower's ``hidden_states[vision_feature_layer]`` (-2 for LLaVA-1.5: the output
+of the second-to-last layer; a list of layers concatenates along the channels), without the CLS
+row for ``vision_feature_select_strategy == "default"`` or with it for ``"full"``, then
+``linear_2(act(linear_1(x)))``. One image gives ``num_patches (+1 for "full")`` rows, which replace
+its block of ``image_token_index`` slots in the prompt (DESIGN.md §3: the first two slots carry
+the NAME / SHAPE handles of the ``[1, 3, H, W]`` pixel values).
+
+Parameters (the model's own names)::
+
+    vision_tower.*            CLIPVisionModel (clip.py; q/k/v fused into qkv_proj)
+    multi_modal_projector.*   linear_1, linear_2
+    language_model.*          DecoderForCausalLM (decoder.py; qkv_proj, gate_up_proj fused)
+
+Checkpoint names accepted, published llava-hf layout and transformers 5's::
+
+    vision_tower.vision_model.X        | model.vision_tower.X          -> vision_tower.X
+    multi_modal_projector.X            | model.multi_modal_projector.X -> multi_modal_projector.X
+    language_model.model.X             | model.language_model.X        -> language_model.model.X
+    language_model.lm_head.X           | lm_head.X                     -> language_model.lm_head.X
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+from torch import nn
+
+from atb_plugin.models.base import PretrainedModel
+from atb_plugin.models.clip import IGNORE, CLIPVisionConfig, CLIPVisionModel, FusedWeights, activation
+from atb_plugin.models.decoder import _IGNORED, DecoderConfig, DecoderForCausalLM
+
+# transformers' LlamaConfig defaults: llava-hf's published text_config lists only what differs
+# from them (llava-1.5-7b-hf gives no hidden_size, no num_hidden_layers ...).
+_LLAMA_DEFAULTS = {
+    "vocab_size": 32000,
+    "hidden_size": 4096,
+    "intermediate_size": 11008,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+}
+_TEXT_MODEL_TYPES = {"llama": False, "qwen2": True}  # model_type -> q/k/v biases without a config flag
+
+# checkpoint prefix -> the model's own prefix (first match wins; longer prefixes first)
+_PREFIXES = (
+    ("vision_tower.vision_model.", "vision_tower."),
+    ("model.vision_tower.", "vision_tower."),
+    ("multi_modal_projector.", "multi_modal_projector."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("language_model.model.", "language_model.model."),
+    ("model.language_model.", "language_model.model."),
+    ("language_model.lm_head.", "language_model.lm_head."),
+    ("lm_head.", "language_model.lm_head."),
+)
+
+# q/k/v (CLIP and decoder attention) and gate/up (decoder MLP) are stored fused.
+_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+
+@dataclass(frozen=True)
+class LlavaConfig:
+    text: DecoderConfig
+    vision: CLIPVisionConfig
+    image_token_id: int
+    vision_feature_layer: int | tuple[int, ...] = -2
+    vision_feature_select_strategy: str = "default"
+    projector_hidden_act: str = "gelu"
+    projector_bias: bool = True
+
+    def __post_init__(self):
+        if self.vision_feature_select_strategy not in ("default", "full"):
+            raise ValueError(f"vision_feature_select_strategy {self.vision_feature_select_strategy!r}: "
+                             "expected 'default' or 'full'")
+        activation(self.projector_hidden_act)
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        layer = self.vision_feature_layer
+        return (layer,) if isinstance(layer, int) else tuple(layer)
+
+    @property
+    def tokens_per_image(self) -> int:
+        return self.vision.num_patches + (self.vision_feature_select_strategy == "full")
+
+    @classmethod
+    def from_hf(cls, raw: dict) -> "LlavaConfig":
+        text_raw = dict(raw.get("text_config") or {})
+        model_type = text_raw.get("model_type", "llama")
+        if model_type not in _TEXT_MODEL_TYPES:
+            raise ValueError(f"LLaVA text model {model_type!r} is not supported ({', '.join(_TEXT_MODEL_TYPES)})")
+        if model_type == "llama":
+            text_raw = {**_LLAMA_DEFAULTS, **text_raw}
+        token_key = "image_token_index" if "image_token_index" in raw else "image_token_id"
+        layer = raw.get("vision_feature_layer", -2)
+        return cls(
+            text=DecoderConfig.from_hf(text_raw, qkv_bias=_TEXT_MODEL_TYPES[model_type]),
+            vision=CLIPVisionConfig.from_hf(raw.get("vision_config") or {}),
+            image_token_id=raw.get(token_key, 32000),
+            vision_feature_layer=layer if isinstance(layer, int) else tuple(layer),
+            vision_feature_select_strategy=raw.get("vision_feature_select_strategy", "default"),
+            projector_hidden_act=raw.get("projector_hidden_act", "gelu"),
+            projector_bias=raw.get("multimodal_projector_bias", True),
+        )
+
+
+class LlavaMultiModalProjector(nn.Module):
+    def __init__(self, config: LlavaConfig):
+        super().__init__()
+        width = config.vision.hidden_size * len(config.feature_layers)
+        self.linear_1 = nn.Linear(width, config.text.hidden_size, bias=config.projector_bias)
+        self.act = activation(config.projector_hidden_act)
+        self.linear_2 = nn.Linear(config.text.hidden_size, config.text.hidden_size, bias=config.projector_bias)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return self.linear_2(self.act(self.linear_1(features)))
+
+
+class LlavaForConditionalGeneration(PretrainedModel):
+    def __init__(self, config: LlavaConfig):
+        super().__init__()
+        self.config = config
+        self.vision_tower = CLIPVisionModel(config.vision)
+        self.multi_modal_projector = LlavaMultiModalProjector(config)
+        self.language_model = DecoderForCausalLM(config.text)
+        self._feature_indices = [self.vision_tower.layer_index(layer) for layer in config.feature_layers]
+
+    @classmethod
+    def config_from_hf(cls, config: dict) -> LlavaConfig:
+        return LlavaConfig.from_hf(config)
+
+    @property
+    def media_layout(self):
+        from atb_plugin.multimodal import MediaLayout
+
+        return MediaLayout(placeholder_id=self.config.image_token_id, num_metadata_slots=2,
+                           tokens_per_block=self.config.tokens_per_image, merge_size=1)
+
+    # -- vision ----------------------------------------------------------------------------------
+
+    def get_image_features(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """``(B, 3, H, W)`` -> ``(B, tokens_per_image, text hidden)``."""
+        states = self.vision_tower(pixel_values, up_to=max(self._feature_indices))
+        selected = [states[index] for index in self._feature_indices]
+        if self.config.vision_feature_select_strategy == "default":
+            selected = [state[:, 1:] for state in selected]  # drop CLS
+        return self.multi_modal_projector(torch.cat(selected, dim=-1))
+
+    def get_multimodal_embeddings(self, pixel_values: torch.Tensor, grid_thw=None) -> torch.Tensor:
+        """The rows for ONE image's block: ``[1, 3, H, W]`` (or ``[3, H, W]``) -> ``(tokens, hidden)``."""
+        if grid_thw is not None:
+            raise ValueError("LLaVA images have no grid_thw")
+        if pixel_values.dim() == 3:
+            pixel_values = pixel_values.unsqueeze(0)
+        if pixel_values.dim() != 4 or pixel_values.shape[0] != 1:
+            raise ValueError(f"one image's pixel values [1, 3, H, W] expected, got {list(pixel_values.shape)}")
+        return self.get_image_features(pixel_values)[0]
+
+    # -- language model --------------------------------------------------------------------------
+
+    def get_language_model(self) -> DecoderForCausalLM:
+        return self.language_model
+
+    def get_input_embeddings(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Text embeddings of ``input_ids``; with ``mm_embeds``, those rows replace the image
+        placeholder positions in order (their counts must agree)."""
+        embeds = self.language_model.get_input_embeddings(input_ids)
+        if mm_embeds is None:
+            return embeds
+        mask = input_ids == self.config.image_token_id
+        count = int(mask.sum())
+        if count != mm_embeds.shape[0]:
+            raise ValueError(f"{count} image placeholder tokens (id {self.config.image_token_id}) but "
+                             f"{mm_embeds.shape[0]} image feature rows")
+        return embeds.masked_scatter(mask.unsqueeze(-1), mm_embeds.to(embeds.dtype))
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata, inputs_embeds=None):
+        return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    def make_kv_caches(self, num_blocks: int, block_size: int, dtype=None, device=None):
+        return self.language_model.make_kv_caches(num_blocks, block_size, dtype=dtype, device=device)
+
+    # -- weights ---------------------------------------------------------------------------------
+
+    @cached_property
+    def _fused(self) -> FusedWeights:
+        return FusedWeights(self, _STACKED)
+
+    def _own_name(self, name: str) -> str | None:
+        """The model's name for a checkpoint tensor, ``IGNORE`` for known unused ones, else None."""
+        for prefix, own in _PREFIXES:
+            if name.startswith(prefix):
+                full = own + name[len(prefix):]
+                if full.startswith("language_model.") and (
+                    _IGNORED.match(full)
+                    or (full == "language_model.lm_head.weight" and self.language_model.lm_head is None)
+                ):
+                    return IGNORE  # rotary buffers of old checkpoints, tied head
+                return full
+        return None
+
+    def accepts_weight(self, name: str) -> bool:
+        return self._fused.accepts(self._own_name(name))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return self._fused.load(weights, self._own_name)

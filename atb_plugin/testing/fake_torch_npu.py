@@ -1,0 +1,621 @@
+"""A simulated ``torch_npu`` for machines without an Ascend NPU: the ATB-backed ops that
+``atb_plugin.ops.npu_kernels`` calls, computed in plain torch on CPU tensors with the semantics,
+argument names and layouts the real ones document, so tests run the real NPU code path and compare
+it with the CPU path. Nothing here returns placeholders: every op computes its documented result,
+and calls that break the documented contract (wrong layout, dtype, host/device placement of a
+length tensor, block size the hardware refuses) raise ``NpuOpError`` as the real op would fail.
+
+Usage::
+
+    from atb_plugin.testing import fake_torch_npu
+    with fake_torch_npu.install() as fake:          # sys.modules["torch_npu"] = fake.module
+        with use_platform("npu"):
+            ...                                      # NPU kernels call fake.module._npu_* ops
+        fake.module.calls["_npu_paged_attention"]    # how often each op ran
+
+Sources of the contracts (read, not copied): Ascend/op-plugin ``op_plugin/ops/atb/*.cpp`` (the
+schemas ``_npu_*`` are registered with), the CANN ATB operation docs (ReshapeAndCacheOperation,
+SelfAttentionOperation, PagedAttentionOperation and its mask types), the torch_npu API docs
+(``npu_rms_norm``, ``npu_rotary_mul``, ``npu_swiglu``), and vllm-ascend
+(``vllm_ascend/attention/attention_v1.py``, ``attention_mask.py``), the canonical caller.
+
+Device story. A simulated NPU has no device memory, so its tensors stay on the CPU: the module
+says so with ``FAKE_DEVICE = "cpu"``, which ``NpuPlatform.device()`` honours (a real torch_npu has
+no such attribute and the platform returns ``torch.device("npu", i)``). Tensors the real ops want
+on the *host* (``seq_len``, ``context_lens``: ATB reads them as host data) must be CPU int32 here
+too; tensors the real ops want on the device are simply CPU tensors.
+
+``torch.device("npu")``. ``install()`` also renames torch's PrivateUse1 backend to ``"npu"`` (what
+the real torch_npu does on import) and registers a ``torch.npu`` device module, so the string
+parses. The rename cannot be undone in a process, so it is made harmless for whatever runs after:
+the registered ``torch.npu`` is a permanent proxy, and Python PrivateUse1 hooks are registered
+beside it; both report a device only while a fake is installed. With none installed,
+``torch.accelerator.is_available()`` is False, ``torch._C._get_accelerator()`` and
+``torch.get_device_module()`` are CPU again (so ``init_process_group()`` without a backend still
+picks gloo), ``torch.manual_seed`` stays silent, and no tensor can be allocated on ``npu``. (With
+the rename alone, torch 2.13 raises from ``torch.accelerator.is_available()`` and
+``torch.get_device_module()``.) The remainders are that ``torch.device("npu")`` parses and
+``torch.accelerator.current_accelerator()`` without ``check_available`` names ``npu``, as it names
+``cuda`` on a CUDA build without a GPU.
+
+Dtypes. ATB's attention ops accept float16 / bfloat16; the fake also accepts float32 (treated like
+float16, with additive masks) so tests can compare the NPU path with the CPU path at 1e-5. The mask
+conventions differ by dtype exactly where the real ones do (see ``_npu_flash_attention``).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import importlib.machinery
+import sys
+import threading
+import types
+
+import torch
+import torch.nn.functional as F
+
+FAKE_DEVICE = "cpu"
+
+_ATTN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_CACHE_DTYPES = _ATTN_DTYPES + (torch.int8,)
+_MAX_ATTN_HEAD_SIZE = 256  # SelfAttention / PagedAttention (with masks, splitfuse): head_size in (0, 256]
+_MAX_PAGED_HEAD_SIZE = 576  # plain PagedAttention decode: (0, 576], block_size <= 128 beyond 256
+_BLOCK_SIZE_MULTIPLE = 16  # PagedAttention: "due to hardware restrictions, block_size % 16 == 0"
+
+
+class NpuOpError(RuntimeError):
+    """A call the real op would reject (torch_npu surfaces ATB failures as RuntimeError)."""
+
+
+def _require(condition: bool, op: str, message: str) -> None:
+    if not condition:
+        raise NpuOpError(f"{op}: {message}")
+
+
+def _host_lengths(t, op: str, name: str, count: int | None = None) -> list[int]:
+    """A host-side int32 1-D length tensor (ATB reads it as host data: passing a device tensor
+    crashes the real op). Returns its values."""
+    _require(isinstance(t, torch.Tensor), op, f"{name} must be a tensor, got {type(t).__name__}")
+    _require(t.device.type == "cpu", op, f"{name} must be a host (CPU) tensor, got {t.device}")
+    _require(t.dtype == torch.int32, op, f"{name} must be int32, got {t.dtype}")
+    _require(t.dim() == 1, op, f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    if count is not None:
+        _require(t.numel() == count, op, f"{name} has {t.numel()} entries, expected {count}")
+    return t.tolist()
+
+
+def _check_heads(op: str, query, num_heads: int, num_kv_heads: int, kv_heads_actual: int, head_size_max: int):
+    _require(query.dim() == 3, op, f"query must be [num_tokens, num_heads, head_size], got {tuple(query.shape)}")
+    _require(query.dtype in _ATTN_DTYPES, op, f"query dtype {query.dtype} not supported")
+    _require(query.shape[1] == num_heads, op, f"num_heads={num_heads} but query has {query.shape[1]} heads")
+    _require(kv_heads_actual == num_kv_heads, op,
+             f"num_kv_heads={num_kv_heads} but key/value carry {kv_heads_actual} heads")
+    _require(num_kv_heads > 0 and num_heads % num_kv_heads == 0, op,
+             f"GQA needs num_heads % num_kv_heads == 0 (got {num_heads}, {num_kv_heads})")
+    _require(0 < query.shape[2] <= head_size_max, op, f"head_size {query.shape[2]} outside (0, {head_size_max}]")
+
+
+def _check_out(op: str, out, query) -> None:
+    _require(isinstance(out, torch.Tensor), op, "out must be a preallocated tensor")
+    _require(out.shape == query.shape and out.dtype == query.dtype, op,
+             f"out must match query ({tuple(query.shape)}, {query.dtype}), got ({tuple(out.shape)}, {out.dtype})")
+    _require(out.is_contiguous(), op, "out must be contiguous (written in place)")
+
+
+def _attend(q, k, v, scale: float, bias=None):
+    """q (Lq, H, D), k/v (Lk, Hkv, D), bias (Lq, Lk) float added to the scores or None. fp32 math."""
+    groups = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(groups, dim=1)
+    v = v.float().repeat_interleave(groups, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if bias is not None:
+        scores = scores + bias.float()
+    return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
+
+
+def _check_paged_cache(op: str, key_cache, value_cache, query, block_size_max: int | None, head_size_max: int):
+    for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _require(cache.dim() == 4, op,
+                 f"{name} must be ND [num_blocks, block_size, num_kv_heads, head_size], got {tuple(cache.shape)}")
+        _require(cache.dtype == query.dtype, op, f"{name} dtype {cache.dtype} != query dtype {query.dtype}")
+    _require(key_cache.shape[:3] == value_cache.shape[:3], op, "key_cache and value_cache disagree on layout")
+    _require(key_cache.shape[3] == query.shape[2], op,
+             f"key_cache head_size {key_cache.shape[3]} != query head_size {query.shape[2]} "
+             "(is the cache in [num_blocks, num_kv_heads, block_size, head_size] layout?)")
+    block_size = key_cache.shape[1]
+    _require(block_size % _BLOCK_SIZE_MULTIPLE == 0, op,
+             f"block_size must be a multiple of {_BLOCK_SIZE_MULTIPLE} (hardware restriction), got {block_size}")
+    if block_size_max is not None:
+        _require(block_size <= block_size_max, op, f"block_size must be <= {block_size_max}, got {block_size}")
+        _require(block_size * query.shape[2] <= 128 * 128, op, "block_size * head_size must be <= 128 * 128")
+    if query.shape[2] > _MAX_ATTN_HEAD_SIZE:
+        _require(block_size <= 128, op, "head_size > 256 needs block_size <= 128")
+    _require(query.shape[2] <= head_size_max, op, f"head_size {query.shape[2]} outside (0, {head_size_max}]")
+
+
+def _gather_context(cache, block_table_row, context_len: int):
+    block_size = cache.shape[1]
+    blocks = block_table_row[: -(-context_len // block_size)].long()
+    return cache[blocks].flatten(0, 1)[:context_len]
+
+
+def _check_block_table(op: str, block_table, batch: int, num_blocks: int, block_size: int, max_context: int):
+    _require(isinstance(block_table, torch.Tensor) and block_table.dtype == torch.int32, op,
+             "block_table must be an int32 tensor")
+    _require(block_table.dim() == 2 and block_table.shape[0] == batch, op,
+             f"block_table must be [batch={batch}, max_num_blocks_per_seq], got {tuple(block_table.shape)}")
+    _require(bool(((block_table >= 0) & (block_table < num_blocks)).all()), op,
+             f"block_table values must lie in [0, num_blocks={num_blocks})")
+    _require(block_table.shape[1] * block_size >= max_context, op,
+             "max_num_blocks_per_seq * block_size must cover max(context_lens)")
+
+
+# --------------------------------------------------------------------------------------------
+# ATB ops (torch_npu's ``atb`` library; schemas as registered by op-plugin)
+# --------------------------------------------------------------------------------------------
+
+
+def _npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices):
+    """``_npu_reshape_and_cache(Tensor key, Tensor value, Tensor(a!) key_cache, Tensor(b!) value_cache,
+    Tensor slot_indices) -> ()`` — ATB ReshapeAndCacheOperation.
+
+    Stores each token's ``key[i]`` / ``value[i]`` (``[num_tokens, num_kv_heads, head_size]``) into
+    ``key_cache`` / ``value_cache`` (ND ``[num_blocks, block_size, num_kv_heads, head_size]``, the
+    layout vllm-ascend allocates on A2/A3; 310P's NZ layout is not simulated) at flat slot
+    ``slot_indices[i] = block_id * block_size + offset``, in place. ``slot_indices`` is int32.
+    All of key, value and the caches share one dtype. Returns nothing (the schema returns ``()``).
+    Negative slots (vLLM's padding id) are not documented for ATB, so the fake refuses them;
+    the kernel drops such tokens before calling.
+    """
+    op = "_npu_reshape_and_cache"
+    for name, t in (("key", key), ("value", value)):
+        _require(t.dim() == 3, op, f"{name} must be [num_tokens, num_kv_heads, head_size], got {tuple(t.shape)}")
+    for name, t in (("key_cache", key_cache), ("value_cache", value_cache)):
+        _require(t.dim() == 4, op, f"{name} must be [num_blocks, block_size, num_kv_heads, head_size], "
+                                   f"got {tuple(t.shape)}")
+        _require(t.is_contiguous(), op, f"{name} must be contiguous (updated in place)")
+    _require(key.shape[0] == value.shape[0], op, "key and value disagree on num_tokens")
+    _require(key_cache.shape[2:] == key.shape[1:], op,
+             f"key {tuple(key.shape)} does not fit key_cache {tuple(key_cache.shape)} "
+             "(expected key_cache[..., num_kv_heads, head_size] == key[num_tokens, num_kv_heads, head_size])")
+    _require(value_cache.shape[2:] == value.shape[1:], op,
+             f"value {tuple(value.shape)} does not fit value_cache {tuple(value_cache.shape)}")
+    _require(key_cache.shape[:2] == value_cache.shape[:2], op, "key_cache and value_cache disagree on blocks")
+    dtypes = {key.dtype, value.dtype, key_cache.dtype, value_cache.dtype}
+    _require(len(dtypes) == 1 and key.dtype in _CACHE_DTYPES, op, f"key/value/caches must share one dtype, got {dtypes}")
+    _require(isinstance(slot_indices, torch.Tensor) and slot_indices.dtype == torch.int32, op,
+             "slot_indices must be an int32 tensor")
+    _require(slot_indices.dim() == 1 and slot_indices.numel() == key.shape[0], op,
+             f"slot_indices must be [num_tokens={key.shape[0]}], got {tuple(slot_indices.shape)}")
+    num_slots = key_cache.shape[0] * key_cache.shape[1]
+    _require(bool(((slot_indices >= 0) & (slot_indices < num_slots)).all()), op,
+             f"slot_indices must lie in [0, num_blocks * block_size = {num_slots})")
+    slots = slot_indices.long()
+    key_cache.view(num_slots, *key_cache.shape[2:])[slots] = key
+    value_cache.view(num_slots, *value_cache.shape[2:])[slots] = value
+
+
+def _npu_flash_attention(query, key, value, mask, seq_len, scale_value, num_heads, num_kv_heads, out):
+    """``_npu_flash_attention(Tensor query, Tensor key, Tensor value, Tensor mask, Tensor seq_len,
+    float scale_value, int num_heads, int num_kv_heads, Tensor(a!) out) -> ()`` — ATB
+    SelfAttentionOperation, calcType PA_ENCODER, maskType MASK_TYPE_NORM (prefill without cache).
+
+    ``query`` ``[num_tokens, num_heads, head_size]``, ``key``/``value`` ``[num_tokens, num_kv_heads,
+    head_size]``: the requests' tokens back to back. ``seq_len``: host int32 ``[batch]``, each
+    request's length (not cumulative). Each request attends only within itself:
+    ``softmax(scale_value * q·kᵀ ⊕ mask[:L, :L]) · v`` written into ``out`` (same shape as query).
+    The op applies no causality of its own: the mask does. ``mask`` is ``[max_seq_len, max_seq_len]``
+    (shared) or ``[batch, max_seq_len, max_seq_len]`` with ``max_seq_len >= max(seq_len)``, in the
+    query dtype, and its meaning follows the dtype as vllm-ascend builds it:
+
+    * float16 (and the fake's float32): additive; masked entries hold a large negative
+      (vllm-ascend fills ``finfo(float32).min``, which is -inf in fp16), visible ones 0;
+    * bfloat16: a 0/1 mask, 1 = masked (ATB: "in high-precision mode a NORM mask passes 1");
+      the fake refuses other values.
+    """
+    op = "_npu_flash_attention"
+    _check_heads(op, query, num_heads, num_kv_heads, key.shape[1] if key.dim() == 3 else -1, _MAX_ATTN_HEAD_SIZE)
+    _check_self_attention_kv(op, query, key, value)
+    lengths = _host_lengths(seq_len, op, "seq_len")
+    _require(sum(lengths) == query.shape[0] and min(lengths, default=1) > 0, op,
+             f"seq_len {lengths} must be positive and sum to num_tokens={query.shape[0]}")
+    _require(isinstance(mask, torch.Tensor) and mask.dtype == query.dtype, op, "mask must be a tensor in the query dtype")
+    _require(mask.dim() in (2, 3) and mask.shape[-1] == mask.shape[-2] and mask.shape[-1] >= max(lengths), op,
+             f"mask must be [max_seq_len, max_seq_len] or [batch, max_seq_len, max_seq_len] with "
+             f"max_seq_len >= {max(lengths)}, got {tuple(mask.shape)}")
+    if mask.dim() == 3:
+        _require(mask.shape[0] == len(lengths), op, "a per-request mask needs one [max, max] slice per request")
+    if query.dtype == torch.bfloat16:
+        _require(bool(((mask == 0) | (mask == 1)).all()), op, "a bfloat16 NORM mask must hold 0 (visible) / 1 (masked)")
+    _check_out(op, out, query)
+    start = 0
+    for r, length in enumerate(lengths):
+        m = (mask[r] if mask.dim() == 3 else mask)[:length, :length]
+        bias = m.float().masked_fill(m == 1, float("-inf")).masked_fill(m != 1, 0.0) \
+            if query.dtype == torch.bfloat16 else m
+        end = start + length
+        out[start:end] = _attend(query[start:end], key[start:end], value[start:end], scale_value, bias).to(out.dtype)
+        start = end
+
+
+def _check_self_attention_kv(op: str, query, key, value) -> None:
+    for name, t in (("key", key), ("value", value)):
+        _require(t.dim() == 3 and t.shape[0] == query.shape[0] and t.shape[2] == query.shape[2], op,
+                 f"{name} must be [num_tokens={query.shape[0]}, num_kv_heads, head_size={query.shape[2]}], "
+                 f"got {tuple(t.shape)}")
+        _require(t.dtype == query.dtype, op, f"{name} dtype {t.dtype} != query dtype {query.dtype}")
+    _require(key.shape == value.shape, op, "key and value shapes differ")
+
+
+def _npu_flash_attention_unpad(query, key, value, seq_len, scale_value, num_heads, num_kv_heads, out):
+    """``_npu_flash_attention_unpad(Tensor query, Tensor key, Tensor value, Tensor seq_len,
+    float scale_value, int num_heads, int num_kv_heads, Tensor(a!) out) -> ()`` — ATB
+    SelfAttentionOperation, PA_ENCODER with MASK_TYPE_UNDEFINED: no mask, full (bidirectional)
+    attention within each request. Layouts as ``_npu_flash_attention``; ``seq_len`` is the host
+    int32 per-request lengths (vllm-ascend passes ``torch.diff(cu_seqlens).cpu()`` for vision
+    encoders). Writes ``out``.
+    """
+    op = "_npu_flash_attention_unpad"
+    _check_heads(op, query, num_heads, num_kv_heads, key.shape[1] if key.dim() == 3 else -1, _MAX_ATTN_HEAD_SIZE)
+    _check_self_attention_kv(op, query, key, value)
+    lengths = _host_lengths(seq_len, op, "seq_len")
+    _require(sum(lengths) == query.shape[0] and min(lengths, default=1) > 0, op,
+             f"seq_len {lengths} must be positive and sum to num_tokens={query.shape[0]}")
+    _check_out(op, out, query)
+    start = 0
+    for length in lengths:
+        end = start + length
+        out[start:end] = _attend(query[start:end], key[start:end], value[start:end], scale_value).to(out.dtype)
+        start = end
+
+
+def _npu_paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table,
+                         context_lens, out):
+    """``_npu_paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, int num_kv_heads,
+    int num_heads, float scale_value, Tensor block_table, Tensor context_lens, Tensor(a!) out) -> ()``
+    — ATB PagedAttentionOperation, maskType UNDEFINED (decode).
+
+    One query token per sequence: ``query`` ``[batch, num_heads, head_size]``. Sequence b's keys and
+    values are its first ``context_lens[b]`` cached tokens (host int32 ``[batch]``: computed + this
+    step's token, which ``_npu_reshape_and_cache`` wrote beforehand), found through
+    ``block_table[b]`` (int32 ``[batch, max_num_blocks_per_seq]``, physical block ids in
+    ``[0, num_blocks)``; logical token t sits in block ``block_table[b][t // block_size]`` at offset
+    ``t % block_size``) in the ND caches ``[num_blocks, block_size, num_kv_heads, head_size]``.
+    No mask: the token sees its whole context. ``block_size % 16 == 0`` (hardware restriction).
+    Writes ``softmax(scale_value * q·kᵀ) · v`` into ``out``.
+    """
+    op = "_npu_paged_attention"
+    _check_heads(op, query, num_heads, num_kv_heads, key_cache.shape[2] if key_cache.dim() == 4 else -1,
+                 _MAX_PAGED_HEAD_SIZE)
+    _check_paged_cache(op, key_cache, value_cache, query, None, _MAX_PAGED_HEAD_SIZE)
+    contexts = _host_lengths(context_lens, op, "context_lens", count=query.shape[0])
+    _require(min(contexts, default=1) > 0, op, "every context_lens entry must be positive")
+    _check_block_table(op, block_table, query.shape[0], key_cache.shape[0], key_cache.shape[1], max(contexts, default=0))
+    _check_out(op, out, query)
+    for b, context_len in enumerate(contexts):
+        k = _gather_context(key_cache, block_table[b], context_len)
+        v = _gather_context(value_cache, block_table[b], context_len)
+        out[b:b + 1] = _attend(query[b:b + 1], k, v, scale_value).to(out.dtype)
+
+
+def _npu_paged_attention_splitfuse(query, key_cache, value_cache, block_table, context_lens, mask, seq_len,
+                                   num_kv_heads, num_heads, scale_value, out):
+    """``_npu_paged_attention_splitfuse(Tensor query, Tensor key_cache, Tensor value_cache,
+    Tensor block_table, Tensor context_lens, Tensor mask, Tensor seq_len, int num_kv_heads,
+    int num_heads, float scale_value, Tensor(a!) out) -> ()`` — ATB PagedAttentionOperation with
+    calcType CALC_TYPE_SPEC, maskType MASK_TYPE_SPEC ("parallel decoding"); vllm-ascend's
+    chunked-prefill / mixed-batch path.
+
+    ``seq_len``: host int32 ``[batch]``, the number of *query* tokens of each sequence this step
+    (vllm-ascend passes ``query_lens``); ``context_lens``: host int32 ``[batch]``, each sequence's
+    cached tokens including this step's (``seq_lens``). ``query`` ``[sum(seq_len), num_heads,
+    head_size]``, sequences back to back. Caches and ``block_table`` as ``_npu_paged_attention``.
+    ``mask`` ``[num_tokens, max_seq_len]`` (``max_seq_len >= max(context_lens)``) is *additive*
+    in both fp16 and bf16 (vllm-ascend: rows of the causal table picked by each token's position,
+    scaled to -inf for fp16 and -10000 for bf16): query token t of sequence b scores context token
+    j as ``scale_value * q_t·k_j + mask[t, j]`` for ``j < context_lens[b]``. The op adds no
+    causality of its own. Needs block_size % 16 == 0, block_size <= 128, block_size * head_size
+    <= 128 * 128. Writes ``out``.
+    """
+    op = "_npu_paged_attention_splitfuse"
+    _check_heads(op, query, num_heads, num_kv_heads, key_cache.shape[2] if key_cache.dim() == 4 else -1,
+                 _MAX_ATTN_HEAD_SIZE)
+    _check_paged_cache(op, key_cache, value_cache, query, 128, _MAX_ATTN_HEAD_SIZE)
+    query_lens = _host_lengths(seq_len, op, "seq_len")
+    contexts = _host_lengths(context_lens, op, "context_lens", count=len(query_lens))
+    _require(sum(query_lens) == query.shape[0], op,
+             f"seq_len (query lengths) {query_lens} must sum to num_tokens={query.shape[0]}")
+    _require(all(0 < q <= c for q, c in zip(query_lens, contexts)), op,
+             "each sequence needs 0 < seq_len <= context_lens")
+    _check_block_table(op, block_table, len(query_lens), key_cache.shape[0], key_cache.shape[1],
+                       max(contexts, default=0))
+    _require(isinstance(mask, torch.Tensor) and mask.dtype == query.dtype, op, "mask must be a tensor in the query dtype")
+    _require(mask.dim() == 2 and mask.shape[0] == query.shape[0] and mask.shape[1] >= max(contexts, default=0), op,
+             f"mask must be [num_tokens={query.shape[0]}, max_seq_len >= {max(contexts, default=0)}], "
+             f"got {tuple(mask.shape)}")
+    _check_out(op, out, query)
+    start = 0
+    for b, (q_len, context_len) in enumerate(zip(query_lens, contexts)):
+        end = start + q_len
+        k = _gather_context(key_cache, block_table[b], context_len)
+        v = _gather_context(value_cache, block_table[b], context_len)
+        out[start:end] = _attend(query[start:end], k, v, scale_value, mask[start:end, :context_len]).to(out.dtype)
+        start = end
+
+
+# --------------------------------------------------------------------------------------------
+# aclnn ops (torch_npu public API)
+# --------------------------------------------------------------------------------------------
+
+
+def npu_rms_norm(self, gamma, epsilon=1e-6):
+    """``npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)``.
+
+    ``y = self * rstd * gamma`` with ``rstd = 1 / sqrt(mean(self², over gamma's trailing dims) +
+    epsilon)``, computed in float32, ``y`` cast to ``self``'s dtype. Returns ``(y, rstd)``;
+    ``rstd`` is float32 shaped like ``self`` with gamma's dims reduced to 1. ``self`` and ``gamma``
+    share a dtype (float16 / bfloat16 / float32); ``gamma`` matches ``self``'s trailing dims.
+    """
+    op = "npu_rms_norm"
+    _require(self.dtype in _ATTN_DTYPES, op, f"dtype {self.dtype} not supported")
+    _require(gamma.dtype == self.dtype, op, f"gamma dtype {gamma.dtype} != self dtype {self.dtype}")
+    _require(1 <= self.dim() <= 8 and 1 <= gamma.dim() <= self.dim(), op, "self must be 1-8 dims, gamma <= self")
+    _require(self.shape[self.dim() - gamma.dim():] == gamma.shape, op,
+             f"gamma {tuple(gamma.shape)} must match the trailing dims of self {tuple(self.shape)}")
+    dims = tuple(range(self.dim() - gamma.dim(), self.dim()))
+    x = self.float()
+    rstd = torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + epsilon)
+    return (x * rstd * gamma.float()).to(self.dtype), rstd
+
+
+def npu_rotary_mul(input, r1, r2, rotary_mode="half"):  # noqa: A002 - torch_npu's argument name
+    """``npu_rotary_mul(Tensor input, Tensor r1, Tensor r2, str rotary_mode='half') -> Tensor``.
+
+    ``r1 * input + r2 * rotate(input)``; ``half``: ``rotate(x) = cat(-x2, x1)`` of the two halves of
+    the last dim; ``interleave``: pairs ``(x[2i], x[2i+1]) -> (-x[2i+1], x[2i])``. All three are
+    4-D (layouts BNSD / BSND / SBND, r1/r2 broadcast like 11SD / 1S1D / S11D) and share a dtype;
+    D is even. Returns a new tensor shaped like ``input``.
+    """
+    op = "npu_rotary_mul"
+    for name, t in (("input", input), ("r1", r1), ("r2", r2)):
+        _require(t.dim() == 4, op, f"{name} must be 4-D, got {tuple(t.shape)}")
+        _require(t.dtype == input.dtype and t.dtype in _ATTN_DTYPES, op, f"{name} dtype {t.dtype} mismatch")
+    _require(r1.shape == r2.shape, op, "r1 and r2 shapes differ")
+    _require(all(a == b or a == 1 for a, b in zip(r1.shape, input.shape)), op,
+             f"r1 {tuple(r1.shape)} does not broadcast to input {tuple(input.shape)}")
+    _require(r1.shape[-1] == input.shape[-1] and input.shape[-1] % 2 == 0, op, "last dims must match and be even")
+    _require(rotary_mode in ("half", "interleave"), op, f"rotary_mode {rotary_mode!r} not supported")
+    x = input.float()
+    if rotary_mode == "half":
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat((-x2, x1), dim=-1)
+    else:
+        rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    return (r1.float() * x + r2.float() * rotated).to(input.dtype)
+
+
+def npu_swiglu(input, dim=-1):  # noqa: A002 - torch_npu's argument name
+    """``npu_swiglu(Tensor input, int dim=-1) -> Tensor``: split ``input`` in halves A (first) and
+    B (second) along ``dim``; returns ``silu(A) * B = A * sigmoid(A) * B`` in ``input``'s dtype.
+    ``input`` must be contiguous and non-empty with an even size along ``dim``."""
+    op = "npu_swiglu"
+    _require(input.dtype in _ATTN_DTYPES, op, f"dtype {input.dtype} not supported")
+    _require(input.is_contiguous(), op, "input must be contiguous")
+    _require(input.numel() > 0 and input.shape[dim] % 2 == 0, op, f"size along dim {dim} must be even and non-zero")
+    a, b = input.float().chunk(2, dim=dim)
+    return (F.silu(a) * b).to(input.dtype)
+
+
+OPS = (
+    _npu_reshape_and_cache,
+    _npu_flash_attention,
+    _npu_flash_attention_unpad,
+    _npu_paged_attention,
+    _npu_paged_attention_splitfuse,
+    npu_rms_norm,
+    npu_rotary_mul,
+    npu_swiglu,
+)
+
+
+# --------------------------------------------------------------------------------------------
+# installation
+# --------------------------------------------------------------------------------------------
+
+_lock = threading.Lock()
+_active: "FakeTorchNpu | None" = None
+
+
+class _NpuRuntime:
+    """``torch_npu.npu`` (also reached as ``torch.npu``): the runtime queries the platform needs."""
+
+    def __init__(self, device_count: int):
+        self._count = device_count
+        self._current = 0
+
+    def is_available(self) -> bool:
+        return self._count > 0
+
+    def device_count(self) -> int:
+        return self._count
+
+    def current_device(self) -> int:
+        return self._current
+
+    def set_device(self, device) -> None:
+        if isinstance(device, str):
+            device = torch.device(device)
+        index = (device.index or 0) if isinstance(device, torch.device) else int(device)
+        if not 0 <= index < self._count:
+            raise NpuOpError(f"set_device: device {index} out of range ({self._count} devices)")
+        self._current = index
+
+    def synchronize(self, device=None) -> None:
+        """CPU work is synchronous: nothing to wait for."""
+
+    def get_device_name(self, device=None) -> str:
+        return "fake Ascend NPU (simulated on CPU)"
+
+
+class _TorchNpuProxy(types.ModuleType):
+    """The permanent ``torch.npu`` device module: delegates to the installed fake's runtime
+    (``runtime``, set by ``install()`` and cleared by ``uninstall()``) and reports no device while
+    none is installed, so the irreversible PrivateUse1 rename stays harmless. It also answers the
+    RNG hooks ``torch.manual_seed`` looks for on the PrivateUse1 module (else it warns)."""
+
+    _atb_plugin_fake_proxy = True
+
+    def __init__(self):
+        super().__init__("torch.npu", "torch.npu: the simulated NPU of atb_plugin.testing.fake_torch_npu")
+        self.runtime = None
+
+    def is_available(self) -> bool:
+        return self.runtime is not None and self.runtime.is_available()
+
+    def device_count(self) -> int:
+        return self.runtime.device_count() if self.runtime is not None else 0
+
+    def current_device(self) -> int:
+        if self.runtime is None:
+            raise RuntimeError("no NPU: the fake torch_npu is not installed")
+        return self.runtime.current_device()
+
+    def synchronize(self, device=None) -> None:
+        return None
+
+    def is_initialized(self) -> bool:
+        return self.runtime is not None
+
+    def _is_in_bad_fork(self) -> bool:
+        return False
+
+    def manual_seed(self, seed) -> None:
+        return None
+
+    def manual_seed_all(self, seed) -> None:
+        return None
+
+
+class _PrivateUse1Hooks(torch._C._acc.PrivateUse1Hooks):
+    """C++-side availability of the renamed backend: follows the proxy, so with no fake installed
+    ``torch._C._get_accelerator()`` is CPU again (without hooks it raises after the rename)."""
+
+    def is_available(self) -> bool:
+        proxy = getattr(torch, "npu", None)
+        return bool(proxy is not None and proxy.is_available())
+
+    def has_primary_context(self, dev_id) -> bool:
+        return False
+
+    def is_built(self) -> bool:
+        return True
+
+
+def _npu_proxy() -> _TorchNpuProxy:
+    """Rename PrivateUse1 to ``npu``, register the Python hooks and the ``torch.npu`` proxy (once
+    per process); returns the proxy."""
+    existing = getattr(torch, "npu", None)
+    if existing is not None:
+        if not getattr(existing, "_atb_plugin_fake_proxy", False):
+            raise RuntimeError("torch.npu is already registered by something else (a real torch_npu?); "
+                               "refusing to install the fake")
+        return existing
+    name = torch._C._get_privateuse1_backend_name()
+    if name != "npu":
+        if name != "privateuseone":
+            raise RuntimeError(f"PrivateUse1 is already taken by backend {name!r}; cannot simulate an NPU")
+        torch.utils.rename_privateuse1_backend("npu")
+    torch._C._acc.register_python_privateuseone_hook(_PrivateUse1Hooks())
+    proxy = _TorchNpuProxy()
+    torch._register_device_module("npu", proxy)
+    return proxy
+
+
+class FakeTorchNpu:
+    """Handle of an installed fake: ``module`` is ``sys.modules["torch_npu"]``; ``uninstall()``
+    (or leaving the ``with`` block) restores the previous state."""
+
+    def __init__(self, module: types.ModuleType):
+        self.module = module
+        self.installed = True
+
+    def uninstall(self) -> None:
+        global _active
+        with _lock:
+            if not self.installed:
+                return
+            if sys.modules.get("torch_npu") is self.module:
+                del sys.modules["torch_npu"]
+            self.installed = False
+            if _active is self:
+                _active = None
+                proxy = getattr(torch, "npu", None)
+                if getattr(proxy, "_atb_plugin_fake_proxy", False):
+                    proxy.runtime = None
+        _forget_cached_npu_probes()
+
+    def __enter__(self) -> "FakeTorchNpu":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.uninstall()
+
+
+def _forget_cached_npu_probes() -> None:
+    """transformers caches ``is_torch_npu_available()``; drop the cache so an answer given while
+    the fake was installed does not outlive it."""
+    import_utils = sys.modules.get("transformers.utils.import_utils")
+    probe = getattr(import_utils, "is_torch_npu_available", None)
+    if probe is not None and hasattr(probe, "cache_clear"):
+        probe.cache_clear()
+
+
+def _counting(module: types.ModuleType, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        module.calls[fn.__name__] += 1
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
+def build_module(device_count: int = 1) -> types.ModuleType:
+    """A fresh ``torch_npu`` module object (not installed)."""
+    module = types.ModuleType("torch_npu", __doc__)
+    module.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
+    module.__version__ = "0.0.0+fake"
+    module.FAKE_DEVICE = FAKE_DEVICE
+    module.NpuOpError = NpuOpError
+    module.calls = collections.Counter()
+    module.npu = _NpuRuntime(device_count)
+    for fn in OPS:
+        setattr(module, fn.__name__, _counting(module, fn))
+    return module
+
+
+def install(device_count: int = 1) -> FakeTorchNpu:
+    """Install a fake as ``sys.modules["torch_npu"]`` reporting ``device_count`` devices; returns the
+    handle (a context manager). Refuses when a real torch_npu (or another fake) is loaded."""
+    global _active
+    with _lock:
+        present = sys.modules.get("torch_npu")
+        if present is not None:
+            what = "another fake torch_npu" if getattr(present, "FAKE_DEVICE", None) else "a real torch_npu"
+            raise RuntimeError(f"cannot install the fake torch_npu: {what} is already loaded")
+        proxy = _npu_proxy()
+        handle = FakeTorchNpu(build_module(device_count))
+        sys.modules["torch_npu"] = handle.module
+        proxy.runtime = handle.module.npu
+        _active = handle
+    _forget_cached_npu_probes()
+    return handle
+
+
+def installed() -> FakeTorchNpu | None:
+    return _active
+
+
+__all__ = ["FAKE_DEVICE", "FakeTorchNpu", "NpuOpError", "OPS", "build_module", "install", "installed"] + [
+    fn.__name__ for fn in OPS
+]
