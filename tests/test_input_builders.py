@@ -10,7 +10,6 @@ describes, with the token counts taken from transformers' own image processors.
 from __future__ import annotations
 
 import base64
-import io
 
 import numpy as np
 import pytest

@@ -106,3 +106,28 @@ def test_sharded_checkpoint_and_dtype(tmp_path):
     half = cls.from_pretrained(tmp_path, dtype=torch.bfloat16)
     assert all(p.dtype == torch.bfloat16 for p in half.parameters())
     assert (SequenceRunner(half, 16).step(ids).float() - SequenceRunner(single, 16).step(ids)).abs().max() < 0.1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_npu_path_equals_cpu_path(family):
+    """The same model through the ATB kernels (simulated torch_npu): prefill, a chunked-prefill
+    step and decode steps, each on the op the real NPU would use. Block size 16: ATB's rule."""
+    from atb_plugin.platform import use_platform
+    from atb_plugin.testing import fake_torch_npu
+
+    ours, _ = load_pair(family)
+    ids = prompt(40, ours.config.vocab_size, seed=2)
+
+    def run():
+        runner = SequenceRunner(ours, max_len=48, block_size=16)
+        steps = [runner.step(ids[:20]), runner.step(ids[20:33])]
+        return torch.cat(steps + [runner.step(ids[i:i + 1]) for i in range(33, 40)])
+
+    cpu = run()
+    with fake_torch_npu.install() as fake, use_platform("npu"):
+        npu = run()
+        calls = dict(fake.module.calls)
+    for op in ("_npu_reshape_and_cache", "_npu_flash_attention", "_npu_paged_attention_splitfuse",
+               "_npu_paged_attention", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu"):
+        assert calls.get(op), f"{op} was not used"
+    assert (npu - cpu).abs().max() <= 1e-5

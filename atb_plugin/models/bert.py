@@ -30,7 +30,8 @@ from torch import nn
 
 from atb_plugin import ops
 from atb_plugin.models.base import PretrainedModel
-from atb_plugin.models.clip import IGNORE, FusedWeights, activation
+from atb_plugin.models.clip import activation
+from atb_plugin.models.weights import IGNORE, FusedWeights
 
 _QKV = {"query": ("qkv", 0), "key": ("qkv", 1), "value": ("qkv", 2)}
 _BUFFERS = {"embeddings.position_ids"}  # known checkpoint tensors that are not parameters

@@ -16,13 +16,12 @@ in-memory names) except one fused projection, filled from the checkpoint's separ
 
     encoder.layers.N.self_attn.qkv_proj = [q_proj; k_proj; v_proj]   (weights and biases)
 
-``load_named`` is the loader shared by the encoders here (CLIP, BERT): checkpoint names are mapped
+``weights.FusedWeights`` is the loader every model shares: checkpoint names are mapped
 to the model's by a ``rename`` function, stacked projections are written into their fused shard.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -30,7 +29,7 @@ import torch
 from torch import nn
 
 from atb_plugin import ops
-from atb_plugin.models.weights import WeightLoadingError, copy_param
+from atb_plugin.models.weights import STACKED_QKV, FusedWeights
 
 # --------------------------------------------------------------------------------------------------
 # Activations (plain torch: these are element-wise and fine on every platform)
@@ -65,72 +64,6 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         raise ValueError(f"activation {name!r} is not supported ({', '.join(sorted(ACTIVATIONS))})") from None
 
 
-# --------------------------------------------------------------------------------------------------
-# Weight loading with fused projections, shared by the encoders
-# --------------------------------------------------------------------------------------------------
-
-IGNORE = ""  # what a rename function returns for a known checkpoint tensor the model does not use
-
-
-class FusedWeights:
-    """Maps a model-side name to the parameter (or shard of a fused parameter) it fills.
-
-    ``stacked`` maps a projection's leaf name to ``(fused leaf name, shard index)``, e.g.
-    ``{"q_proj": ("qkv_proj", 0), ...}``; the module holding the fused parameter answers
-    ``shard_sizes(fused)`` (rows per shard, in shard order)."""
-
-    def __init__(self, model: nn.Module, stacked: dict[str, tuple[str, int]]):
-        self.model = model
-        self.names = {name for name, _ in model.named_parameters()}  # stable across to_empty()
-        self.stacked = stacked
-        leaves = "|".join(re.escape(leaf) for leaf in stacked)
-        self.pattern = re.compile(rf"(.*)\.({leaves})\.(weight|bias)$") if stacked else None
-
-    def target(self, name: str) -> tuple[str, str | None, int] | None:
-        """``(parameter name, module prefix or None, shard index)`` that ``name`` fills, or None."""
-        match = self.pattern.match(name) if self.pattern else None
-        if match:
-            prefix, leaf, kind = match.groups()
-            fused, shard = self.stacked[leaf]
-            target = f"{prefix}.{fused}.{kind}"
-            return (target, prefix, shard) if target in self.names else None
-        return (name, None, 0) if name in self.names else None
-
-    def accepts(self, own_name: str | None) -> bool:
-        return own_name == IGNORE or (own_name is not None and self.target(own_name) is not None)
-
-    def load(self, weights: Iterable[tuple[str, torch.Tensor]], rename: Callable[[str], str | None]) -> set[str]:
-        """Copy ``(checkpoint name, tensor)`` pairs in; returns the parameters completely filled."""
-        params = dict(self.model.named_parameters())  # the current objects (to_empty replaces them)
-        modules = dict(self.model.named_modules())
-        loaded: set[str] = set()
-        shards_seen: dict[str, set[int]] = {}
-        for name, tensor in weights:
-            own = rename(name)
-            if own == IGNORE:
-                continue
-            found = self.target(own) if own is not None else None
-            if found is None:
-                raise WeightLoadingError(f"{name}: no such parameter in {type(self.model).__name__}")
-            target, prefix, shard = found
-            if prefix is None:
-                copy_param(params[target], tensor, name)
-                loaded.add(target)
-                continue
-            sizes = modules[prefix].shard_sizes(target.rsplit(".", 2)[-2])
-            copy_param(params[target].narrow(0, sum(sizes[:shard]), sizes[shard]), tensor, name)
-            shards_seen.setdefault(target, set()).add(shard)
-            if len(shards_seen[target]) == len(sizes):  # filled only once every shard came
-                loaded.add(target)
-        return loaded
-
-
-def load_named(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-               rename: Callable[[str], str | None], stacked: dict[str, tuple[str, int]]) -> set[str]:
-    return FusedWeights(model, stacked).load(weights, rename)
-
-
-_QKV = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
 
 # --------------------------------------------------------------------------------------------------
 # The tower
@@ -277,8 +210,8 @@ class CLIPVisionModel(nn.Module):
     # -- weights (names relative to the tower: "embeddings.…", "encoder.layers.N.…") -------------
 
     def accepts_weight(self, name: str) -> bool:
-        return FusedWeights(self, _QKV).accepts(name)
+        return FusedWeights(self, STACKED_QKV).accepts(name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return load_named(self, weights, lambda name: name, _QKV)
+        return FusedWeights(self, STACKED_QKV).load(weights, lambda name: name)
 

@@ -10,7 +10,6 @@ two fused projections, filled from the checkpoint's separate ones at load time::
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -19,16 +18,11 @@ from torch import nn
 
 from atb_plugin import ops
 from atb_plugin.models.base import PretrainedModel
-from atb_plugin.models.weights import WeightLoadingError, copy_param
+from atb_plugin.models.weights import IGNORE, OLD_ROTARY_BUFFER, STACKED_QKV_GATE_UP, FusedWeights
 from atb_plugin.ops import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache) of one layer
 
-# checkpoint projection -> (fused parameter, shard index)
-_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
-_STACKED_NAME = re.compile(r"(.*)\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$")
-_IGNORED = re.compile(r".*rotary_emb\.inv_freq$")  # buffers some old checkpoints still carry
 
 
 @dataclass(frozen=True)
@@ -200,43 +194,16 @@ class DecoderForCausalLM(PretrainedModel):
 
     # -- weights ---------------------------------------------------------------------------------
 
-    def _target(self, name: str) -> str | None:
-        """The parameter a checkpoint tensor fills (fused ones included), or None."""
-        stacked = _STACKED_NAME.match(name)
-        if stacked:
-            prefix, projection, kind = stacked.groups()
-            name = f"{prefix}.{_STACKED[projection][0]}.{kind}"
-        return name if name in dict(self.named_parameters()) else None
+    def _own_name(self, name: str) -> str:
+        if OLD_ROTARY_BUFFER.match(name) or (name == "lm_head.weight" and self.lm_head is None):
+            return IGNORE  # known and deliberately unused (tied head, rotary buffers)
+        return name
 
     def accepts_weight(self, name: str) -> bool:
-        if _IGNORED.match(name) or (name == "lm_head.weight" and self.lm_head is None):
-            return True  # known and deliberately unused (tied head, rotary buffers)
-        return self._target(name) is not None
+        return FusedWeights(self, STACKED_QKV_GATE_UP).accepts(self._own_name(name))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        modules = dict(self.named_modules())
-        loaded: set[str] = set()
-        shards_seen: dict[str, set[int]] = {}
-        for name, tensor in weights:
-            if _IGNORED.match(name) or (name == "lm_head.weight" and self.lm_head is None):
-                continue
-            stacked = _STACKED_NAME.match(name)
-            if stacked is None:
-                if name not in params:
-                    raise WeightLoadingError(f"{name}: no such parameter in {type(self).__name__}")
-                copy_param(params[name], tensor, name)
-                loaded.add(name)
-                continue
-            prefix, projection, kind = stacked.groups()
-            fused, shard = _STACKED[projection]
-            sizes = modules[prefix].shard_sizes(fused)
-            target = f"{prefix}.{fused}.{kind}"
-            copy_param(params[target].narrow(0, sum(sizes[:shard]), sizes[shard]), tensor, name)
-            shards_seen.setdefault(target, set()).add(shard)
-            if len(shards_seen[target]) == len(sizes):  # filled only once every shard came
-                loaded.add(target)
-        return loaded
+        return FusedWeights(self, STACKED_QKV_GATE_UP).load(weights, self._own_name)
 
 
 class Qwen2ForCausalLM(DecoderForCausalLM):

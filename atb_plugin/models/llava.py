@@ -31,8 +31,9 @@ import torch
 from torch import nn
 
 from atb_plugin.models.base import PretrainedModel
-from atb_plugin.models.clip import IGNORE, CLIPVisionConfig, CLIPVisionModel, FusedWeights, activation
-from atb_plugin.models.decoder import _IGNORED, DecoderConfig, DecoderForCausalLM
+from atb_plugin.models.clip import CLIPVisionConfig, CLIPVisionModel, activation
+from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM
+from atb_plugin.models.weights import IGNORE, OLD_ROTARY_BUFFER, STACKED_QKV_GATE_UP, FusedWeights
 
 # transformers' LlamaConfig defaults: llava-hf's published text_config lists only what differs
 # from them (llava-1.5-7b-hf gives no hidden_size, no num_hidden_layers ...).
@@ -60,9 +61,6 @@ _PREFIXES = (
     ("lm_head.", "language_model.lm_head."),
 )
 
-# q/k/v (CLIP and decoder attention) and gate/up (decoder MLP) are stored fused.
-_STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-            "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
 @dataclass(frozen=True)
@@ -194,7 +192,7 @@ class LlavaForConditionalGeneration(PretrainedModel):
 
     @cached_property
     def _fused(self) -> FusedWeights:
-        return FusedWeights(self, _STACKED)
+        return FusedWeights(self, STACKED_QKV_GATE_UP)
 
     def _own_name(self, name: str) -> str | None:
         """The model's name for a checkpoint tensor, ``IGNORE`` for known unused ones, else None."""
@@ -202,7 +200,7 @@ class LlavaForConditionalGeneration(PretrainedModel):
             if name.startswith(prefix):
                 full = own + name[len(prefix):]
                 if full.startswith("language_model.") and (
-                    _IGNORED.match(full)
+                    OLD_ROTARY_BUFFER.match(full)
                     or (full == "language_model.lm_head.weight" and self.language_model.lm_head is None)
                 ):
                     return IGNORE  # rotary buffers of old checkpoints, tied head

@@ -53,7 +53,7 @@ from torch import nn
 from atb_plugin import ops
 from atb_plugin.models.base import PretrainedModel
 from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM
-from atb_plugin.models.weights import WeightLoadingError, copy_param
+from atb_plugin.models.weights import IGNORE, STACKED_QKV_GATE_UP, FusedWeights
 
 NUM_QUERIES = 256  # Qwen-VL's resampler: one query per image slot between <img> and </img>
 
@@ -341,18 +341,18 @@ class VisionTransformer(nn.Module):
 # the model
 # --------------------------------------------------------------------------------------------
 
-_LM_RULES = [  # checkpoint name -> (our name, shard of a fused parameter or None)
-    (re.compile(r"transformer\.wte\.weight"), r"model.embed_tokens.weight", None),
-    (re.compile(r"transformer\.h\.(\d+)\.ln_1\.weight"), r"model.layers.\1.input_layernorm.weight", None),
-    (re.compile(r"transformer\.h\.(\d+)\.attn\.c_attn\.(weight|bias)"), r"model.layers.\1.self_attn.qkv_proj.\2", None),
-    (re.compile(r"transformer\.h\.(\d+)\.attn\.c_proj\.weight"), r"model.layers.\1.self_attn.o_proj.weight", None),
-    (re.compile(r"transformer\.h\.(\d+)\.ln_2\.weight"), r"model.layers.\1.post_attention_layernorm.weight", None),
+_LM_RULES = [  # checkpoint name -> the decoder's name (gate/up_proj: shards of its gate_up_proj)
+    (re.compile(r"transformer\.wte\.weight"), r"model.embed_tokens.weight"),
+    (re.compile(r"transformer\.h\.(\d+)\.ln_1\.weight"), r"model.layers.\1.input_layernorm.weight"),
+    (re.compile(r"transformer\.h\.(\d+)\.attn\.c_attn\.(weight|bias)"), r"model.layers.\1.self_attn.qkv_proj.\2"),
+    (re.compile(r"transformer\.h\.(\d+)\.attn\.c_proj\.weight"), r"model.layers.\1.self_attn.o_proj.weight"),
+    (re.compile(r"transformer\.h\.(\d+)\.ln_2\.weight"), r"model.layers.\1.post_attention_layernorm.weight"),
     # QWenMLP: c_proj(w1(x) * silu(w2(x))), so w2 is the gate: gate_up_proj = [w2; w1]
-    (re.compile(r"transformer\.h\.(\d+)\.mlp\.w2\.weight"), r"model.layers.\1.mlp.gate_up_proj.weight", 0),
-    (re.compile(r"transformer\.h\.(\d+)\.mlp\.w1\.weight"), r"model.layers.\1.mlp.gate_up_proj.weight", 1),
-    (re.compile(r"transformer\.h\.(\d+)\.mlp\.c_proj\.weight"), r"model.layers.\1.mlp.down_proj.weight", None),
-    (re.compile(r"transformer\.ln_f\.weight"), r"model.norm.weight", None),
-    (re.compile(r"lm_head\.weight"), r"lm_head.weight", None),
+    (re.compile(r"transformer\.h\.(\d+)\.mlp\.w2\.weight"), r"model.layers.\1.mlp.gate_proj.weight"),
+    (re.compile(r"transformer\.h\.(\d+)\.mlp\.w1\.weight"), r"model.layers.\1.mlp.up_proj.weight"),
+    (re.compile(r"transformer\.h\.(\d+)\.mlp\.c_proj\.weight"), r"model.layers.\1.mlp.down_proj.weight"),
+    (re.compile(r"transformer\.ln_f\.weight"), r"model.norm.weight"),
+    (re.compile(r"lm_head\.weight"), r"lm_head.weight"),
 ]
 _VISUAL = re.compile(r"transformer\.visual\.(.+)")
 # Buffers some QWen checkpoints carry; known and unused.
@@ -368,8 +368,7 @@ class QwenVLForCausalLM(PretrainedModel):
         self.config = config
         self.visual = VisionTransformer(config.vision)
         self.language_model = DecoderForCausalLM(config.text)
-        self._param_names = frozenset(name for name, _ in self.named_parameters())
-
+        
     @classmethod
     def config_from_hf(cls, config: dict) -> QwenVLConfig:
         text = _text_config(config)
@@ -412,45 +411,20 @@ class QwenVLForCausalLM(PretrainedModel):
 
     # -- weights ---------------------------------------------------------------------------------
 
-    def _target(self, name: str) -> tuple[str, int | None] | None:
-        """Our parameter (and fused shard) for a checkpoint tensor name, or None if unknown."""
-        target, shard = None, None
+    def _own_name(self, name: str) -> str | None:
+        """Our name for a checkpoint tensor, ``IGNORE`` for known unused ones, None if unknown."""
+        if _IGNORED.fullmatch(name) or (name == "lm_head.weight" and self.language_model.lm_head is None):
+            return IGNORE  # rotary / mask buffers; tied head (the embedding serves)
         visual = _VISUAL.fullmatch(name)
         if visual:
-            target = f"visual.{visual.group(1)}"
-        else:
-            for pattern, replacement, shard in _LM_RULES:
-                if pattern.fullmatch(name):
-                    target = "language_model." + pattern.sub(replacement, name)
-                    break
-        return (target, shard) if target in self._param_names else None
+            return f"visual.{visual.group(1)}"
+        for pattern, replacement in _LM_RULES:
+            if pattern.fullmatch(name):
+                return "language_model." + pattern.sub(replacement, name)
+        return None
 
     def accepts_weight(self, name: str) -> bool:
-        if _IGNORED.fullmatch(name):
-            return True
-        if name == "lm_head.weight" and self.language_model.lm_head is None:
-            return True  # tied head: the embedding serves
-        return self._target(name) is not None
+        return FusedWeights(self, STACKED_QKV_GATE_UP).accepts(self._own_name(name))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        shards_seen: dict[str, set[int]] = {}
-        for name, tensor in weights:
-            if _IGNORED.fullmatch(name) or (name == "lm_head.weight" and self.language_model.lm_head is None):
-                continue
-            found = self._target(name)
-            if found is None:
-                raise WeightLoadingError(f"{name}: no such parameter in {type(self).__name__}")
-            target, shard = found
-            param = params[target]
-            if shard is None:
-                copy_param(param, tensor, name)
-                loaded.add(target)
-                continue
-            half = param.shape[0] // 2
-            copy_param(param.narrow(0, shard * half, half), tensor, name)
-            shards_seen.setdefault(target, set()).add(shard)
-            if len(shards_seen[target]) == 2:  # filled only once w1 and w2 both came
-                loaded.add(target)
-        return loaded
+        return FusedWeights(self, STACKED_QKV_GATE_UP).load(weights, self._own_name)
