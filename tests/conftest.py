@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import pytest
 
+import shm
+
 from shm.errors import ShmHandleError
 from shm.process import ProcessIdentity
 from shm.segment import list_segment_names, marker_name, parse_name, read_header, unlink_segment
+from tests.shm_helpers import write_test_images
 
 _ME = ProcessIdentity.current()
 
@@ -40,3 +43,16 @@ def no_leaked_segments():
     # Counted only if it was still there to unlink: one that vanished meanwhile did not leak.
     leaked = [name for name in new if _left_by_this_run(name) and unlink_segment(name)]
     assert not leaked, f"test leaked shared-memory segments: {leaked}"
+
+
+@pytest.fixture
+def store():
+    """A ShmStore for one test (no reaping: other instances on the machine are not its business)."""
+    with shm.ShmStore(shm.ShmStoreConfig(reap_on_start=False)) as store:
+        yield store
+
+
+@pytest.fixture
+def images(tmp_path):
+    """Two PNG files of different sizes and aspect ratios."""
+    return write_test_images(tmp_path)

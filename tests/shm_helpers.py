@@ -1,4 +1,5 @@
-"""Helpers shared by the shm tests: run a snippet in a fresh interpreter, tamper with files."""
+"""Helpers shared by the tests: run a snippet in a fresh interpreter, tamper with segment files,
+write test images."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+
+import numpy as np
+from PIL import Image
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,3 +35,14 @@ def patch_bytes(name: str, offset: int, data: bytes) -> None:
         os.pwrite(fd, data, offset)
     finally:
         os.close(fd)
+
+
+def write_test_images(directory, sizes=((60, 90), (120, 64)), seed: int = 0) -> list:
+    """Random RGB PNGs of the given (height, width) sizes in ``directory``."""
+    rng = np.random.default_rng(seed)
+    paths = []
+    for index, (height, width) in enumerate(sizes):
+        path = directory / f"image{index}.png"
+        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
+        paths.append(path)
+    return paths

@@ -31,24 +31,6 @@ from routers import get_router
 VL_FAMILIES = ["qwen_vl", "qwen2_vl", "qwen2_5_vl", "llava"]
 
 
-@pytest.fixture
-def store():
-    with shm.ShmStore(shm.ShmStoreConfig(reap_on_start=False)) as store:
-        yield store
-
-
-@pytest.fixture
-def images(tmp_path):
-    """Two PNG files of different sizes and aspect ratios."""
-    rng = np.random.default_rng(0)
-    paths = []
-    for index, (height, width) in enumerate([(60, 90), (120, 64)]):
-        path = tmp_path / f"image{index}.png"
-        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
-        paths.append(path)
-    return paths
-
-
 def router_for(family, store, tmp_path, **kwargs):
     media = MediaConfig(allowed_local_media_paths=(str(tmp_path),))
     return get_router(tiny_checkpoint(family), shm_store=store, media_config=media, **kwargs)

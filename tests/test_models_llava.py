@@ -15,7 +15,6 @@ import dataclasses
 import json
 import shutil
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -27,6 +26,7 @@ from atb_plugin.models.llava import LlavaConfig, LlavaForConditionalGeneration
 from atb_plugin.models.weights import WeightLoadingError
 from atb_plugin.multimodal import MultimodalPrompt
 from atb_plugin.testing.sequence import SequenceRunner
+from tests.shm_helpers import write_test_images
 from atb_plugin.testing.tiny import tiny_checkpoint
 from input_builders.media import MediaConfig
 from routers import get_router
@@ -65,13 +65,7 @@ def pixels(batch: int, seed: int = 0) -> torch.Tensor:
 
 
 def image_files(tmp_path) -> list:
-    rng = np.random.default_rng(0)
-    paths = []
-    for index, (height, width) in enumerate([(60, 90), (120, 64)]):
-        path = tmp_path / f"image{index}.png"
-        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
-        paths.append(path)
-    return paths
+    return write_test_images(tmp_path)
 
 
 def two_image_prompt(path, store, tmp_path, model) -> tuple[MultimodalPrompt, list]:

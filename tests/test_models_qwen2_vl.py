@@ -19,7 +19,6 @@ import pytest
 import torch
 from PIL import Image
 
-import shm
 from atb_plugin.models.qwen2_vl import Qwen2VLForConditionalGeneration, decode_positions
 from atb_plugin.models.weights import WeightLoadingError
 from atb_plugin.multimodal import MultimodalPrompt
@@ -44,12 +43,6 @@ def load_pair(family):
     ours = get_router(path).model_cls.from_pretrained(path)
     reference = getattr(transformers, REFERENCE[family]).from_pretrained(path, dtype=torch.float32).eval()
     return ours, reference
-
-
-@pytest.fixture
-def store():
-    with shm.ShmStore(shm.ShmStoreConfig(reap_on_start=False)) as store:
-        yield store
 
 
 @pytest.fixture

@@ -14,14 +14,12 @@ from __future__ import annotations
 import math
 import shutil
 
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from PIL import Image
 from safetensors.torch import load_file, save_file
 
-import shm
 from atb_plugin.models.weights import WeightLoadingError
 from atb_plugin.multimodal import MultimodalPrompt
 from atb_plugin.testing.sequence import SequenceRunner
@@ -51,23 +49,6 @@ def state(path):
 @pytest.fixture(scope="module")
 def raw(path):
     return get_router(path).raw_config
-
-
-@pytest.fixture
-def store():
-    with shm.ShmStore(shm.ShmStoreConfig(reap_on_start=False)) as store:
-        yield store
-
-
-@pytest.fixture
-def images(tmp_path):
-    rng = np.random.default_rng(0)
-    paths = []
-    for index, (height, width) in enumerate([(60, 90), (120, 64)]):
-        image_path = tmp_path / f"image{index}.png"
-        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(image_path)
-        paths.append(image_path)
-    return paths
 
 
 def build_prompt(path, store, tmp_path, image_paths, text="What is in the picture?") -> list[int]:

@@ -24,12 +24,6 @@ from shm.segment import (
 from tests.shm_helpers import patch_bytes, run_python, shm_path
 
 
-@pytest.fixture
-def store():
-    with shm.ShmStore(shm.ShmStoreConfig(reap_on_start=False)) as store:
-        yield store
-
-
 def image(seed: int = 0, shape=(3, 448, 448)) -> np.ndarray:
     return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
 

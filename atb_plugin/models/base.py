@@ -34,3 +34,23 @@ class PretrainedModel(nn.Module):
 
     def init_non_persistent(self, device) -> None:
         """Recompute state that is not in the checkpoint after ``to_empty`` (e.g. rotary tables)."""
+
+
+class MultimodalModel(PretrainedModel):
+    """A vision(-language) model whose text half is ``self.language_model`` (a decoder LM):
+    the LM part of the model contract is delegated to it; subclasses add the encoder,
+    ``media_layout`` and ``get_multimodal_embeddings``."""
+
+    language_model: nn.Module
+
+    def get_language_model(self) -> nn.Module:
+        return self.language_model
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata, inputs_embeds=None):
+        return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden)
+
+    def make_kv_caches(self, num_blocks: int, block_size: int, dtype=None, device=None):
+        return self.language_model.make_kv_caches(num_blocks, block_size, dtype=dtype, device=device)

@@ -30,7 +30,7 @@ from functools import cached_property
 import torch
 from torch import nn
 
-from atb_plugin.models.base import PretrainedModel
+from atb_plugin.models.base import MultimodalModel
 from atb_plugin.models.clip import CLIPVisionConfig, CLIPVisionModel, activation
 from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM
 from atb_plugin.models.weights import IGNORE, OLD_ROTARY_BUFFER, STACKED_QKV_GATE_UP, FusedWeights
@@ -121,7 +121,7 @@ class LlavaMultiModalProjector(nn.Module):
         return self.linear_2(self.act(self.linear_1(features)))
 
 
-class LlavaForConditionalGeneration(PretrainedModel):
+class LlavaForConditionalGeneration(MultimodalModel):
     def __init__(self, config: LlavaConfig):
         super().__init__()
         self.config = config
@@ -163,9 +163,6 @@ class LlavaForConditionalGeneration(PretrainedModel):
 
     # -- language model --------------------------------------------------------------------------
 
-    def get_language_model(self) -> DecoderForCausalLM:
-        return self.language_model
-
     def get_input_embeddings(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Text embeddings of ``input_ids``; with ``mm_embeds``, those rows replace the image
         placeholder positions in order (their counts must agree)."""
@@ -178,15 +175,6 @@ class LlavaForConditionalGeneration(PretrainedModel):
             raise ValueError(f"{count} image placeholder tokens (id {self.config.image_token_id}) but "
                              f"{mm_embeds.shape[0]} image feature rows")
         return embeds.masked_scatter(mask.unsqueeze(-1), mm_embeds.to(embeds.dtype))
-
-    def forward(self, input_ids, positions, kv_caches, attn_metadata, inputs_embeds=None):
-        return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    def make_kv_caches(self, num_blocks: int, block_size: int, dtype=None, device=None):
-        return self.language_model.make_kv_caches(num_blocks, block_size, dtype=dtype, device=device)
 
     # -- weights ---------------------------------------------------------------------------------
 

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from atb_plugin import ops
-from atb_plugin.models.base import PretrainedModel
+from atb_plugin.models.base import MultimodalModel
 from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM
 from atb_plugin.models.weights import IGNORE, STACKED_QKV_GATE_UP, FusedWeights
 
@@ -359,7 +359,7 @@ _VISUAL = re.compile(r"transformer\.visual\.(.+)")
 _IGNORED = re.compile(r"transformer\.(h\.\d+\.attn\.)?rotary_emb\.inv_freq|transformer\.h\.\d+\.attn\.masked_bias")
 
 
-class QwenVLForCausalLM(PretrainedModel):
+class QwenVLForCausalLM(MultimodalModel):
     """Qwen-VL-Chat. Contract: ``decoder.DecoderForCausalLM`` plus ``media_layout`` and
     ``get_multimodal_embeddings`` (see ``atb_plugin.multimodal``)."""
 
@@ -375,9 +375,6 @@ class QwenVLForCausalLM(PretrainedModel):
         return QwenVLConfig(text=text, vision=_vision_config(config, text.hidden_size))
 
     # -- contract --------------------------------------------------------------------------------
-
-    def get_language_model(self) -> DecoderForCausalLM:
-        return self.language_model
 
     @property
     def media_layout(self):
@@ -399,15 +396,6 @@ class QwenVLForCausalLM(PretrainedModel):
         if mm_embeds is not None:
             raise NotImplementedError("merge image features with atb_plugin.multimodal.MultimodalPrompt.embed")
         return self.language_model.get_input_embeddings(input_ids)
-
-    def forward(self, input_ids, positions, kv_caches, attn_metadata, inputs_embeds=None):
-        return self.language_model(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=inputs_embeds)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
-
-    def make_kv_caches(self, num_blocks: int, block_size: int, dtype=None, device=None):
-        return self.language_model.make_kv_caches(num_blocks, block_size, dtype=dtype, device=device)
 
     # -- weights ---------------------------------------------------------------------------------
 
