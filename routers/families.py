@@ -71,6 +71,13 @@ class QwenVlRouter(BaseRouter):
     def config(self):
         return _qwen_config_class().from_dict(self.raw_config)
 
+    @cached_property
+    def eos_token_ids(self) -> list[int]:
+        # The published generation_config stops only at <|endoftext|>; Qwen-VL's chat() also
+        # stops at the ChatML turn markers, so a chat reply ends with its turn.
+        markers = self.tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|im_start|>"])
+        return super().eos_token_ids + [t for t in markers if isinstance(t, int) and t != self.tokenizer.unk_token_id]
+
     def make_input_builder(self):
         visual = self.config_value("visual")
         return QwenVlInputBuilder(

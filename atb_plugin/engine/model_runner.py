@@ -1,0 +1,163 @@
+"""The model runner: one scheduler step on the device.
+
+    SchedulerOutput ──► update the InputBatch (rows, block tables, new tokens)
+                    ──► prepare_inputs (positions, slots, attention metadata: vectorised)
+                    ──► embeddings (text + image features of the chunk's media blocks)
+                    ──► model forward over the paged KV cache ──► logits of sampling requests
+                    ──► sampler ──► one token per sampling request
+
+A request whose media block is bad fails alone (``RunnerOutput.failed``); the rest of the
+batch runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from atb_plugin.engine.input_batch import InputBatch
+from atb_plugin.engine.prepare_inputs import prepare_inputs
+from atb_plugin.engine.request import Request
+from atb_plugin.engine.sampler import Sampler, make_generator
+from atb_plugin.engine.scheduler import SchedulerOutput
+from atb_plugin.multimodal import MediaBlockError, MultimodalPrompt
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, object] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why
+
+
+@dataclass
+class _RequestState:
+    request: Request
+    media: MultimodalPrompt | None = None
+    mrope_positions: torch.Tensor | None = None  # (3, num_prompt_tokens)
+    rope_delta: int = 0
+    generator: torch.Generator | None = None
+
+
+class ModelRunner:
+    def __init__(self, model, *, num_blocks: int, block_size: int, max_num_reqs: int, max_model_len: int,
+                 eos_token_ids=(), expected_instance: str | None = None):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.block_size = block_size
+        self.kv_caches = model.make_kv_caches(num_blocks, block_size)
+        self.input_batch = InputBatch(max_num_reqs, max_model_len, block_size)
+        self.sampler = Sampler(eos_token_ids=tuple(eos_token_ids))
+        self.expected_instance = expected_instance
+        self.layout = getattr(model, "media_layout", None)
+        self.uses_mrope = hasattr(model, "get_mrope_positions")
+        self.states: dict[str, _RequestState] = {}
+
+    # -- batch bookkeeping -----------------------------------------------------------------------
+
+    def _add(self, request: Request, block_ids: list[int]) -> None:
+        state = _RequestState(request)
+        prompt = request.prompt_token_ids
+        if self.layout is not None and min(prompt) < 0:
+            state.media = MultimodalPrompt.from_ids(prompt, self.layout, expected_instance=self.expected_instance)
+            state.media.features(self.model)  # the encoder runs once, now: a bad block fails here
+            prompt = state.media.token_ids.tolist()
+        elif min(prompt) < 0:
+            raise MediaBlockError(f"the prompt has media handles but {type(self.model).__name__} takes no images")
+        if self.uses_mrope:
+            grids = [block.grid_thw for block in state.media.blocks] if state.media else []
+            state.mrope_positions, state.rope_delta = self.model.get_mrope_positions(torch.tensor(prompt), grids)
+        # Made once per request and advanced only by its own sampling: reproducible per seed,
+        # whatever else shares the batch (and restarted from the seed after a preemption).
+        state.generator = make_generator(request.sampling_params.seed, device=self.device)
+        self.input_batch.add_request(request.request_id, prompt + request.output_token_ids,
+                                     request.num_computed_tokens, block_ids)
+        self.states[request.request_id] = state
+
+    def _remove(self, request_id: str) -> None:
+        if self.states.pop(request_id, None) is not None:
+            self.input_batch.remove_request(request_id)
+
+    def _update_batch(self, output: SchedulerOutput, result: RunnerOutput) -> None:
+        for request_id in output.finished_request_ids + output.preempted_request_ids:
+            self._remove(request_id)
+        new_ids = set()
+        for request in output.new_requests:
+            self._remove(request.request_id)  # a preempted request comes back with fresh state
+            try:
+                self._add(request, output.new_block_ids[request.request_id])
+            except MediaBlockError as error:
+                result.failed[request.request_id] = str(error)
+            new_ids.add(request.request_id)
+        for request_id in output.num_scheduled_tokens:
+            if request_id in new_ids or request_id not in self.states:
+                continue
+            self.input_batch.append_block_ids(request_id, output.new_block_ids.get(request_id, []))
+            self.input_batch.set_num_computed_tokens(request_id, self.states[request_id].request.num_computed_tokens)
+
+    # -- the step --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        result = RunnerOutput()
+        self._update_batch(output, result)
+        request_ids = [r for r in output.num_scheduled_tokens if r in self.states and r not in result.failed]
+        if not request_ids:
+            return result
+        counts = [output.num_scheduled_tokens[r] for r in request_ids]
+        prepared = prepare_inputs(self.input_batch, request_ids, counts, device=self.device)
+        spans = self._spans(request_ids, counts)
+        positions = self._mrope_positions(spans) if self.uses_mrope else prepared.positions
+        inputs_embeds = self._embeddings(prepared.input_ids, spans)
+        hidden = self.model(prepared.input_ids, positions, self.kv_caches, prepared.attn_metadata,
+                            inputs_embeds=inputs_embeds)
+
+        sampling = [i for i, samples in enumerate(prepared.samples) if samples]
+        if sampling:
+            logits = self.model.compute_logits(hidden[prepared.logits_indices[sampling]])
+            states = [self.states[request_ids[i]] for i in sampling]
+            sampled = self.sampler.sample(
+                logits,
+                [s.request.sampling_params for s in states],
+                [s.generator for s in states],
+                [s.request.num_output_tokens for s in states],
+            )
+            for state, token, logprobs in zip(states, sampled.token_ids, sampled.logprobs):
+                request_id = state.request.request_id
+                result.sampled[request_id] = token
+                result.logprobs[request_id] = logprobs
+                self.input_batch.append_token(request_id, token)
+        return result
+
+    def _spans(self, request_ids, counts) -> list[tuple[_RequestState, int, int, int]]:
+        """(state, offset in the batch, first position, last position + 1) per request."""
+        spans, offset = [], 0
+        for request_id, count in zip(request_ids, counts):
+            state = self.states[request_id]
+            start = state.request.num_computed_tokens
+            spans.append((state, offset, start, start + count))
+            offset += count
+        return spans
+
+    def _mrope_positions(self, spans) -> torch.Tensor:
+        pieces = []
+        for state, _, start, end in spans:
+            prompt_len = state.mrope_positions.shape[1]
+            if start < prompt_len:
+                pieces.append(state.mrope_positions[:, start:min(end, prompt_len)])
+            if end > prompt_len:
+                first = max(start, prompt_len)
+                pieces.append(self.model.decode_positions(first, end - first, state.rope_delta))
+        return torch.cat(pieces, dim=1).to(self.device)
+
+    def _embeddings(self, input_ids, spans) -> torch.Tensor | None:
+        with_media = [(s, o, a, b) for s, o, a, b in spans
+                      if s.media is not None and s.media.blocks and a < s.media.token_ids.shape[0]]
+        if not with_media:
+            return None
+        embeds = self.model.get_input_embeddings(input_ids)
+        for state, offset, start, end in with_media:
+            prompt_end = min(end, state.media.token_ids.shape[0])
+            embeds[offset:offset + prompt_end - start] = state.media.embed(self.model, start, prompt_end)
+        return embeds

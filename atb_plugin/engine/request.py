@@ -1,0 +1,65 @@
+"""``Request``: one generation request as the engine tracks it."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from atb_plugin.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
+    FINISHED_LENGTH = "length"  # max_tokens or the context window
+    FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # this request failed (e.g. a bad media block); others go on
+
+    @property
+    def is_finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+@dataclass(eq=False)
+class Request:
+    """Invariants (checked by ``check``): 0 <= num_computed_tokens <= num_tokens;
+    all_token_ids == prompt_token_ids + output_token_ids; a finished request holds no blocks
+    (the KV cache manager frees them when it finishes)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    arrival_time: float = field(default_factory=time.monotonic)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+    def __post_init__(self):
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id}: the prompt is empty")
+        self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check(self) -> None:
+        assert 0 <= self.num_computed_tokens <= self.num_tokens, (self.request_id, self.num_computed_tokens)
+        assert len(self.all_token_ids) == self.num_prompt_tokens + self.num_output_tokens

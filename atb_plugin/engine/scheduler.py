@@ -1,0 +1,172 @@
+"""The scheduler: which requests run this step, and how many of their tokens.
+
+One token budget per step (``max_num_batched_tokens``). Running requests go first, in arrival
+order (a decode is 1 token, an unfinished prefill the rest of its prompt, cut to the budget:
+chunked prefill); then waiting requests in FCFS order while budget, ``max_num_seqs`` and KV
+blocks last. When a running request cannot get a block, the most recently admitted running
+request is preempted by recompute: its blocks are freed and it goes back to the FRONT of the
+waiting queue, so it is the next to resume (no starvation: the oldest request is never the
+victim while a younger one runs).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from atb_plugin.engine.kv_cache_manager import KVCacheManager
+from atb_plugin.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int = 4096
+
+    def __post_init__(self):
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"SchedulerConfig.{name} must be > 0, got {getattr(self, name)}")
+
+
+@dataclass
+class SchedulerOutput:
+    num_scheduled_tokens: dict[str, int]  # request id -> tokens this step, in batch order
+    new_requests: list[Request]  # scheduled for the first time, or again after preemption
+    new_block_ids: dict[str, list[int]]  # blocks appended to each scheduled request this step
+    preempted_request_ids: list[str] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)  # since the previous step
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(self.num_scheduled_tokens.values())
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_since_last_step: list[str] = []
+        self.num_preemptions = 0  # a metric, and lets tests prove preemption happened
+
+    # -- requests --------------------------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.num_prompt_tokens >= self.config.max_model_len:
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens; max_model_len is "
+                f"{self.config.max_model_len}, leaving no room for output"
+            )
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def finish(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (stopped, length, aborted, failed): free its blocks, forget it."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache_manager.free(request)
+        self._finished_since_last_step.append(request_id)
+        return request
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        # Invariant: every running request holds KV blocks for its num_computed_tokens; each
+        # request is scheduled at most once per step; the step's tokens never exceed the budget
+        # and never take a request past max_model_len.
+        budget = self.config.max_num_batched_tokens
+        scheduled: dict[str, int] = {}
+        new_block_ids: dict[str, list[int]] = {}
+        new_requests: list[Request] = []
+        preempted: list[str] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = self._num_new_tokens(request, budget)
+            if num_new == 0:
+                index += 1
+                continue
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            while blocks is None:
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                scheduled.pop(victim.request_id, None)
+                new_block_ids.pop(victim.request_id, None)
+                if victim is request:
+                    break
+                blocks = self.kv_cache_manager.allocate_slots(request, num_new)
+            if blocks is None:
+                break
+            scheduled[request.request_id] = num_new
+            new_block_ids[request.request_id] = blocks
+            budget -= num_new
+            index += 1
+
+        # Admit waiting requests only when nothing was preempted: a step that ran out of blocks
+        # must not hand the freed ones to newcomers ahead of the preempted request.
+        while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            computed_block_ids, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+            num_new = self._num_new_tokens(request, budget, num_cached)
+            blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_block_ids)
+            if blocks is None:
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            request.num_computed_tokens = request.num_cached_tokens = num_cached
+            self.running.append(request)
+            new_requests.append(request)
+            scheduled[request.request_id] = num_new
+            new_block_ids[request.request_id] = computed_block_ids + blocks
+            budget -= num_new
+
+        finished, self._finished_since_last_step = self._finished_since_last_step, []
+        return SchedulerOutput(scheduled, new_requests, new_block_ids, preempted, finished)
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance the scheduled requests; append each sampled token. Returns requests that
+        produced a token this step (the engine checks their stop conditions)."""
+        progressed = []
+        for request_id, num_tokens in output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None:
+                continue  # finished (e.g. failed) during the step
+            request.num_computed_tokens += num_tokens
+            token = sampled.get(request_id)
+            if token is not None:
+                request.append_output_token(token)
+                progressed.append(request)
+            request.check()
+        return progressed
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _num_new_tokens(self, request: Request, budget: int, num_cached: int = 0) -> int:
+        num_computed = request.num_computed_tokens + num_cached
+        remaining = request.num_tokens - num_computed
+        room = self.config.max_model_len - num_computed
+        return max(0, min(remaining, budget, room))
+
+    def _preempt(self, request: Request) -> None:
+        self.num_preemptions += 1
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0  # recompute from scratch (the prefix cache may help)
+        self.waiting.appendleft(request)
