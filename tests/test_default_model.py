@@ -165,3 +165,20 @@ def test_our_llama_matches_transformers(converted, chat_ids, reference):
         expected = reference(prompt[None]).logits[0]
     got = SequenceRunner(ours, max_len=32).step(prompt)
     assert (got - expected).abs().max() <= TOLERANCE
+
+
+@pytest.mark.slow
+@needs_package
+def test_llm_generate_equals_transformers_generate(converted, reference):
+    """The whole engine (batched, paged, chunked prefill) on the real model: greedy tokens equal
+    transformers' generate for a few prompts."""
+    from atb_plugin import LLM, SamplingParams
+
+    prompts = ["The capital of France is", "List three colours:", "def fibonacci(n):"]
+    with LLM(converted[0], max_num_batched_tokens=16) as llm:  # 16: the prompts are prefilled in chunks
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
+    for output in outputs:
+        ids = torch.tensor([output.prompt_token_ids])
+        expected = reference.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False,
+                                      repetition_penalty=1.0, pad_token_id=0)[0, ids.shape[1]:]
+        assert output.outputs[0].token_ids == expected.tolist()

@@ -63,6 +63,15 @@ class Scheduler:
                 f"the prompt has {request.num_prompt_tokens} tokens; max_model_len is "
                 f"{self.config.max_model_len}, leaving no room for output"
             )
+        max_tokens = request.sampling_params.max_tokens or self.config.max_model_len
+        longest = min(request.num_prompt_tokens + max_tokens, self.config.max_model_len)
+        blocks_needed = -(-longest // self.kv_cache_manager.block_size)
+        if blocks_needed > self.kv_cache_manager.num_blocks - 1:
+            # Alone in the cache it could still not finish: it would preempt itself forever.
+            raise ValueError(
+                f"the request may grow to {longest} tokens ({blocks_needed} KV blocks); the KV cache has "
+                f"{self.kv_cache_manager.num_blocks - 1}: lower max_tokens or give the cache more blocks"
+            )
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
