@@ -23,23 +23,47 @@ def _gather_request_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: 
 
 def _sdpa(query, key, value, scale, mask):
     """(q_len, H, D) x (k_len, Hkv, D) with GQA; mask (q_len, k_len) bool or None."""
-    groups = query.shape[1] // key.shape[1]
-    if groups > 1:
-        key = key.repeat_interleave(groups, dim=1)
-        value = value.repeat_interleave(groups, dim=1)
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), attn_mask=mask, scale=scale
+        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), attn_mask=mask, scale=scale,
+        enable_gqa=query.shape[1] != key.shape[1],
     )
     return out.transpose(0, 1)
+
+
+def _batched_decode(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale):
+    """One query token per request, all requests in one SDPA call over their padded contexts."""
+    block_size = key_cache.shape[1]
+    num_blocks = -(-max_seq_len // block_size)
+    tables = block_tables[:, :num_blocks].long()
+    key = key_cache[tables].flatten(1, 2)[:, :max_seq_len]  # (B, max_seq_len, Hkv, D)
+    value = value_cache[tables].flatten(1, 2)[:, :max_seq_len]
+    # The new token is the last of its sequence: it sees every cached position < seq_len.
+    mask = torch.arange(max_seq_len, device=query.device)[None, :] < seq_lens[:, None].to(query.device)
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask[:, None, None, :],
+        scale=scale, enable_gqa=query.shape[1] != key.shape[2],
+    )
+    return out.squeeze(2)  # (B, H, D)
 
 
 def paged_attention(query, key_cache, value_cache, metadata, scale) -> torch.Tensor:
     out = torch.empty_like(query)
     starts = metadata.query_start_loc_cpu.tolist()
-    for r, seq_len in enumerate(metadata.seq_lens_cpu.tolist()):
+    seq_lens = metadata.seq_lens_cpu.tolist()
+    query_lens = [end - start for start, end in zip(starts[:-1], starts[1:])]
+    # Decodes (one new token) are the bulk of a busy batch: one batched call for all of them;
+    # prefill chunks, few and long, go one by one (padding them together would waste memory).
+    decodes = [r for r, q_len in enumerate(query_lens) if q_len == 1]
+    if len(decodes) > 1:
+        index = torch.tensor(decodes, device=query.device)
+        tokens = torch.tensor([starts[r] for r in decodes], device=query.device)
+        lens = metadata.seq_lens_cpu[decodes]
+        out[tokens] = _batched_decode(query[tokens], key_cache, value_cache, metadata.block_tables[index],
+                                      lens, int(lens.max()), scale)
+    for r, seq_len in enumerate(seq_lens):
         start, end = starts[r], starts[r + 1]
         q_len = end - start
-        if q_len == 0:
+        if q_len == 0 or (q_len == 1 and len(decodes) > 1):
             continue
         key = _gather_request_kv(key_cache, metadata.block_tables[r], seq_len)
         value = _gather_request_kv(value_cache, metadata.block_tables[r], seq_len)
