@@ -130,3 +130,17 @@ def test_a_bad_media_block_fails_only_its_request(tmp_path):
     assert "media block 0" in outputs["doomed"].error and "does not exist" in outputs["doomed"].error
     assert outputs["fine"].outputs[0].finish_reason == "length" and len(outputs["fine"].outputs[0].token_ids) == 12
     store.close()
+
+
+def test_abort_ends_a_running_request_and_frees_its_blocks():
+    with LLM(tiny_checkpoint("qwen2"), block_size=4, kv_cache_blocks=64) as llm:
+        engine = llm.engine
+        engine.add_request("keep", llm.router.tokenize("hello world"), GREEDY)
+        engine.add_request("drop", llm.router.tokenize("the cat sat"), GREEDY)
+        engine.step()
+        aborted = engine.abort_request("drop")
+        assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
+        assert engine.abort_request("drop") is None  # already gone
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.kv_cache_manager.num_free_blocks == 63  # all back, but the null block
