@@ -10,6 +10,7 @@ two fused projections, filled from the checkpoint's separate ones at load time::
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -199,11 +200,15 @@ class DecoderForCausalLM(PretrainedModel):
             return IGNORE  # known and deliberately unused (tied head, rotary buffers)
         return name
 
+    @functools.cached_property
+    def _fused(self) -> FusedWeights:
+        return FusedWeights(self, STACKED_QKV_GATE_UP)
+
     def accepts_weight(self, name: str) -> bool:
-        return FusedWeights(self, STACKED_QKV_GATE_UP).accepts(self._own_name(name))
+        return self._fused.accepts(self._own_name(name))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return FusedWeights(self, STACKED_QKV_GATE_UP).load(weights, self._own_name)
+        return self._fused.load(weights, self._own_name)
 
 
 class Qwen2ForCausalLM(DecoderForCausalLM):

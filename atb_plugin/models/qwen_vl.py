@@ -41,6 +41,7 @@ the remote code's; beyond it, plain RoPE without log-n query scaling is used.
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Iterable
@@ -411,8 +412,12 @@ class QwenVLForCausalLM(MultimodalModel):
                 return "language_model." + pattern.sub(replacement, name)
         return None
 
+    @functools.cached_property
+    def _fused(self) -> FusedWeights:
+        return FusedWeights(self, STACKED_QKV_GATE_UP)
+
     def accepts_weight(self, name: str) -> bool:
-        return FusedWeights(self, STACKED_QKV_GATE_UP).accepts(self._own_name(name))
+        return self._fused.accepts(self._own_name(name))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return FusedWeights(self, STACKED_QKV_GATE_UP).load(weights, self._own_name)
+        return self._fused.load(weights, self._own_name)
