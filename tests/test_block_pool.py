@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -113,17 +112,16 @@ def test_free_queue_removal_from_the_middle_keeps_order():
         queue.popleft()
 
 
-def test_free_queue_removal_from_the_middle_is_constant_time():
-    # 2,000 removals from the middle of a 200,000-block queue: O(1) each is milliseconds; a
-    # list/deque scan would be ~2e8 steps (tens of seconds).
+def test_free_queue_removal_from_the_middle_relinks_only_the_neighbours():
+    # O(1) by construction: removal rewires the two neighbours and nothing else (no timing here:
+    # tests check behaviour, speed claims live in benchmarks/).
     blocks = [KVCacheBlock(i) for i in range(200_000)]
     queue = FreeKVCacheBlockQueue(blocks)
-    middle = blocks[99_000:101_000]
-    start = time.perf_counter()
-    for block in middle:
+    for block in blocks[99_000:101_000]:
         queue.remove(block)
-    assert time.perf_counter() - start < 0.5
     assert len(queue) == 198_000
+    assert blocks[98_999].next_free_block is blocks[101_000]
+    assert blocks[101_000].prev_free_block is blocks[98_999]
 
 
 # -- ref counts -----------------------------------------------------------------------------

@@ -516,10 +516,9 @@ def test_http_404_is_not_found(web):
 
 def test_http_timeout(web):
     config = MediaConfig(allowed_domains=("127.0.0.1",), http_timeout_s=0.2)
-    started = time.monotonic()
+    # The server answers after 1 s: without the timeout the fetch would succeed, not raise.
     with pytest.raises(MediaFetchError, match=r"timed out after 0\.2 s \(http_timeout_s\)"):
         load_image(f"{web}/slow", config)
-    assert time.monotonic() - started < 0.9
 
 
 def test_unreachable_host_is_a_fetch_error():
