@@ -2,18 +2,38 @@
 
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from atb_plugin.models.weights import load_checkpoint
+from atb_plugin.models.weights import FusedWeights, load_checkpoint
 
 
 class PretrainedModel(nn.Module):
-    """Contract: subclasses turn config.json into their config (``config_from_hf``), take it in
-    ``__init__``, and implement ``load_weights`` / ``accepts_weight`` over HF parameter names."""
+    """Contract: subclasses turn config.json into their config (``config_from_hf``) and take it in
+    ``__init__``. Weights load through ``weights.FusedWeights``: a subclass names the projections
+    it stores fused (``stacked_params``) and maps checkpoint names to its own (``_own_name``:
+    the name, ``weights.IGNORE`` for known unused tensors, None for unknown ones)."""
+
+    stacked_params: dict[str, tuple[str, int]] = {}
+
+    def _own_name(self, name: str) -> str | None:
+        return name
+
+    @functools.cached_property
+    def _fused(self) -> FusedWeights:
+        return FusedWeights(self, self.stacked_params)
+
+    def accepts_weight(self, name: str) -> bool:
+        return self._fused.accepts(self._own_name(name))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Fill parameters from ``(checkpoint name, tensor)`` pairs; returns the names filled."""
+        return self._fused.load(weights, self._own_name)
 
     @classmethod
     def config_from_hf(cls, config: dict):

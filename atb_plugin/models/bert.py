@@ -23,7 +23,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 from torch import nn
@@ -31,7 +30,7 @@ from torch import nn
 from atb_plugin import ops
 from atb_plugin.models.base import PretrainedModel
 from atb_plugin.models.clip import activation
-from atb_plugin.models.weights import IGNORE, FusedWeights
+from atb_plugin.models.weights import IGNORE
 
 _QKV = {"query": ("qkv", 0), "key": ("qkv", 1), "value": ("qkv", 2)}
 _BUFFERS = {"embeddings.position_ids"}  # known checkpoint tensors that are not parameters
@@ -204,20 +203,14 @@ class BertModel(PretrainedModel):
 
     # -- weights ---------------------------------------------------------------------------------
 
-    @cached_property
-    def _fused(self) -> FusedWeights:
-        return FusedWeights(self, _QKV)
+    stacked_params = _QKV
 
-    @staticmethod
-    def _own_name(name: str) -> str:
+    def _own_name(self, name: str) -> str | None:
         name = name.removeprefix("bert.")
         return IGNORE if name in _BUFFERS else name
 
-    def accepts_weight(self, name: str) -> bool:
-        return self._fused.accepts(self._own_name(name))
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        loaded = self._fused.load(weights, self._own_name)
+        loaded = super().load_weights(weights)
         if self.pooler is not None and not any(name.startswith("pooler.") for name in loaded):
             self.pooler = None  # the checkpoint has none (e.g. saved with add_pooling_layer=False)
             self.__dict__.pop("_fused", None)

@@ -22,14 +22,15 @@ to the model's by a ``rename`` function, stacked projections are written into th
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from atb_plugin import ops
-from atb_plugin.models.weights import STACKED_QKV, FusedWeights
+from atb_plugin.models.base import PretrainedModel
+from atb_plugin.models.weights import STACKED_QKV
 
 # --------------------------------------------------------------------------------------------------
 # Activations (plain torch: these are element-wise and fine on every platform)
@@ -174,8 +175,11 @@ class CLIPEncoder(nn.Module):
         self.layers = nn.ModuleList(CLIPEncoderLayer(config) for _ in range(config.num_hidden_layers))
 
 
-class CLIPVisionModel(nn.Module):
-    """CLIP's vision transformer. Not a ``PretrainedModel`` itself: LLaVA owns and loads it."""
+class CLIPVisionModel(PretrainedModel):
+    """CLIP's vision transformer. LLaVA owns and loads it; it is a ``PretrainedModel`` for the
+    shared weight-loading hooks (its q/k/v load into one fused projection)."""
+
+    stacked_params = STACKED_QKV
 
     def __init__(self, config: CLIPVisionConfig):
         super().__init__()
@@ -209,9 +213,4 @@ class CLIPVisionModel(nn.Module):
 
     # -- weights (names relative to the tower: "embeddings.…", "encoder.layers.N.…") -------------
 
-    def accepts_weight(self, name: str) -> bool:
-        return FusedWeights(self, STACKED_QKV).accepts(name)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return FusedWeights(self, STACKED_QKV).load(weights, lambda name: name)
 

@@ -10,8 +10,6 @@ two fused projections, filled from the checkpoint's separate ones at load time::
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +17,7 @@ from torch import nn
 
 from atb_plugin import ops
 from atb_plugin.models.base import PretrainedModel
-from atb_plugin.models.weights import IGNORE, OLD_ROTARY_BUFFER, STACKED_QKV_GATE_UP, FusedWeights
+from atb_plugin.models.weights import IGNORE, OLD_ROTARY_BUFFER, STACKED_QKV_GATE_UP
 from atb_plugin.ops import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache) of one layer
@@ -195,20 +193,12 @@ class DecoderForCausalLM(PretrainedModel):
 
     # -- weights ---------------------------------------------------------------------------------
 
-    def _own_name(self, name: str) -> str:
+    stacked_params = STACKED_QKV_GATE_UP
+
+    def _own_name(self, name: str) -> str | None:
         if OLD_ROTARY_BUFFER.match(name) or (name == "lm_head.weight" and self.lm_head is None):
             return IGNORE  # known and deliberately unused (tied head, rotary buffers)
         return name
-
-    @functools.cached_property
-    def _fused(self) -> FusedWeights:
-        return FusedWeights(self, STACKED_QKV_GATE_UP)
-
-    def accepts_weight(self, name: str) -> bool:
-        return self._fused.accepts(self._own_name(name))
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return self._fused.load(weights, self._own_name)
 
 
 class Qwen2ForCausalLM(DecoderForCausalLM):

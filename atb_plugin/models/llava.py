@@ -23,9 +23,7 @@ Checkpoint names accepted, published llava-hf layout and transformers 5's::
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 from torch import nn
@@ -33,7 +31,7 @@ from torch import nn
 from atb_plugin.models.base import MultimodalModel
 from atb_plugin.models.clip import CLIPVisionConfig, CLIPVisionModel, activation
 from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM
-from atb_plugin.models.weights import IGNORE, OLD_ROTARY_BUFFER, STACKED_QKV_GATE_UP, FusedWeights
+from atb_plugin.models.weights import IGNORE, OLD_ROTARY_BUFFER, STACKED_QKV_GATE_UP
 
 # transformers' LlamaConfig defaults: llava-hf's published text_config lists only what differs
 # from them (llava-1.5-7b-hf gives no hidden_size, no num_hidden_layers ...).
@@ -178,9 +176,7 @@ class LlavaForConditionalGeneration(MultimodalModel):
 
     # -- weights ---------------------------------------------------------------------------------
 
-    @cached_property
-    def _fused(self) -> FusedWeights:
-        return FusedWeights(self, STACKED_QKV_GATE_UP)
+    stacked_params = STACKED_QKV_GATE_UP
 
     def _own_name(self, name: str) -> str | None:
         """The model's name for a checkpoint tensor, ``IGNORE`` for known unused ones, else None."""
@@ -194,9 +190,3 @@ class LlavaForConditionalGeneration(MultimodalModel):
                     return IGNORE  # rotary buffers of old checkpoints, tied head
                 return full
         return None
-
-    def accepts_weight(self, name: str) -> bool:
-        return self._fused.accepts(self._own_name(name))
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return self._fused.load(weights, self._own_name)

@@ -30,7 +30,7 @@ decoder: ``qkv_proj`` (LM) and, for Qwen2.5-VL's tower, ``mlp.gate_up_proj``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -447,8 +447,5 @@ class Qwen2VLForConditionalGeneration(DecoderForCausalLM):
 
     # -- weights ---------------------------------------------------------------------------------
 
-    def accepts_weight(self, name: str) -> bool:
-        return super().accepts_weight(_published_name(name))
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return super().load_weights((_published_name(name), tensor) for name, tensor in weights)
+    def _own_name(self, name: str) -> str | None:
+        return super()._own_name(_published_name(name))

@@ -41,10 +41,8 @@ the remote code's; beyond it, plain RoPE without log-n query scaling is used.
 
 from __future__ import annotations
 
-import functools
 import math
 import re
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -54,7 +52,7 @@ from torch import nn
 from atb_plugin import ops
 from atb_plugin.models.base import MultimodalModel
 from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM
-from atb_plugin.models.weights import IGNORE, STACKED_QKV_GATE_UP, FusedWeights
+from atb_plugin.models.weights import IGNORE, STACKED_QKV_GATE_UP
 
 NUM_QUERIES = 256  # Qwen-VL's resampler: one query per image slot between <img> and </img>
 
@@ -400,6 +398,8 @@ class QwenVLForCausalLM(MultimodalModel):
 
     # -- weights ---------------------------------------------------------------------------------
 
+    stacked_params = STACKED_QKV_GATE_UP
+
     def _own_name(self, name: str) -> str | None:
         """Our name for a checkpoint tensor, ``IGNORE`` for known unused ones, None if unknown."""
         if _IGNORED.fullmatch(name) or (name == "lm_head.weight" and self.language_model.lm_head is None):
@@ -411,13 +411,3 @@ class QwenVLForCausalLM(MultimodalModel):
             if pattern.fullmatch(name):
                 return "language_model." + pattern.sub(replacement, name)
         return None
-
-    @functools.cached_property
-    def _fused(self) -> FusedWeights:
-        return FusedWeights(self, STACKED_QKV_GATE_UP)
-
-    def accepts_weight(self, name: str) -> bool:
-        return self._fused.accepts(self._own_name(name))
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        return self._fused.load(weights, self._own_name)
