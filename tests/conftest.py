@@ -14,7 +14,7 @@ import shm
 from shm.errors import ShmHandleError
 from shm.process import ProcessIdentity
 from shm.segment import list_segment_names, marker_name, parse_name, read_header, unlink_segment
-from tests.shm_helpers import write_test_images
+from tests.helpers import write_test_images
 
 _ME = ProcessIdentity.current()
 

@@ -11,7 +11,7 @@ import shm
 from atb_plugin import LLM, SamplingParams
 from atb_plugin.testing.tiny import tiny_checkpoint
 from shm.segment import list_segment_names
-from tests.shm_helpers import write_test_images
+from tests.helpers import write_test_images
 
 PROMPTS = ["hello world", "the cat sat on the mat and then", "a", "numbers: 1 2 3 4 5 6 7 8 9 10 11 12"]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -8,7 +8,6 @@ Tolerance 1e-5 (fp32, two layers; observed ~1e-6)."""
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -18,6 +17,7 @@ from atb_plugin.models.bert import BertModel
 from atb_plugin.models.weights import WeightLoadingError
 from atb_plugin.testing.tiny import tiny_checkpoint
 from routers import get_router
+from tests.helpers import copy_checkpoint
 
 TOLERANCE = 1e-5
 LENGTHS = (9, 3, 17)
@@ -97,9 +97,7 @@ def test_weights_and_checkpoint_names(ours, path):
 
 
 def test_missing_unexpected_and_no_pooler(path, tmp_path):
-    for item in path.iterdir():
-        if item.is_file():
-            shutil.copy(item, tmp_path / item.name)
+    copy_checkpoint(path, tmp_path)
     state = load_file(str(path / "model.safetensors"))
     without_pooler = {k: v for k, v in state.items() if not k.startswith("pooler.")}
     save_file(without_pooler, str(tmp_path / "model.safetensors"))

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 
 import pytest
 import torch
@@ -26,7 +25,7 @@ from atb_plugin.models.llava import LlavaConfig, LlavaForConditionalGeneration
 from atb_plugin.models.weights import WeightLoadingError
 from atb_plugin.multimodal import MultimodalPrompt
 from atb_plugin.testing.sequence import SequenceRunner
-from tests.shm_helpers import write_test_images
+from tests.helpers import copy_checkpoint, write_test_images
 from atb_plugin.testing.tiny import tiny_checkpoint
 from input_builders.media import MediaConfig
 from routers import get_router
@@ -193,9 +192,7 @@ def test_transformers5_names_and_a_list_of_feature_layers(path):
 
 
 def test_unknown_and_missing_weights_are_named(path, tmp_path):
-    for item in path.iterdir():
-        if item.is_file():
-            shutil.copy(item, tmp_path / item.name)
+    copy_checkpoint(path, tmp_path)
     state = load_file(str(path / "model.safetensors"))
     state.pop("vision_tower.vision_model.encoder.layers.0.self_attn.k_proj.bias")
     state["vision_tower.encoder.layers.0.mlp.fc1.weight"] = torch.zeros(2)  # no vision_model level: unknown

@@ -12,9 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
-import shutil
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -26,6 +24,7 @@ from atb_plugin.testing.sequence import SequenceRunner
 from atb_plugin.testing.tiny import tiny_checkpoint
 from input_builders.media import MediaConfig
 from routers import get_router
+from tests.helpers import copy_checkpoint, write_test_images
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
 REFERENCE = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
@@ -47,13 +46,7 @@ def load_pair(family):
 
 @pytest.fixture
 def image_paths(tmp_path):
-    rng = np.random.default_rng(0)
-    paths = []
-    for index, (height, width) in enumerate(IMAGE_SIZES):
-        path = tmp_path / f"image{index}.png"
-        Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
-        paths.append(path)
-    return paths
+    return write_test_images(tmp_path, IMAGE_SIZES)
 
 
 def build_prompt(family, store, tmp_path, image_paths, text="Describe both pictures."):
@@ -249,13 +242,6 @@ def test_npu_path_equals_cpu_path(family):
 # configuration and weights
 
 
-def copy_checkpoint(family, target):
-    for item in tiny_checkpoint(family).iterdir():
-        if item.is_file():
-            shutil.copy(item, target / item.name)
-    return target
-
-
 def test_media_layout_and_config():
     ours, _ = load_pair("qwen2_5_vl")
     raw = json.loads((tiny_checkpoint("qwen2_5_vl") / "config.json").read_text())
@@ -273,7 +259,7 @@ def test_transformers5_config_and_weight_names_load(family, tmp_path):
     from safetensors.torch import load_file, save_file
 
     ours, _ = load_pair(family)
-    copy_checkpoint(family, tmp_path)
+    copy_checkpoint(tiny_checkpoint(family), tmp_path)
     transformers.AutoConfig.from_pretrained(tiny_checkpoint(family)).save_pretrained(tmp_path)  # nested text_config
     assert "text_config" in json.loads((tmp_path / "config.json").read_text())
     state = load_file(str(tmp_path / "model.safetensors"))
@@ -301,7 +287,7 @@ def test_transformers5_config_and_weight_names_load(family, tmp_path):
 def test_missing_and_unexpected_weights_are_named(family, drop, missing, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    copy_checkpoint(family, tmp_path)
+    copy_checkpoint(tiny_checkpoint(family), tmp_path)
     state = load_file(str(tmp_path / "model.safetensors"))
     state.pop(drop)
     state["visual.blocks.0.extra.weight"] = torch.zeros(2)

@@ -12,7 +12,6 @@ sharing no code with ``atb_plugin``. Pixels for the reference come from transfor
 from __future__ import annotations
 
 import math
-import shutil
 
 import pytest
 import torch
@@ -26,6 +25,7 @@ from atb_plugin.testing.sequence import SequenceRunner
 from atb_plugin.testing.tiny import tiny_checkpoint
 from input_builders.media import MediaConfig
 from routers import get_router
+from tests.helpers import copy_checkpoint
 
 TOLERANCE = 1e-4  # whole-model logits, fp32
 TIGHT = 1e-5  # one component (vision tower, one decoder layer)
@@ -209,9 +209,7 @@ def test_fused_projections_follow_qwens_mlp(model, state, raw):
 
 
 def test_missing_and_unexpected_weights_are_named(tmp_path, path):
-    for item in path.iterdir():
-        if item.is_file():
-            shutil.copy(item, tmp_path / item.name)
+    copy_checkpoint(path, tmp_path)
     sd = load_file(str(path / "model.safetensors"))
     sd.pop("transformer.h.0.mlp.w1.weight")
     sd.pop("transformer.visual.attn_pool.kv_proj.weight")

@@ -13,6 +13,7 @@ from atb_plugin.models.weights import WeightLoadingError
 from atb_plugin.testing.sequence import SequenceRunner
 from atb_plugin.testing.tiny import tiny_checkpoint
 from routers import get_router
+from tests.helpers import copy_checkpoint
 
 FAMILIES = ["qwen2", "llama"]
 TOLERANCE = 1e-4
@@ -64,14 +65,10 @@ def test_llama_rope_scaling_is_llama3():
 
 
 def test_missing_and_unexpected_weights_are_named(tmp_path):
-    import shutil
-
     from safetensors.torch import load_file, save_file
 
     source = tiny_checkpoint("qwen2")
-    for item in source.iterdir():
-        if item.is_file():
-            shutil.copy(item, tmp_path / item.name)
+    copy_checkpoint(source, tmp_path)
     state = load_file(str(source / "model.safetensors"))
     state.pop("model.layers.0.self_attn.k_proj.weight")
     state["model.layers.0.extra.weight"] = torch.zeros(2)
@@ -82,14 +79,10 @@ def test_missing_and_unexpected_weights_are_named(tmp_path):
 
 def test_sharded_checkpoint_and_dtype(tmp_path):
     import json
-    import shutil
-
     from safetensors.torch import load_file, save_file
 
     source = tiny_checkpoint("llama")
-    for item in source.iterdir():
-        if item.is_file() and item.name != "model.safetensors":
-            shutil.copy(item, tmp_path / item.name)
+    copy_checkpoint(source, tmp_path, exclude=("model.safetensors",))
     state = load_file(str(source / "model.safetensors"))
     names = sorted(state)
     shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}

@@ -20,7 +20,7 @@ from shm.segment import (
     unlink_segment,
     write_segment,
 )
-from tests.shm_helpers import REPO_ROOT, run_python, shm_path
+from tests.helpers import REPO_ROOT, run_python, shm_path
 
 
 def names_of(instance_id: str) -> set[str]:

@@ -21,7 +21,7 @@ from shm.segment import (
     unlink_segment,
     write_segment,
 )
-from tests.shm_helpers import patch_bytes, run_python, shm_path
+from tests.helpers import patch_bytes, run_python, shm_path
 
 
 def image(seed: int = 0, shape=(3, 448, 448)) -> np.ndarray:

@@ -232,7 +232,7 @@ def test_segments_are_private_to_the_user():
 
 
 def test_a_forked_child_exiting_does_not_unlink_its_parents_segments():
-    from tests.shm_helpers import run_python
+    from tests.helpers import run_python
 
     result = run_python("""
         import os, sys, numpy as np, shm

@@ -1,9 +1,10 @@
 """Helpers shared by the tests: run a snippet in a fresh interpreter, tamper with segment files,
-write test images."""
+write test images, copy a checkpoint to modify it."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -46,3 +47,11 @@ def write_test_images(directory, sizes=((60, 90), (120, 64)), seed: int = 0) -> 
         Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
         paths.append(path)
     return paths
+
+
+def copy_checkpoint(source: Path, target: Path, exclude: tuple[str, ...] = ()) -> Path:
+    """The files of checkpoint ``source`` copied into ``target`` (tests then break them)."""
+    for item in Path(source).iterdir():
+        if item.is_file() and item.name not in exclude:
+            shutil.copy(item, Path(target) / item.name)
+    return Path(target)
