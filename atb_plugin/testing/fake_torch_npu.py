@@ -215,11 +215,7 @@ def _npu_flash_attention(query, key, value, mask, seq_len, scale_value, num_head
       the fake refuses other values.
     """
     op = "_npu_flash_attention"
-    _check_heads(op, query, num_heads, num_kv_heads, key.shape[1] if key.dim() == 3 else -1, _MAX_ATTN_HEAD_SIZE)
-    _check_self_attention_kv(op, query, key, value)
-    lengths = _host_lengths(seq_len, op, "seq_len")
-    _require(sum(lengths) == query.shape[0] and min(lengths, default=1) > 0, op,
-             f"seq_len {lengths} must be positive and sum to num_tokens={query.shape[0]}")
+    lengths = _check_self_attention(op, query, key, value, seq_len, num_heads, num_kv_heads)
     _require(isinstance(mask, torch.Tensor) and mask.dtype == query.dtype, op, "mask must be a tensor in the query dtype")
     _require(mask.dim() in (2, 3) and mask.shape[-1] == mask.shape[-2] and mask.shape[-1] >= max(lengths), op,
              f"mask must be [max_seq_len, max_seq_len] or [batch, max_seq_len, max_seq_len] with "
@@ -248,6 +244,16 @@ def _check_self_attention_kv(op: str, query, key, value) -> None:
     _require(key.shape == value.shape, op, "key and value shapes differ")
 
 
+def _check_self_attention(op: str, query, key, value, seq_len, num_heads: int, num_kv_heads: int) -> list[int]:
+    """What both self-attention ops require of their inputs; returns the per-request lengths."""
+    _check_heads(op, query, num_heads, num_kv_heads, key.shape[1] if key.dim() == 3 else -1, _MAX_ATTN_HEAD_SIZE)
+    _check_self_attention_kv(op, query, key, value)
+    lengths = _host_lengths(seq_len, op, "seq_len")
+    _require(sum(lengths) == query.shape[0] and min(lengths, default=1) > 0, op,
+             f"seq_len {lengths} must be positive and sum to num_tokens={query.shape[0]}")
+    return lengths
+
+
 def _npu_flash_attention_unpad(query, key, value, seq_len, scale_value, num_heads, num_kv_heads, out):
     """``_npu_flash_attention_unpad(Tensor query, Tensor key, Tensor value, Tensor seq_len,
     float scale_value, int num_heads, int num_kv_heads, Tensor(a!) out) -> ()`` — ATB
@@ -257,11 +263,7 @@ def _npu_flash_attention_unpad(query, key, value, seq_len, scale_value, num_head
     encoders). Writes ``out``.
     """
     op = "_npu_flash_attention_unpad"
-    _check_heads(op, query, num_heads, num_kv_heads, key.shape[1] if key.dim() == 3 else -1, _MAX_ATTN_HEAD_SIZE)
-    _check_self_attention_kv(op, query, key, value)
-    lengths = _host_lengths(seq_len, op, "seq_len")
-    _require(sum(lengths) == query.shape[0] and min(lengths, default=1) > 0, op,
-             f"seq_len {lengths} must be positive and sum to num_tokens={query.shape[0]}")
+    lengths = _check_self_attention(op, query, key, value, seq_len, num_heads, num_kv_heads)
     _check_out(op, out, query)
     start = 0
     for length in lengths:
