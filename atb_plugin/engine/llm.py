@@ -18,6 +18,7 @@ from atb_plugin.engine.detokenizer import IncrementalDetokenizer
 from atb_plugin.engine.kv_cache_manager import KVCacheManager
 from atb_plugin.engine.model_runner import ModelRunner
 from atb_plugin.engine.request import Request, RequestStatus
+from atb_plugin.engine.sampler import check_stop
 from atb_plugin.engine.sampling_params import SamplingParams
 from atb_plugin.engine.scheduler import Scheduler, SchedulerConfig
 from atb_plugin.platform import current_platform
@@ -129,21 +130,17 @@ class LLMEngine:
             tracked.detokenizer.update([token])
             if request.sampling_params.logprobs is not None:
                 tracked.logprobs.append(result.logprobs.get(request.request_id))
-            status = self._stop_status(request, token, tracked.detokenizer)
+            status = self._stop_status(request, tracked.detokenizer)
             outputs.append(self._finish(request.request_id, status) if status else self._output(tracked))
         return outputs
 
-    def _stop_status(self, request: Request, token: int, detokenizer) -> RequestStatus | None:
-        params = request.sampling_params
-        if request.num_output_tokens >= params.min_tokens:
-            if token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids):
-                return RequestStatus.FINISHED_STOPPED
-            if detokenizer.stopped_by is not None:
-                return RequestStatus.FINISHED_STOPPED
-        if params.max_tokens is not None and request.num_output_tokens >= params.max_tokens:
-            return RequestStatus.FINISHED_LENGTH
-        if request.num_tokens >= self.max_model_len:
-            return RequestStatus.FINISHED_LENGTH
+    def _stop_status(self, request: Request, detokenizer) -> RequestStatus | None:
+        # Stop strings are text: the detokenizer finds them (it waits for min_tokens itself);
+        # EOS, stop ids, max_tokens and the context window are the sampler module's check_stop.
+        if detokenizer.stopped_by is not None:
+            return RequestStatus.FINISHED_STOPPED
+        if check_stop(request, self.eos_token_ids, self.max_model_len):
+            return request.status
         return None
 
     def _finish(self, request_id: str, status: RequestStatus) -> RequestOutput | None:
