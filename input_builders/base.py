@@ -7,7 +7,7 @@ How a chat becomes ids (``make_context``)::
          ──for each image: preprocess (or reuse by key) → ShmStore.put(lease=request_id)──►
          ──replace each anchor by the family's media block──► input_ids
 
-A media block is the family's layout of DESIGN §3, e.g. Qwen2-VL (n = t·h·w / merge²)::
+A media block is the family's layout from docs/wire-format.md, e.g. Qwen2-VL (n = t·h·w / merge²)::
 
     ... <|vision_start|> NAME SHAPE THW <|image_pad|> × (n − 3) <|vision_end|> ...
                          └─ int64 < 0 ─┘
@@ -102,7 +102,8 @@ class InputBuilder:
 
     def make_context(self, rank: int, conversation, add_generation_prompt: bool = True,
                      adapt_to_max_length: bool = False, **kwargs) -> list[int]:
-        """Chat template + media blocks. kwargs: ``request_id``, ``max_length``, ``truncate``.
+        """Chat template + media blocks. kwargs: ``request_id``, ``max_length``, ``truncate``,
+        ``chat_template_kwargs`` (extra variables for the template, e.g. ``enable_thinking``).
 
         With ``adapt_to_max_length`` the oldest turns are dropped (the system prompt stays) until
         the prompt fits ``max_length``; if the last user turn alone is too long the call raises
@@ -110,13 +111,17 @@ class InputBuilder:
         (never cutting through a media block). ``rank`` is MindIE's and unused here.
         """
         messages = parse_conversation(conversation)
+        template_kwargs = kwargs.get("chat_template_kwargs") or {}
+        if not isinstance(template_kwargs, dict):
+            raise InputBuilderError(f"chat_template_kwargs must be an object, got {type(template_kwargs).__name__}")
         images = self._load_images([part for message in messages for part in message.images])
         max_length = kwargs.get("max_length", self.max_length)
         if adapt_to_max_length and max_length is None:
             raise ValueError("adapt_to_max_length needs max_length (from the model config or the call)")
         if adapt_to_max_length:
-            messages, images = self._drop_oldest_turns(messages, images, add_generation_prompt, max_length)
-        ids = self._render(messages, add_generation_prompt)
+            messages, images = self._drop_oldest_turns(messages, images, add_generation_prompt, max_length,
+                                                       template_kwargs)
+        ids = self._render(messages, add_generation_prompt, template_kwargs)
         if adapt_to_max_length:
             length = self._expanded_length(ids, images)
             if length > max_length and kwargs.get("truncate", False):
@@ -164,13 +169,14 @@ class InputBuilder:
 
     # -- steps -----------------------------------------------------------------------------------
 
-    def render_text(self, messages: list[Message], add_generation_prompt: bool) -> str:
+    def render_text(self, messages: list[Message], add_generation_prompt: bool, template_kwargs=None) -> str:
         """The prompt text with one anchor per image: the checkpoint's chat template by default."""
         chat = [{"role": m.role, "content": self.template_content(m)} for m in messages]
-        return self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt)
+        return self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                  **(template_kwargs or {}))
 
-    def _render(self, messages: list[Message], add_generation_prompt: bool) -> list[int]:
-        text = self.render_text(messages, add_generation_prompt)
+    def _render(self, messages: list[Message], add_generation_prompt: bool, template_kwargs=None) -> list[int]:
+        text = self.render_text(messages, add_generation_prompt, template_kwargs)
         # The template already wrote BOS / role markers: adding special tokens again would double them.
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -200,13 +206,14 @@ class InputBuilder:
     def _expanded_length(self, ids: list[int], images: list[LoadedImage]) -> int:
         return len(ids) + sum(self.num_media_tokens(image) - 1 for image in images)
 
-    def _drop_oldest_turns(self, messages, images, add_generation_prompt, max_length):
+    def _drop_oldest_turns(self, messages, images, add_generation_prompt, max_length, template_kwargs=None):
         """Drop whole turns from the front (never the system prompt nor the last user turn)."""
         system = messages[:1] if messages[0].role == "system" else []
         turns = messages[len(system):]
         while True:
             kept_images = images[len(images) - sum(len(m.images) for m in turns):]
-            if self._expanded_length(self._render(system + turns, add_generation_prompt), kept_images) <= max_length:
+            if self._expanded_length(self._render(system + turns, add_generation_prompt, template_kwargs),
+                                    kept_images) <= max_length:
                 break
             # A turn starts at a user message: cut up to the next one after the oldest kept.
             next_user = next((i for i, m in enumerate(turns) if i > 0 and m.role == "user"), None)

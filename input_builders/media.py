@@ -1,6 +1,6 @@
 """Media loading for the input builders: turn an image reference from a request into an upright RGB
 ``PIL.Image`` plus a digest, or refuse it with a ``MediaError`` that says what was wrong and how to fix
-it (the server answers those with HTTP 400). See ../shared/DESIGN.md §4.
+it (the server answers those with HTTP 400). See docs/architecture.md (request path).
 
 What ``load_image(ref, config)`` accepts
 ----------------------------------------

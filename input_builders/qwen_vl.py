@@ -32,7 +32,7 @@ class QwenVlInputBuilder(InputBuilder):
     def image_prompt_text(self, index: int) -> str:
         return f"Picture {index + 1}: {self.image_anchor}{self.image_end}\n"
 
-    def render_text(self, messages: list[Message], add_generation_prompt: bool) -> str:
+    def render_text(self, messages: list[Message], add_generation_prompt: bool, template_kwargs=None) -> str:
         # Qwen-VL's make_context: ChatML and a default system prompt; its from_list_format numbers
         # the pictures of each message from 1.
         if messages[0].role != "system":

@@ -12,6 +12,7 @@ import threading
 from functools import cached_property
 from pathlib import Path
 
+from atb_plugin.models.registry import declared_max_model_len, model_class_path
 from input_builders.base import InputBuilder
 from input_builders.media import MediaConfig
 from shm import ShmStore
@@ -45,11 +46,9 @@ class BaseRouter:
     Exposes lazily-built ``config``, ``generation_config`` (dict), ``tokenizer``,
     ``input_builder`` and ``model_cls``, plus ``tokenize(inputs)`` and ``shm_store`` (the
     store the builder writes images to: the one passed in, else this process's).
-    Subclasses implement ``make_input_builder`` and name ``model_cls_path``
-    (``"module:Class"``, imported only when ``model_cls`` is read).
+    Subclasses implement ``make_input_builder``; the model class comes from the one table in
+    ``atb_plugin.models.registry`` (``model_cls_path``, imported only when ``model_cls`` is read).
     """
-
-    model_cls_path: str = ""
 
     def __init__(self, model_dir, *, raw_config: dict | None = None, shm_store: ShmStore | None = None,
                  media_config: MediaConfig | None = None, max_images_per_prompt: int | None = None):
@@ -80,6 +79,10 @@ class BaseRouter:
     @cached_property
     def input_builder(self) -> InputBuilder:
         return self.make_input_builder()
+
+    @cached_property
+    def model_cls_path(self) -> str:
+        return model_class_path(self.raw_config)
 
     @cached_property
     def model_cls(self) -> type:
@@ -115,11 +118,7 @@ class BaseRouter:
     @property
     def max_model_len(self) -> int | None:
         """The context window the checkpoint declares."""
-        for scope in (self.raw_config, self.raw_config.get("text_config") or {}):
-            for key in ("max_position_embeddings", "seq_length"):
-                if isinstance(scope.get(key), int):
-                    return scope[key]
-        return None
+        return declared_max_model_len(self.raw_config)
 
     # -- family hooks ----------------------------------------------------------------------------
 

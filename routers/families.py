@@ -18,19 +18,12 @@ from routers.registry import register_router
 class TextRouter(BaseRouter):
     """Decoder-only text models: Qwen2 and Llama share everything the front end needs."""
 
-    @property
-    def model_cls_path(self) -> str:
-        return {"qwen2": "atb_plugin.models.qwen2:Qwen2ForCausalLM",
-                "llama": "atb_plugin.models.llama:LlamaForCausalLM"}[self.raw_config["model_type"]]
-
     def make_input_builder(self):
         return TextInputBuilder(self.tokenizer, **self.builder_kwargs())
 
 
 @register_router("qwen2_vl", "qwen2_5_vl")
 class Qwen2VlRouter(BaseRouter):
-    model_cls_path = "atb_plugin.models.qwen2_vl:Qwen2VLForConditionalGeneration"
-
     def make_input_builder(self):
         return Qwen2VlInputBuilder(
             self.tokenizer,
@@ -44,8 +37,6 @@ class Qwen2VlRouter(BaseRouter):
 
 @register_router("llava")
 class LlavaRouter(BaseRouter):
-    model_cls_path = "atb_plugin.models.llava:LlavaForConditionalGeneration"
-
     def make_input_builder(self):
         vision = self.config_value("vision_config")
         token_key = "image_token_index" if "image_token_index" in self.raw_config else "image_token_id"
@@ -64,8 +55,6 @@ class LlavaRouter(BaseRouter):
 class QwenVlRouter(BaseRouter):
     """Qwen-VL (``model_type: qwen`` + ``visual``): not in transformers, so its config is read
     as a plain ``PretrainedConfig`` and its prompt format is the builder's own."""
-
-    model_cls_path = "atb_plugin.models.qwen_vl:QwenVLForCausalLM"
 
     @cached_property
     def config(self):
@@ -100,7 +89,5 @@ def _qwen_config_class():
 
 @register_router("bert")
 class BertRouter(BaseRouter):
-    model_cls_path = "atb_plugin.models.bert:BertModel"
-
     def make_input_builder(self):
         return BertInputBuilder(self.tokenizer, **self.builder_kwargs())

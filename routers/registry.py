@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from atb_plugin.models.registry import registry_key
 from routers.base import BaseRouter, read_json
 
 ROUTERS: dict[str, type[BaseRouter]] = {}
@@ -20,14 +21,6 @@ def register_router(*model_types: str):
         return cls
 
     return register
-
-
-def registry_key(config: dict) -> str | None:
-    model_type = config.get("model_type")
-    # Qwen-VL calls itself "qwen" like the text-only Qwen-1; its vision tower tells them apart.
-    if model_type == "qwen" and "visual" in config:
-        return "qwen_vl"
-    return model_type
 
 
 def get_router(model_dir, **kwargs) -> BaseRouter:

@@ -41,6 +41,7 @@ import threading
 import time
 import zlib
 from collections import OrderedDict
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -308,17 +309,21 @@ class _Attached:
     inode: tuple[int, int]  # (st_dev, st_ino): a re-created name is a different inode
 
 
-def _verify(header: SegmentHeader, name: str, shape: list[int], dtype, expected_instance: str | None) -> np.dtype:
+def _verify(header: SegmentHeader, name: str, shape: list[int], dtype, expected_instance) -> np.dtype:
     if header.name != name:
         raise ShmHandleError(f"segment {name} is foreign: its header names {header.name}")
     instance_id = parse_name(name)[0]
     if header.instance_id != instance_id:
         raise ShmHandleError(f"segment {name} is foreign: its header names instance {header.instance_id!r}")
-    if expected_instance is not None and instance_id != expected_instance:
-        raise ShmHandleError(
-            f"segment {name} belongs to instance {instance_id!r}, not to {expected_instance!r} "
-            "(this request's frontend)"
-        )
+    if expected_instance is not None:
+        # One id, or the set of instances the frontend registered for this request.
+        allowed = {expected_instance} if isinstance(expected_instance, str) else set(expected_instance)
+        if instance_id not in allowed:
+            raise ShmHandleError(
+                f"segment {name} belongs to instance {instance_id!r}, not to "
+                f"{' or '.join(repr(i) for i in sorted(allowed)) or 'any registered instance'} "
+                "(this request's frontend)"
+            )
     if list(header.shape) != list(shape):
         raise ShmHandleError(
             f"segment {name}: the handle's shape {list(shape)} does not match the segment's {list(header.shape)}"
@@ -362,7 +367,7 @@ class ShmReader:
 
     # -- public --------------------------------------------------------------------------------
 
-    def read_array(self, name_value, shape_value, *, dtype=None, expected_instance: str | None = None,
+    def read_array(self, name_value, shape_value, *, dtype=None, expected_instance: str | Collection[str] | None = None,
                    writable: bool = False) -> np.ndarray:
         """The array a handle names: a zero-copy view of the segment's payload.
 
@@ -473,7 +478,7 @@ class ShmReader:
 _default_reader = ShmReader()
 
 
-def read_array(name_value, shape_value, *, dtype=None, expected_instance: str | None = None,
+def read_array(name_value, shape_value, *, dtype=None, expected_instance: str | Collection[str] | None = None,
                writable: bool = False) -> np.ndarray:
     """Read-only zero-copy view of the array a (name, shape) handle pair names.
 

@@ -3,7 +3,7 @@ memory equal to transformers' processors, both content spellings, history window
 every bad input.
 
 The expected ids are built here independently of the builders: the checkpoint's chat template
-rendered and tokenized by transformers, each image anchor widened into the block DESIGN §3
+rendered and tokenized by transformers, each image anchor widened into the block docs/wire-format.md
 describes, with the token counts taken from transformers' own image processors.
 """
 
@@ -76,7 +76,7 @@ def hf_chat(image_count, text="What is in the picture?"):
 
 
 def expected_layout(family, router, image_paths, ids):
-    """The ids DESIGN §3 prescribes, taking NAME/SHAPE values from ``ids`` (checked separately)."""
+    """The ids docs/wire-format.md prescribes, taking NAME/SHAPE values from ``ids`` (checked separately)."""
     raw = router.raw_config
     tokens = template_ids(router, hf_chat(len(image_paths)))
     negatives = iter([i for i in ids if i < 0])

@@ -1,12 +1,13 @@
 """InputBatch and prepare_inputs.
 
-1. The seed's worked example (``seeds/003_36c244a1618466c0.txt``: max 10 tokens per step, block
-   size 2, prompts 3 / 2 / 8, max model len 12), both steps, every table it prints typed here as a
-   literal and compared with our arrays.
+1. The worked example of vllm-ascend's prepare_inputs design guide ("Prepare inputs for model
+   forwarding", "the guide" below: max 10 tokens per step, block size 2, prompts 3 / 2 / 8, max
+   model len 12), both steps, every table it prints typed here as a literal and compared with our
+   arrays.
 2. Random batches (hypothesis; requests added and removed so rows are reused) against a per-token
    Python reference that reads a plain-Python model of the batch, not the batch's tables.
 3. Row reuse, null-block padding, bounds checks.
-4. The metadata drives the real attention: a tiny Qwen2 run through the seed's steps (plus decodes)
+4. The metadata drives the real attention: a tiny Qwen2 run through the guide's steps (plus decodes)
    gives, token for token, the logits ``SequenceRunner`` gives for each request alone.
 """
 
@@ -22,25 +23,25 @@ from atb_plugin.engine.input_batch import InputBatch, cdiv
 from atb_plugin.engine.prepare_inputs import PreparedInputs, attention_mask, prepare_inputs
 
 # --------------------------------------------------------------------------------------------------
-# 1. The seed's example
+# 1. The guide's example
 # --------------------------------------------------------------------------------------------------
 
-MAX_NUM_REQS, MAX_MODEL_LEN, BLOCK_SIZE = 4, 12, 2  # the seed draws 4 rows ("......" beyond)
+MAX_NUM_REQS, MAX_MODEL_LEN, BLOCK_SIZE = 4, 12, 2  # the guide draws 4 rows ("......" beyond)
 PROMPT_LENS = {"0": 3, "1": 2, "2": 8}
 
 
 def T(request: int, index: int) -> int:
-    """The seed's token ``T_<request>_<index>`` as an int (distinct for every token of the example).
-    (The seed's token tables write request 2's tokens T_2_0, T_2_1, T_3_2 ... T_3_7: a typo for T_2_*,
+    """The guide's token ``T_<request>_<index>`` as an int (distinct for every token of the example).
+    (The guide's token tables write request 2's tokens T_2_0, T_2_1, T_3_2 ... T_3_7: a typo for T_2_*,
     as its input ids of step 2, "T_3_5, T_3_6, T_3_7" = token indices 29, 30, 31 = row 2, show.)"""
     return 100 * (request + 1) + index
 
 
-Q = -1  # "?" in the seed's token tables: a cell that holds nothing yet
+Q = -1  # "?" in the guide's token tables: a cell that holds nothing yet
 
 
 def token_table_matches(batch: InputBatch, expected: list[list[int]]) -> bool:
-    """Compare the cells the seed fills (not its ``?``) and check that nothing else is live."""
+    """Compare the cells the guide fills (not its ``?``) and check that nothing else is live."""
     expected = np.array(expected)
     live = expected != Q
     table = batch.token_ids_cpu[: len(expected)]
@@ -97,7 +98,7 @@ def check_step_1(batch: InputBatch) -> PreparedInputs:
         [1, 1, 1, 1, 0],
         [1, 1, 1, 1, 1],
     ]
-    # Not printed by the seed, implied by it: requests 0 and 1 finish their prompt and sample;
+    # Not printed by the guide, implied by it: requests 0 and 1 finish their prompt and sample;
     # request 2's chunk stops 3 tokens short and does not.
     assert p.logits_indices_cpu.tolist() == [2, 4, 9]
     assert p.samples.tolist() == [True, True, False]
@@ -211,7 +212,7 @@ def test_attention_mask_is_what_the_npu_kernels_apply(seed_batch):
 
 def reference_prepare(requests: dict, rows: dict, max_model_len: int, block_size: int,
                       request_ids: list[str], num_scheduled: list[int]) -> dict:
-    """The seed's recipe, one token at a time, from plain lists: ``requests[id] = (token_ids,
+    """The guide's recipe, one token at a time, from plain lists: ``requests[id] = (token_ids,
     num_computed, block_ids)``, ``rows[id]`` = the row the batch should have given it."""
     max_blocks = cdiv(max_model_len, block_size)
     out = {k: [] for k in ("req_indices", "positions", "token_indices", "input_ids", "block_table_indices",
@@ -420,7 +421,7 @@ def test_tiny_model_batched_steps_match_sequence_runner_per_request():
     gen = torch.Generator().manual_seed(0)
     prompts = {r: torch.randint(0, vocab, (n,), generator=gen).tolist() for r, n in PROMPT_LENS.items()}
 
-    # The seed's example, then decode steps (block ids as the seed hands them out, then 9, 10, ...).
+    # The guide's example, then decode steps (block ids as the guide hands them out, then 9, 10, ...).
     batch = InputBatch(MAX_NUM_REQS, MAX_MODEL_LEN, BLOCK_SIZE)
     for r, block_ids in (("0", [1, 2]), ("1", [3]), ("2", [4, 5, 6])):
         batch.add_request(r, prompts[r], 0, block_ids)

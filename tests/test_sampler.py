@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from atb_plugin.engine.request import Request, RequestStatus
-from atb_plugin.engine.sampler import LogprobsEntry, Sampler, SamplerOutput, check_stop, make_generator
+from atb_plugin.engine.sampler import LogprobsEntry, Sampler, SamplerOutput, make_generator
+from atb_plugin.engine.scheduler import check_stop
 from atb_plugin.engine.sampling_params import SamplingParams
 
 VOCAB = 64

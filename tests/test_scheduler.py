@@ -23,7 +23,7 @@ def drive(prompts: list[int], max_tokens: int, num_blocks: int, budget: int, max
         # Prompts share a prefix so the prefix cache has something to hit.
         scheduler.add_request(Request(f"r{index}", [7] * 8 + list(range(index, index + length)),
                                       SamplingParams(max_tokens=max_tokens)))
-    finished, steps = {}, 0
+    finished, generated, steps = {}, {}, 0
     while scheduler.has_unfinished_requests():
         steps += 1
         assert steps < 2000, "no progress: starvation or a scheduling deadlock"
@@ -45,10 +45,13 @@ def drive(prompts: list[int], max_tokens: int, num_blocks: int, budget: int, max
         sampled = {r: 1000 + scheduler.requests[r].num_output_tokens
                    for r, count in output.num_scheduled_tokens.items()
                    if scheduler.requests[r].num_computed_tokens + count == scheduler.requests[r].num_tokens}
-        for request in scheduler.update_from_output(output, sampled):
-            if request.num_output_tokens >= max_tokens or request.num_tokens >= max_model_len:
-                finished[request.request_id] = list(request.output_token_ids)
-                scheduler.finish(request.request_id, RequestStatus.FINISHED_LENGTH)
+        for out in scheduler.update_from_output(output, sampled):
+            # The scheduler itself ends a request at max_tokens / max_model_len and frees its blocks.
+            generated.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finished:
+                assert out.finish_reason == RequestStatus.FINISHED_LENGTH.value
+                assert out.request_id not in scheduler.requests
+                finished[out.request_id] = generated[out.request_id]
     assert kv.num_free_blocks == num_blocks - 1  # everything returned, but the null block
     return finished, scheduler
 

@@ -1,11 +1,11 @@
 """``InputBatch``: the host-side tables of the running requests, one row per request.
 
-Two system-level tables (see ``seeds/003_36c244a1618466c0.txt``), both numpy and allocated once::
+Two system-level tables (as in vllm-ascend's prepare_inputs design), both numpy and allocated once::
 
     token_ids_cpu  (max_num_reqs, max_model_len)          every token id of request r, prompt + output
     block_table_cpu (max_num_reqs, max_blocks_per_req)    its KV blocks, logical -> physical
 
-    max_model_len 12, block_size 2 (the seed's example, step 2):
+    max_model_len 12, block_size 2 (the worked example of prepare_inputs.py, step 2):
 
     row   token_ids_cpu                                  block_table_cpu       num_tokens  computed  blocks
      0    T00 T01 T02 T03  ?   ?   ?   ?   ?   ?  ?  ?   1  2  0  0  0  0        4          3        2
@@ -27,10 +27,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-
-def cdiv(a, b):
-    """Ceiling division (ints or numpy arrays)."""
-    return -(-a // b)
+from atb_plugin.utils import cdiv
 
 
 class InputBatch:
@@ -48,14 +45,14 @@ class InputBatch:
         self.max_model_len = int(max_model_len)
         self.block_size = int(block_size)
         # Ceiling, not floor: a request of max_model_len tokens needs its last, partial block too
-        # (the two agree whenever block_size divides max_model_len, as in the seed).
+        # (the two agree whenever block_size divides max_model_len, as in that example).
         self.max_blocks_per_req = cdiv(self.max_model_len, self.block_size)
         # prepare_inputs computes token indices (row * max_model_len + position) in int32.
         if self.max_num_reqs * self.max_model_len >= 2**31:
             raise ValueError(f"max_num_reqs * max_model_len = {self.max_num_reqs * self.max_model_len} "
                              f"cells: the token table would not be indexable in int32 (nor fit in memory)")
 
-        # int32 as the seed and vLLM store token ids; negative ids (media handles) fit too.
+        # int32 as vllm-ascend and vLLM store token ids; negative ids (media handles) fit too.
         self.token_ids_cpu = np.zeros((self.max_num_reqs, self.max_model_len), dtype=np.int32)
         self.block_table_cpu = np.zeros((self.max_num_reqs, self.max_blocks_per_req), dtype=np.int32)
         self.num_tokens_cpu = np.zeros(self.max_num_reqs, dtype=np.int32)

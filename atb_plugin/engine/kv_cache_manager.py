@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from atb_plugin.engine.block_pool import BlockHash, BlockPool, KVCacheBlock, hash_request_tokens
 from atb_plugin.engine.request import Request
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+from atb_plugin.utils import cdiv
 
 
 class KVCacheManager:
@@ -139,7 +136,7 @@ class KVCacheManager:
                 raise ValueError(f"request {request.request_id}: stale computed_block_ids {computed_block_ids}")
         num_computed_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_total_tokens = num_computed_tokens + num_new_tokens
-        num_new_blocks = _cdiv(num_total_tokens, self.block_size) - len(req_blocks) - len(computed_blocks)
+        num_new_blocks = cdiv(num_total_tokens, self.block_size) - len(req_blocks) - len(computed_blocks)
         # Hit blocks sitting in the free queue leave it when touched: they count against the
         # free blocks just like new ones.
         num_free_hits = sum(1 for block in computed_blocks if block.ref_cnt == 0)

@@ -16,11 +16,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from atb_plugin.engine.config import EngineConfig
 from atb_plugin.engine.input_batch import InputBatch
 from atb_plugin.engine.prepare_inputs import prepare_inputs
 from atb_plugin.engine.request import Request
 from atb_plugin.engine.sampler import Sampler, make_generator
 from atb_plugin.engine.scheduler import SchedulerOutput
+from atb_plugin.models.interfaces import SupportsMedia, SupportsMRoPE
 from atb_plugin.multimodal import MediaBlockError, MultimodalPrompt
 
 
@@ -41,18 +43,25 @@ class _RequestState:
 
 
 class ModelRunner:
-    def __init__(self, model, *, num_blocks: int, block_size: int, max_num_reqs: int, max_model_len: int,
-                 eos_token_ids=(), expected_instance: str | None = None):
+    """Contract: ``execute(scheduler_output)`` runs one step and returns a ``RunnerOutput``;
+    it keeps per-request device state (batch row, media features, M-RoPE positions, sampling
+    generator) from a request's first scheduling until the scheduler reports it finished."""
+
+    def __init__(self, model, config: EngineConfig, num_blocks: int):
         self.model = model
+        self.config = config
         self.device = next(model.parameters()).device
-        self.block_size = block_size
-        self.kv_caches = model.make_kv_caches(num_blocks, block_size)
-        self.input_batch = InputBatch(max_num_reqs, max_model_len, block_size)
-        self.sampler = Sampler(eos_token_ids=tuple(eos_token_ids))
-        self.expected_instance = expected_instance
-        self.layout = getattr(model, "media_layout", None)
-        self.uses_mrope = hasattr(model, "get_mrope_positions")
+        self.block_size = config.block_size
+        self.kv_caches = model.make_kv_caches(num_blocks, config.block_size)
+        self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size)
+        self.sampler = Sampler()
+        self.layout = model.media_layout if isinstance(model, SupportsMedia) else None
+        self.uses_mrope = isinstance(model, SupportsMRoPE)
         self.states: dict[str, _RequestState] = {}
+        # Per request, made once and advanced only by its own sampling, kept across preemption:
+        # a seeded request draws the same stream whatever its batch and however often it is
+        # recomputed (restarting from the seed would replay draws already spent on its tokens).
+        self.generators: dict[str, torch.Generator | None] = {}
 
     # -- batch bookkeeping -----------------------------------------------------------------------
 
@@ -60,7 +69,7 @@ class ModelRunner:
         state = _RequestState(request)
         prompt = request.prompt_token_ids
         if self.layout is not None and min(prompt) < 0:
-            state.media = MultimodalPrompt.from_ids(prompt, self.layout, expected_instance=self.expected_instance)
+            state.media = MultimodalPrompt.from_ids(prompt, self.layout, expected_instance=self._instances(request))
             state.media.features(self.model)  # the encoder runs once, now: a bad block fails here
             prompt = state.media.token_ids.tolist()
         elif min(prompt) < 0:
@@ -68,9 +77,9 @@ class ModelRunner:
         if self.uses_mrope:
             grids = [block.grid_thw for block in state.media.blocks] if state.media else []
             state.mrope_positions, state.rope_delta = self.model.get_mrope_positions(torch.tensor(prompt), grids)
-        # Made once per request and advanced only by its own sampling: reproducible per seed,
-        # whatever else shares the batch (and restarted from the seed after a preemption).
-        state.generator = make_generator(request.sampling_params.seed, device=self.device)
+        if request.request_id not in self.generators:
+            self.generators[request.request_id] = make_generator(request.sampling_params.seed, device=self.device)
+        state.generator = self.generators[request.request_id]
         self.input_batch.add_request(request.request_id, prompt + request.output_token_ids,
                                      request.num_computed_tokens, block_ids)
         self.states[request.request_id] = state
@@ -79,7 +88,15 @@ class ModelRunner:
         if self.states.pop(request_id, None) is not None:
             self.input_batch.remove_request(request_id)
 
+    def _instances(self, request: Request) -> tuple[str, ...]:
+        """The shm instances this request may read: those its frontend registered, narrowed to
+        the config's pinned set when there is one. Empty: no segment is acceptable."""
+        pinned = self.config.shm_instances
+        return tuple(i for i in request.shm_instances if not pinned or i in pinned)
+
     def _update_batch(self, output: SchedulerOutput, result: RunnerOutput) -> None:
+        for request_id in output.finished_request_ids:
+            self.generators.pop(request_id, None)
         for request_id in output.finished_request_ids + output.preempted_request_ids:
             self._remove(request_id)
         new_ids = set()
@@ -122,6 +139,7 @@ class ModelRunner:
                 [s.request.sampling_params for s in states],
                 [s.generator for s in states],
                 [s.request.num_output_tokens for s in states],
+                [s.request.eos_token_ids for s in states],
             )
             for state, token, logprobs in zip(states, sampled.token_ids, sampled.logprobs):
                 request_id = state.request.request_id

@@ -1,12 +1,13 @@
 """``prepare_inputs``: from the input batch and the scheduler's ``{request: num_new_tokens}`` to the
-model's inputs (input ids, positions) and their attention metadata, exactly as
-``seeds/003_36c244a1618466c0.txt`` describes, vectorised with numpy (no per-token Python loop; the
-only Python loop is the O(num_reqs) request-id -> row lookup).
+model's inputs (input ids, positions) and their attention metadata, exactly as vllm-ascend's
+prepare_inputs design guide ("Prepare inputs for model forwarding", "the guide" below) describes,
+vectorised with numpy (no per-token Python loop; the only Python loop is the O(num_reqs)
+request-id -> row lookup).
 
 Token level (one entry per scheduled token, requests one after another in scheduling order)::
 
-    seed, step 2: scheduled {0: 1, 1: 1, 2: 3}, num_computed [3, 2, 5], M = max_model_len = 12,
-                  K = max blocks per request = 6, block_size = 2
+    guide, step 2: scheduled {0: 1, 1: 1, 2: 3}, num_computed [3, 2, 5], M = max_model_len = 12,
+                   K = max blocks per request = 6, block_size = 2
 
     req_indices          [0, 1, 2, 2, 2]         index into the scheduled requests
     positions            [3, 2, 5, 6, 7]         num_computed[req] + offset within this step's chunk
@@ -23,7 +24,7 @@ Request level: ``query_start_loc`` [0, 1, 2, 5] (prefix sum of the scheduled cou
 True] (the step reaches the end of the request's tokens, so the model's output there is a new token;
 a middle prefill chunk does not sample).
 
-"row" is the request's row in the batch tables. The seed's example has rows equal to the
+"row" is the request's row in the batch tables. The guide's example has rows equal to the
 scheduling order (``req_indices``); here rows are reused as requests come and go, so
 ``token_indices`` and ``block_table_indices`` use the row of the token's request
 (``rows[req_indices]``), not ``req_indices`` itself.
@@ -37,7 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from atb_plugin.engine.input_batch import InputBatch, cdiv
+from atb_plugin.engine.input_batch import InputBatch
+from atb_plugin.utils import cdiv
 from atb_plugin.ops import AttentionMetadata
 
 
@@ -98,7 +100,7 @@ class PreparedInputs:
 
     @property
     def is_prefill_only(self) -> bool:
-        """Every request starts from an empty cache (the seed's step 1)."""
+        """Every request starts from an empty cache (the guide's step 1)."""
         return not self.num_computed_tokens_cpu.any()
 
 
@@ -130,7 +132,7 @@ def prepare_inputs(batch: InputBatch, request_ids: Sequence[str], num_scheduled_
     seq_lens = num_computed + num_scheduled
     max_seq_len = int(seq_lens.max())
     if (num_scheduled.min() < 1 or (seq_lens > num_tokens).any()
-            or ((seq_lens + (block_size - 1)) // block_size > batch.num_blocks_cpu[rows]).any()
+            or (cdiv(seq_lens, block_size) > batch.num_blocks_cpu[rows]).any()
             or len(set(request_ids)) != num_reqs):
         _raise_bad_schedule(batch, request_ids, num_scheduled, rows)
     cu_num_tokens = np.cumsum(num_scheduled)
@@ -141,7 +143,7 @@ def prepare_inputs(batch: InputBatch, request_ids: Sequence[str], num_scheduled_
     block_tables = batch.block_table_cpu[rows, :cdiv(max_seq_len, block_size)]
 
     # ---- token level ---------------------------------------------------------------------------
-    # The seed's formulas (position = num_computed[req] + offset in the chunk, token index =
+    # The guide's formulas (position = num_computed[req] + offset in the chunk, token index =
     # row * M + position, block-table index = row * K + position // block_size) with their
     # per-request parts spread to the tokens by np.repeat. int32 where the values allow it
     # (InputBatch guarantees max_num_reqs * max_model_len < 2**31): half the bytes to write.
@@ -242,13 +244,13 @@ def _divmod_block_size(positions: np.ndarray, block_size: int) -> tuple[np.ndarr
 
 
 def attention_mask(prepared: PreparedInputs) -> np.ndarray:
-    """The step's attention mask as the seed draws it, ``True`` = may attend (tests, debugging;
+    """The step's attention mask as the guide draws it, ``True`` = may attend (tests, debugging;
     kernels build their own).
 
-    - Prefill only (every request starts from an empty cache, the seed's step 1): one causal
+    - Prefill only (every request starts from an empty cache, the guide's step 1): one causal
       ``(max_query_len, max_query_len)`` matrix that every request reuses (its top-left
       ``q_len x q_len`` corner), e.g. 5 x 5 for scheduled [3, 2, 5].
-    - Otherwise (decode, chunked prefill, the seed's step 2): ``(num_tokens, max_seq_len)``, one row
+    - Otherwise (decode, chunked prefill, the guide's step 2): ``(num_tokens, max_seq_len)``, one row
       per scheduled token; token t sees keys ``0 .. positions[t]`` of its own request, e.g. 5 x 8.
 
     The NPU kernels apply the same matrices with the opposite convention (1 / -inf = hidden,

@@ -37,12 +37,20 @@ class Request:
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     num_cached_tokens: int = 0
-    error: str | None = None
+    eos_token_ids: tuple[int, ...] = ()  # the frontend's (the core has no tokenizer)
+    shm_instances: tuple[str, ...] = ()  # shared-memory instances this request may read from
+    first_scheduled_time: float | None = None
 
     def __post_init__(self):
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id}: the prompt is empty")
         self.all_token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+
+    @classmethod
+    def from_engine_core_request(cls, message) -> "Request":
+        return cls(message.request_id, list(message.prompt_token_ids), message.sampling_params,
+                   arrival_time=message.arrival_time, eos_token_ids=tuple(message.eos_token_ids),
+                   shm_instances=tuple(message.shm_instances))
 
     @property
     def num_prompt_tokens(self) -> int:

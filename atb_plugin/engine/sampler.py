@@ -18,7 +18,8 @@ sampler uses it too): it needs no per-row ``torch.multinomial`` call, and a seed
 exactly V draws of its own generator per step whatever else is in the batch, so the same seed
 and prompt give the same tokens in any batch.
 
-Stop strings are text, so the detokenizer checks them (``detokenizer.IncrementalDetokenizer``).
+Stop checks (EOS, stop ids, lengths) are the scheduler's (``scheduler.check_stop``); stop strings
+are text, so the frontend's detokenizer checks them (``detokenizer.IncrementalDetokenizer``).
 """
 
 from __future__ import annotations
@@ -28,36 +29,14 @@ from dataclasses import dataclass
 
 import torch
 
-from atb_plugin.engine.request import Request, RequestStatus
+from atb_plugin.engine.messages import LogprobsEntry
 from atb_plugin.engine.sampling_params import SamplingParams
 
-__all__ = ["LogprobsEntry", "SamplerOutput", "Sampler", "make_generator", "check_stop"]
+__all__ = ["LogprobsEntry", "SamplerOutput", "Sampler", "make_generator"]
 
 # Temperatures below this are sampled greedily (vLLM's _SAMPLING_EPS): dividing by them only
 # turns the distribution into a numerically fragile argmax.
 _GREEDY_BELOW_TEMPERATURE = 1e-5
-
-
-@dataclass
-class LogprobsEntry:
-    """Log-probabilities of one sampled position, from the raw logits (before temperature,
-    top-k/top-p and min_tokens: vLLM's default ``raw_logprobs``).
-
-    ``rank`` is the sampled token's 1-based rank (1 + the number of tokens with a strictly higher
-    logprob); ``top_token_ids`` / ``top_logprobs`` the N most likely tokens, most likely first
-    (empty when the request asked for ``logprobs=0``)."""
-
-    token_id: int
-    logprob: float
-    rank: int
-    top_token_ids: list[int]
-    top_logprobs: list[float]
-
-    def __post_init__(self):
-        if len(self.top_token_ids) != len(self.top_logprobs):
-            raise ValueError("top_token_ids and top_logprobs must have the same length")
-        if self.rank < 1:
-            raise ValueError(f"rank is 1-based, got {self.rank}")
 
 
 @dataclass
@@ -85,7 +64,8 @@ class Sampler:
     (and optionally a ``LogprobsEntry``) per row of ``logits`` (B, V), row i following
     ``params[i]``; ``generators[i]`` is request i's generator (``make_generator``) or None, and
     ``num_output_tokens[i]`` how many tokens request i has generated before this one (for
-    min_tokens). Stateless apart from the EOS ids; never modifies ``logits``."""
+    min_tokens). ``eos_token_ids[i]``, when given, are request i's EOS ids (else the sampler's).
+    Stateless apart from the default EOS ids; never modifies ``logits``."""
 
     def __init__(self, eos_token_ids: Iterable[int] = ()):
         self.eos_token_ids = tuple(sorted(set(eos_token_ids)))
@@ -96,6 +76,7 @@ class Sampler:
         params: Sequence[SamplingParams],
         generators: Sequence[torch.Generator | None],
         num_output_tokens: Sequence[int],
+        eos_token_ids: Sequence[Collection[int]] | None = None,
     ) -> SamplerOutput:
         if logits.dim() != 2:
             raise ValueError(f"logits must be (num_requests, vocab_size), got {tuple(logits.shape)}")
@@ -111,7 +92,9 @@ class Sampler:
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
-        logits = self._apply_min_tokens(logits, params, num_output_tokens)
+        if eos_token_ids is None:
+            eos_token_ids = [self.eos_token_ids] * batch
+        logits = self._apply_min_tokens(logits, params, num_output_tokens, eos_token_ids)
         token_ids = logits.argmax(dim=-1)  # every row (cheap); the random rows are overwritten below
         random_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_BELOW_TEMPERATURE]
         if random_rows:
@@ -126,13 +109,14 @@ class Sampler:
 
     # -- steps -----------------------------------------------------------------------------------
 
-    def _apply_min_tokens(self, logits, params, num_output_tokens) -> torch.Tensor:
+    @staticmethod
+    def _apply_min_tokens(logits, params, num_output_tokens, eos_token_ids) -> torch.Tensor:
         """EOS (unless ignore_eos) and the stop ids get -inf while a request has fewer than
         min_tokens output tokens (vLLM's MinTokensLogitsProcessor)."""
         rows, cols = [], []
-        for i, (p, generated) in enumerate(zip(params, num_output_tokens)):
+        for i, (p, generated, eos) in enumerate(zip(params, num_output_tokens, eos_token_ids)):
             if generated < p.min_tokens:
-                blocked = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+                blocked = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos))
                 blocked = [t for t in blocked if t < logits.shape[1]]
                 rows += [i] * len(blocked)
                 cols += blocked
@@ -210,25 +194,3 @@ class Sampler:
                 top_logprobs=top_values_list[i][:n] if n else [],
             ))
         return entries
-
-
-def check_stop(request: Request, eos_token_ids: Collection[int], max_model_len: int | None = None) -> bool:
-    """After a token was appended: has ``request`` finished? Sets its status if so.
-
-    Order (vLLM v1's): nothing stops a request short of min_tokens but the length limits; then
-    EOS (unless ignore_eos) and the stop token ids give FINISHED_STOPPED; then max_tokens or the
-    context window (``max_model_len`` total tokens) give FINISHED_LENGTH. So a last token that is
-    both EOS and the max_tokens-th reports "stop". Stop strings are the detokenizer's business."""
-    params = request.sampling_params
-    if request.num_output_tokens == 0:
-        return False
-    last = request.output_token_ids[-1]
-    if request.num_output_tokens >= params.min_tokens:
-        if (not params.ignore_eos and last in eos_token_ids) or last in params.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
-    if (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens) or (
-            max_model_len is not None and request.num_tokens >= max_model_len):
-        request.status = RequestStatus.FINISHED_LENGTH
-        return True
-    return False

@@ -1,46 +1,130 @@
-"""``SamplingParams``: how one request's tokens are chosen and when it stops (vLLM's names)."""
+"""``SamplingParams``: how one request's tokens are chosen and when it stops (vLLM's names).
+
+Every field is type- and range-checked on construction; a bad one raises ``ValueError`` (never
+``TypeError``: the HTTP server answers any ``ValueError`` with 400) whose message starts with
+the field's name and gives the value and what is accepted. Ints must be ints (``bool`` and
+``2.0`` are refused; numpy integers are taken as ints), floats take ints or floats but must be
+finite, flags must be ``bool``. Accepted values are stored normalised: floats as ``float``, ints
+as ``int``, ``stop`` / ``stop_token_ids`` as fresh lists.
+"""
 
 from __future__ import annotations
 
+import math
+import numbers
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+_SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes [0, 2**64) (and negatives, which we refuse)
+
+
+def _describe(value) -> str:
+    return f"{value!r} ({type(value).__name__})"
+
+
+def _int(name: str, value, accepted: str) -> int:
+    """``value`` as an int, or ValueError naming ``name``; ``accepted`` describes the valid range."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an int {accepted}, got {_describe(value)}")
+    return int(value)
+
+
+def _float(name: str, value, accepted: str) -> float:
+    """``value`` (an int or a float) as a finite float, or ValueError naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number {accepted}, got {_describe(value)}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be a finite number {accepted}, got {value!r}")
+    return number
+
+
+def _bool(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, got {_describe(value)}")
+    return value
+
+
+def _list(name: str, value, accepted: str) -> list:
+    """A list or tuple (not a string, not a set: order and repeats are the caller's) as a new list."""
+    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
+        raise ValueError(f"{name} must be a list {accepted}, got {_describe(value)}")
+    return list(value)
 
 
 @dataclass
 class SamplingParams:
-    n: int = 1
-    temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: disabled
-    seed: int | None = None  # per-request generator: the same seed gives the same tokens
-    max_tokens: int | None = 16  # None: up to the model's context window
-    min_tokens: int = 0
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    n: int = 1  # only 1
+    temperature: float = 1.0  # >= 0; 0: greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int = 0  # 0 or -1: disabled; else >= 1
+    seed: int | None = None  # [0, 2**64); per-request generator: the same seed gives the same tokens
+    max_tokens: int | None = 16  # >= 1; None: up to the model's context window
+    min_tokens: int = 0  # [0, max_tokens]
+    stop: list[str] = field(default_factory=list)  # a string or a list of non-empty strings
+    stop_token_ids: list[int] = field(default_factory=list)  # token ids >= 0
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; N: plus the top N
     skip_special_tokens: bool = True
 
     def __post_init__(self):
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.n != 1:
-            raise ValueError(f"n={self.n}: only n=1 is supported; send n separate requests")
+        n = _int("n", self.n, "(only n=1 is supported)")
+        if n != 1:
+            raise ValueError(f"n={n}: only n=1 is supported; send n separate requests")
+        self.n = n
+        self.temperature = _float("temperature", self.temperature, ">= 0 (0: greedy)")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
+        self.top_p = _float("top_p", self.top_p, "in (0, 1]")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        self.top_k = _int("top_k", self.top_k, "(-1 or 0: disabled, else >= 1)")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (disabled) or > 0, got {self.top_k}")
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens}")
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
+        if self.seed is not None:
+            self.seed = _int("seed", self.seed, "in [0, 2**64) or None")
+            if not 0 <= self.seed < _SEED_LIMIT:
+                raise ValueError(f"seed must be in [0, 2**64) or None, got {self.seed!r}")
+        if self.max_tokens is not None:
+            self.max_tokens = _int("max_tokens", self.max_tokens, ">= 1 or None")
+            if self.max_tokens < 1:
+                raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens!r}")
+        upper = "max_tokens" if self.max_tokens is None else f"max_tokens = {self.max_tokens}"
+        self.min_tokens = _int("min_tokens", self.min_tokens, f"in [0, {upper}]")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
-            raise ValueError(f"min_tokens must be in [0, max_tokens], got {self.min_tokens}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise ValueError(f"stop must be non-empty strings, got {self.stop!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be token ids >= 0, got {self.stop_token_ids!r}")
+            raise ValueError(f"min_tokens must be in [0, {upper}], got {self.min_tokens!r}")
+        if self.logprobs is not None:
+            self.logprobs = _int("logprobs", self.logprobs, ">= 0 or None")
+            if self.logprobs < 0:
+                raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs!r}")
+        self.stop = self._stop(self.stop)
+        self.stop_token_ids = self._stop_token_ids(self.stop_token_ids)
+        self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
+        self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
+
+    @staticmethod
+    def _stop(value) -> list[str]:
+        if value is None:
+            return []
+        if isinstance(value, str):
+            value = [value]
+        stop = _list("stop", value, "of non-empty strings (or one string)")
+        for s in stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be a string or a list of non-empty strings, got {_describe(s)} "
+                                 f"in {value!r}")
+        return stop
+
+    @staticmethod
+    def _stop_token_ids(value) -> list[int]:
+        if value is None:
+            return []
+        accepted = "of token ids (ints >= 0)"
+        ids = _list("stop_token_ids", value, accepted)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+                raise ValueError(f"stop_token_ids must be a list {accepted}, got {_describe(t)} in {value!r}")
+        return [int(t) for t in ids]
 
     @property
     def greedy(self) -> bool:

@@ -11,11 +11,15 @@ victim while a younger one runs).
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from atb_plugin.engine.kv_cache_manager import KVCacheManager
+from atb_plugin.engine.messages import EngineCoreOutput, SchedulerStats
 from atb_plugin.engine.request import Request, RequestStatus
+from atb_plugin.utils import cdiv
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._finished_since_last_step: list[str] = []
         self.num_preemptions = 0  # a metric, and lets tests prove preemption happened
+        self._reported_preemptions = 0
+        self._prefix_queries = self._prefix_hits = 0  # tokens, since the last make_stats
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -65,7 +71,7 @@ class Scheduler:
             )
         max_tokens = request.sampling_params.max_tokens or self.config.max_model_len
         longest = min(request.num_prompt_tokens + max_tokens, self.config.max_model_len)
-        blocks_needed = -(-longest // self.kv_cache_manager.block_size)
+        blocks_needed = cdiv(longest, self.kv_cache_manager.block_size)
         if blocks_needed > self.kv_cache_manager.num_blocks - 1:
             # Alone in the cache it could still not finish: it would preempt itself forever.
             raise ValueError(
@@ -138,6 +144,10 @@ class Scheduler:
             if blocks is None:
                 break
             self.waiting.popleft()
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+                self._prefix_queries += request.num_tokens
+                self._prefix_hits += num_cached
             request.status = RequestStatus.RUNNING
             request.num_computed_tokens = request.num_cached_tokens = num_cached
             self.running.append(request)
@@ -149,21 +159,47 @@ class Scheduler:
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         return SchedulerOutput(scheduled, new_requests, new_block_ids, preempted, finished)
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Advance the scheduled requests; append each sampled token. Returns requests that
-        produced a token this step (the engine checks their stop conditions)."""
-        progressed = []
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
+                           logprobs: dict[str, object] | None = None,
+                           failed: dict[str, str] | None = None) -> list[EngineCoreOutput]:
+        """Advance the step's requests: append each sampled token, decide each request's finish
+        (``check_stop``) and free a finished request's blocks, all here, so a status is written
+        once. ``failed`` requests (e.g. a bad media block) end with "error". Returns one
+        ``EngineCoreOutput`` per request that produced a token or ended this step."""
+        outputs: list[EngineCoreOutput] = []
+        for request_id, why in (failed or {}).items():
+            if self.finish(request_id, RequestStatus.FINISHED_ERROR) is not None:
+                outputs.append(EngineCoreOutput(request_id, finish_reason=RequestStatus.FINISHED_ERROR.value,
+                                                error=why))
         for request_id, num_tokens in output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
             if request is None:
-                continue  # finished (e.g. failed) during the step
+                continue  # finished (failed, aborted) during the step
             request.num_computed_tokens += num_tokens
             token = sampled.get(request_id)
-            if token is not None:
-                request.append_output_token(token)
-                progressed.append(request)
+            if token is None:
+                request.check()
+                continue  # a prefill chunk short of the prompt's end
+            request.append_output_token(token)
             request.check()
-        return progressed
+            entry = (logprobs or {}).get(request_id)
+            out = EngineCoreOutput(request_id, [token], [entry] if entry is not None else None,
+                                   num_cached_tokens=request.num_cached_tokens)
+            if request.num_output_tokens == 1 and request.first_scheduled_time is not None:
+                out.queue_time = max(0.0, request.first_scheduled_time - request.arrival_time)
+            if check_stop(request, request.eos_token_ids, self.config.max_model_len):
+                self.finish(request_id, request.status)
+                out.finish_reason = request.status.value
+            outputs.append(out)
+        return outputs
+
+    def make_stats(self) -> SchedulerStats:
+        """Gauges now, and the counters accumulated since the previous call."""
+        stats = SchedulerStats(len(self.running), len(self.waiting), self.kv_cache_manager.usage,
+                               self._prefix_queries, self._prefix_hits, self.num_preemptions - self._reported_preemptions)
+        self._prefix_queries = self._prefix_hits = 0
+        self._reported_preemptions = self.num_preemptions
+        return stats
 
     # -- helpers ---------------------------------------------------------------------------------
 
@@ -179,3 +215,26 @@ class Scheduler:
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0  # recompute from scratch (the prefix cache may help)
         self.waiting.appendleft(request)
+
+
+def check_stop(request: Request, eos_token_ids: Collection[int], max_model_len: int | None = None) -> bool:
+    """After a token was appended: has ``request`` finished? Sets its status if so.
+
+    Order (vLLM v1's): nothing stops a request short of min_tokens but the length limits; then
+    EOS (unless ignore_eos) and the stop token ids give FINISHED_STOPPED; then max_tokens or the
+    context window (``max_model_len`` total tokens) give FINISHED_LENGTH. So a last token that is
+    both EOS and the max_tokens-th reports "stop". Stop strings are the frontend's business
+    (text: its detokenizer finds them and aborts the request here)."""
+    params = request.sampling_params
+    if request.num_output_tokens == 0:
+        return False
+    last = request.output_token_ids[-1]
+    if request.num_output_tokens >= params.min_tokens:
+        if (not params.ignore_eos and last in eos_token_ids) or last in params.stop_token_ids:
+            request.status = RequestStatus.FINISHED_STOPPED
+            return True
+    if (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens) or (
+            max_model_len is not None and request.num_tokens >= max_model_len):
+        request.status = RequestStatus.FINISHED_LENGTH
+        return True
+    return False

@@ -1,2 +1,3 @@
 """Device-side models. Every model follows the contract in ``decoder.DecoderForCausalLM``; the
-multimodal ones add ``get_multimodal_embeddings`` (see ``atb_plugin.multimodal``)."""
+multimodal ones (``base.MultimodalModel``) add the capabilities declared in ``interfaces``
+(``SupportsMedia``, ``SupportsMRoPE``; see also ``atb_plugin.multimodal``)."""

@@ -57,9 +57,12 @@ class PretrainedModel(nn.Module):
 
 
 class MultimodalModel(PretrainedModel):
-    """A vision(-language) model whose text half is ``self.language_model`` (a decoder LM):
-    the LM part of the model contract is delegated to it; subclasses add the encoder,
-    ``media_layout`` and ``get_multimodal_embeddings``."""
+    """A vision(-language) model whose text half is ``self.language_model`` (a
+    ``decoder.DecoderForCausalLM``): the LM part of the model contract (``forward``,
+    ``compute_logits``, ``make_kv_caches``, text embeddings) is delegated to it. A family adds its
+    encoder, ``media_layout`` and ``get_multimodal_embeddings`` (``interfaces.SupportsMedia``),
+    ``config_from_hf`` and the checkpoint's names (``_own_name``); one with M-RoPE also
+    ``get_mrope_positions`` and ``decode_positions`` (``interfaces.SupportsMRoPE``)."""
 
     language_model: nn.Module
 
@@ -74,3 +77,17 @@ class MultimodalModel(PretrainedModel):
 
     def make_kv_caches(self, num_blocks: int, block_size: int, dtype=None, device=None):
         return self.language_model.make_kv_caches(num_blocks, block_size, dtype=dtype, device=device)
+
+    def get_input_embeddings(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """Text embeddings of ``input_ids``; with ``mm_embeds``, those rows replace the positions
+        holding ``media_layout.placeholder_id``, in order (their counts must agree)."""
+        embeds = self.language_model.get_input_embeddings(input_ids)
+        if mm_embeds is None:
+            return embeds
+        placeholder = self.media_layout.placeholder_id
+        mask = input_ids == placeholder
+        count = int(mask.sum())
+        if count != mm_embeds.shape[0]:
+            raise ValueError(f"{count} image placeholder tokens (id {placeholder}) but "
+                             f"{mm_embeds.shape[0]} image feature rows")
+        return embeds.masked_scatter(mask.unsqueeze(-1), mm_embeds.to(embeds.dtype))

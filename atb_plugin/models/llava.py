@@ -4,7 +4,7 @@ Image features: the tower's ``hidden_states[vision_feature_layer]`` (-2 for LLaV
 of the second-to-last layer; a list of layers concatenates along the channels), without the CLS
 row for ``vision_feature_select_strategy == "default"`` or with it for ``"full"``, then
 ``linear_2(act(linear_1(x)))``. One image gives ``num_patches (+1 for "full")`` rows, which replace
-its block of ``image_token_index`` slots in the prompt (DESIGN.md §3: the first two slots carry
+its block of ``image_token_index`` slots in the prompt (docs/wire-format.md: the first two slots carry
 the NAME / SHAPE handles of the ``[1, 3, H, W]`` pixel values).
 
 Parameters (the model's own names)::
@@ -158,21 +158,6 @@ class LlavaForConditionalGeneration(MultimodalModel):
         if pixel_values.dim() != 4 or pixel_values.shape[0] != 1:
             raise ValueError(f"one image's pixel values [1, 3, H, W] expected, got {list(pixel_values.shape)}")
         return self.get_image_features(pixel_values)[0]
-
-    # -- language model --------------------------------------------------------------------------
-
-    def get_input_embeddings(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """Text embeddings of ``input_ids``; with ``mm_embeds``, those rows replace the image
-        placeholder positions in order (their counts must agree)."""
-        embeds = self.language_model.get_input_embeddings(input_ids)
-        if mm_embeds is None:
-            return embeds
-        mask = input_ids == self.config.image_token_id
-        count = int(mask.sum())
-        if count != mm_embeds.shape[0]:
-            raise ValueError(f"{count} image placeholder tokens (id {self.config.image_token_id}) but "
-                             f"{mm_embeds.shape[0]} image feature rows")
-        return embeds.masked_scatter(mask.unsqueeze(-1), mm_embeds.to(embeds.dtype))
 
     # -- weights ---------------------------------------------------------------------------------
 

@@ -23,9 +23,11 @@ in all three rows; an image's ``t x (h/2) x (w/2)`` tokens take ``(start + t_i, 
 start + col)``; the text after it resumes at ``start + max(h, w) / 2``. Decoding continues with
 ``position + rope_delta`` in all three rows (``decode_positions``).
 
-Checkpoint names: the published ones (``model.layers.*``, ``visual.*``, ``lm_head.weight``) and
-transformers 5's (``model.language_model.*``, ``model.visual.*``). Fused on load, as in the
-decoder: ``qkv_proj`` (LM) and, for Qwen2.5-VL's tower, ``mlp.gate_up_proj``.
+The model is a ``base.MultimodalModel``: the tower is ``visual.*``, the Qwen2 decoder
+``language_model.*`` (a ``decoder.DecoderForCausalLM``). Checkpoint names: the published ones
+(``model.layers.*``, ``visual.*``, ``lm_head.weight``) and transformers 5's
+(``model.language_model.*``, ``model.visual.*``). Fused on load, as in the decoder: ``qkv_proj``
+(LM) and, for Qwen2.5-VL's tower, ``mlp.gate_up_proj``.
 """
 
 from __future__ import annotations
@@ -38,8 +40,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from atb_plugin import ops
-from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM, KVCache, RMSNorm
+from atb_plugin.models.base import MultimodalModel
+from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM, DecoderModel, RMSNorm
+from atb_plugin.models.weights import IGNORE, STACKED_QKV_GATE_UP
 from atb_plugin.multimodal import MediaLayout
+from atb_plugin.utils import cdiv
 
 GridTHW = tuple[int, int, int]
 
@@ -167,9 +172,8 @@ def window_index(grid_thws: Sequence[GridTHW], merge: int, window_size: int, pat
     for t, h, w in grid_thws:
         gh, gw = h // merge, w // merge
         grid = torch.arange(t * gh * gw).view(t, gh, gw)
-        pad_h, pad_w = -gh % side, -gw % side
-        grid = F.pad(grid, (0, pad_w, 0, pad_h), value=-1)
-        nh, nw = (gh + pad_h) // side, (gw + pad_w) // side
+        nh, nw = cdiv(gh, side), cdiv(gw, side)
+        grid = F.pad(grid, (0, nw * side - gw, 0, nh * side - gh), value=-1)
         windows = grid.view(t, nh, side, nw, side).permute(0, 1, 3, 2, 4).reshape(-1, side * side)
         counts = (windows >= 0).sum(1)
         flat = windows.reshape(-1)
@@ -388,15 +392,29 @@ def _published_name(name: str) -> str:
     return name
 
 
-class Qwen2VLForConditionalGeneration(DecoderForCausalLM):
+class Qwen2VLForConditionalGeneration(MultimodalModel):
     """Qwen2-VL / Qwen2.5-VL (``model_type`` picks the tower). ``forward`` takes ``positions`` of
     shape ``(3, T)`` (``get_mrope_positions`` / ``decode_positions``; ``(T,)`` means text-only
-    positions, equal in all rows) and ``inputs_embeds`` with image features merged (``mm.embed``)."""
+    positions, equal in all rows) and ``inputs_embeds`` with image features merged (``mm.embed``).
+
+    Parameters: ``language_model.*`` (``decoder.DecoderForCausalLM``; ``model`` and ``lm_head``
+    read through to its decoder and head) and ``visual.*`` (the tower)."""
 
     def __init__(self, config: Qwen2VLConfig):
-        super().__init__(config.text)  # self.model (the decoder) and self.lm_head
+        super().__init__()
         self.config = config
+        self.language_model = DecoderForCausalLM(config.text)
         self.visual = VisionTransformer(config.vision)
+
+    @property
+    def model(self) -> DecoderModel:
+        """The language model's decoder (embeddings, layers, norm, M-RoPE table)."""
+        return self.language_model.model
+
+    @property
+    def lm_head(self) -> nn.Linear | None:
+        """The language model's output projection; None when tied to the embeddings."""
+        return self.language_model.lm_head
 
     @classmethod
     def config_from_hf(cls, config: dict) -> Qwen2VLConfig:
@@ -416,7 +434,7 @@ class Qwen2VLForConditionalGeneration(DecoderForCausalLM):
             vision_end_token_id=config.get("vision_end_token_id"),
         )
 
-    # -- multimodal ------------------------------------------------------------------------------
+    # -- multimodal (interfaces.SupportsMedia, SupportsMRoPE) -------------------------------------
 
     @property
     def media_layout(self) -> MediaLayout:
@@ -435,17 +453,18 @@ class Qwen2VLForConditionalGeneration(DecoderForCausalLM):
 
     decode_positions = staticmethod(decode_positions)
 
-    # -- language model --------------------------------------------------------------------------
-
-    def make_kv_caches(self, num_blocks: int, block_size: int, dtype=None, device=None) -> list[KVCache]:
-        text = self.config.text
-        weight = self.model.embed_tokens.weight
-        shape = (num_blocks, block_size, text.num_key_value_heads, text.head_dim)
-        dtype, device = dtype or weight.dtype, device or weight.device
-        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-                for _ in range(text.num_hidden_layers)]
-
     # -- weights ---------------------------------------------------------------------------------
 
+    stacked_params = STACKED_QKV_GATE_UP  # the LM's qkv_proj / gate_up_proj, the Qwen2.5 tower's gate_up_proj
+
     def _own_name(self, name: str) -> str | None:
-        return super()._own_name(_published_name(name))
+        """Checkpoint ``model.* / lm_head.*`` -> ``language_model.model.* / language_model.lm_head.*``,
+        ``visual.*`` as is (transformers 5's names mapped back first); ``IGNORE`` for rotary
+        buffers and a tied head; None for anything else."""
+        name = _published_name(name)
+        own = self.language_model._own_name(name)
+        if own == IGNORE or name.startswith("visual."):
+            return own
+        if name.startswith(("model.", "lm_head.")):
+            return "language_model." + own
+        return None

@@ -17,7 +17,7 @@ Image path, one 448x448 image (pixel values ``(1, 3, 448, 448)``, CLIP-normalise
   where ``pos`` is ``pos_embed`` (2-D sin-cos of the 16x16 query grid) bicubically resized to the
   patch grid; values ``kv`` (no position). Then an ``nn.MultiheadAttention`` with ``output_dim //
   128`` heads: ``in_proj_weight`` is ``[q; k; v]``, scale ``head_dim ** -0.5``, ``out_proj``.
-- The 256 feature rows replace the 256 slots between ``<img>`` and ``</img>`` (DESIGN §3: the
+- The 256 feature rows replace the 256 slots between ``<img>`` and ``</img>`` (docs/wire-format.md: the
   builder writes ``<img>, NAME, SHAPE, <imgpad> x 254, </img>``; slots restored to ``<imgpad>``).
 
 Language model, mapped onto the shared decoder (``decoder.DecoderForCausalLM``)::
@@ -53,6 +53,7 @@ from atb_plugin import ops
 from atb_plugin.models.base import MultimodalModel
 from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM
 from atb_plugin.models.weights import IGNORE, STACKED_QKV_GATE_UP
+from atb_plugin.utils import cdiv
 
 NUM_QUERIES = 256  # Qwen-VL's resampler: one query per image slot between <img> and </img>
 
@@ -179,7 +180,7 @@ def cross_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     rows are dropped. For Qwen-VL (Q = 256, L = 1024) that is one segment per image."""
     n, q_len, heads, dim = query.shape
     k_len = key.shape[1]
-    copies = -(-q_len // k_len)
+    copies = cdiv(q_len, k_len)
     padded = query.new_zeros(n, copies * k_len, heads, dim)
     padded[:, :q_len] = query
     if copies > 1:

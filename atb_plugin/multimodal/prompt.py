@@ -1,4 +1,4 @@
-"""From a prompt's ids to merged input embeddings: the device side of DESIGN §3.
+"""From a prompt's ids to merged input embeddings: the device side of docs/wire-format.md.
 
 A media block is found by its first metadata slot (ids < 0 are always metadata)::
 
@@ -16,6 +16,7 @@ only, naming the block and the counts; nothing is ever replaced by zeros.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,7 +32,7 @@ class MediaBlockError(ValueError):
 
 @dataclass(frozen=True)
 class MediaLayout:
-    """How a family lays out a block (DESIGN §3), as the model's config says."""
+    """How a family lays out a block (docs/wire-format.md), as the model's config says."""
 
     placeholder_id: int  # what every slot holds once the metadata is restored
     num_metadata_slots: int  # NAME, SHAPE (2) or NAME, SHAPE, THW (3)
@@ -69,7 +70,7 @@ class MultimodalPrompt:
         self._features: list[torch.Tensor] | None = None
 
     @classmethod
-    def from_ids(cls, prompt_ids, layout: MediaLayout, *, expected_instance: str | None = None) -> "MultimodalPrompt":
+    def from_ids(cls, prompt_ids, layout: MediaLayout, *, expected_instance: str | Collection[str] | None = None) -> "MultimodalPrompt":
         ids = np.asarray(prompt_ids, dtype=np.int64)
         restored = ids.copy()
         blocks: list[MediaBlock] = []

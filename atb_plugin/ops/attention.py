@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from atb_plugin.platform import current_platform
+from atb_plugin.utils import cdiv
 
 
 @dataclass
@@ -69,7 +70,7 @@ class AttentionMetadata:
     @classmethod
     def for_prefill(cls, seq_lens: list[int], block_size: int, device="cpu", first_block: int = 1):
         """Metadata for fresh prefills of ``seq_lens`` with consecutive blocks (tests, profiling)."""
-        blocks_per_req = [-(-n // block_size) for n in seq_lens]
+        blocks_per_req = [cdiv(n, block_size) for n in seq_lens]
         width = max(blocks_per_req)
         tables, slots, next_block = [], [], first_block
         for n, count in zip(seq_lens, blocks_per_req):

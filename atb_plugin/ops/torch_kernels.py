@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from atb_plugin.utils import cdiv
+
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     valid = slot_mapping >= 0
@@ -17,7 +19,7 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
 
 def _gather_request_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
     block_size = cache.shape[1]
-    blocks = block_table[: -(-seq_len // block_size)].long()
+    blocks = block_table[: cdiv(seq_len, block_size)].long()
     return cache[blocks].flatten(0, 1)[:seq_len]  # (seq_len, num_kv_heads, head_dim)
 
 
@@ -33,7 +35,7 @@ def _sdpa(query, key, value, scale, mask):
 def _batched_decode(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale):
     """One query token per request, all requests in one SDPA call over their padded contexts."""
     block_size = key_cache.shape[1]
-    num_blocks = -(-max_seq_len // block_size)
+    num_blocks = cdiv(max_seq_len, block_size)
     tables = block_tables[:, :num_blocks].long()
     key = key_cache[tables].flatten(1, 2)[:, :max_seq_len]  # (B, max_seq_len, Hkv, D)
     value = value_cache[tables].flatten(1, 2)[:, :max_seq_len]

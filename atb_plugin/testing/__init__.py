@@ -1,5 +1,5 @@
 """Test support that ships with the package, importable by tests and benchmarks alike.
 
 `tiny` builds small, seeded, structurally real Hugging Face checkpoints for every model family
-(no downloads); see ../../shared/DESIGN.md §7.
+(no downloads); see docs/architecture.md (layout).
 """

@@ -55,6 +55,8 @@ import types
 import torch
 import torch.nn.functional as F
 
+from atb_plugin.utils import cdiv
+
 FAKE_DEVICE = "cpu"
 
 _ATTN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -136,7 +138,7 @@ def _check_paged_cache(op: str, key_cache, value_cache, query, block_size_max: i
 
 def _gather_context(cache, block_table_row, context_len: int):
     block_size = cache.shape[1]
-    blocks = block_table_row[: -(-context_len // block_size)].long()
+    blocks = block_table_row[: cdiv(context_len, block_size)].long()
     return cache[blocks].flatten(0, 1)[:context_len]
 
 

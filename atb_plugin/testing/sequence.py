@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from atb_plugin.ops import AttentionMetadata
+from atb_plugin.utils import cdiv
 
 
 class SequenceRunner:
@@ -15,7 +16,7 @@ class SequenceRunner:
     def __init__(self, model, max_len: int, block_size: int = 4):
         self.model = model
         self.block_size = block_size
-        num_blocks = -(-max_len // block_size)
+        num_blocks = cdiv(max_len, block_size)
         self.kv_caches = model.make_kv_caches(num_blocks + 1, block_size)  # + the null block 0
         self.block_table = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(0)) + 1
         self.num_computed = 0

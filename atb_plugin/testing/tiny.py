@@ -284,7 +284,7 @@ QWEN2_VL_CHAT_TEMPLATE = r"""
 # Qwen-VL-Chat's prompt format (its `make_context` + `tokenizer.from_list_format`): ChatML with the
 # default system prompt; the i-th image of a message becomes "Picture i: <img>PATH</img>\n". Here the
 # path is left out — "<img></img>" — because the input builder fills the block with the 256 slots of
-# DESIGN.md §3 (start, NAME, SHAPE, <imgpad> x 254, end).
+# docs/wire-format.md (start, NAME, SHAPE, <imgpad> x 254, end).
 QWEN_VL_CHAT_TEMPLATE = r"""
 {%- if messages[0]['role'] != 'system' -%}
     {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' -}}
@@ -894,7 +894,7 @@ QWEN_VL_CONFIG = {
     "visual": {"heads": 4, "image_size": 448, "layers": 2, "mlp_ratio": 4.9231, "output_dim": 256,
                "patch_size": 14, "width": 64},
 }
-QWEN_VL_QUERIES = 256  # resampler queries = image slots between <img> and </img> (DESIGN.md §3)
+QWEN_VL_QUERIES = 256  # resampler queries = image slots between <img> and </img> (docs/wire-format.md)
 
 
 def qwen_vl_weight_shapes(config: dict) -> dict[str, tuple[int, ...]]:

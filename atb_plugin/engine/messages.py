@@ -1,0 +1,121 @@
+"""The typed messages between a frontend and the engine core (in one process or over IPC).
+
+    frontend ── EngineCoreRequest ──►  EngineCore  ── EngineCoreOutputs ──► frontend
+               (ids only: no text,                  (new token ids, finish reason,
+                no images, no tokenizer)             logprobs, error; scheduler stats)
+
+They are plain dataclasses: the offline ``LLM`` passes them by reference, the server encodes them
+with msgspec's MessagePack (``encode`` / ``decode_*`` below), which decodes straight into these
+types and re-runs their ``__post_init__`` checks on the receiving side. This module imports no
+torch, so the HTTP process stays light.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from atb_plugin.engine.sampling_params import SamplingParams
+
+__all__ = ["LogprobsEntry", "EngineCoreRequest", "EngineCoreOutput", "SchedulerStats", "EngineCoreOutputs",
+           "encode", "decode_request", "decode_outputs"]
+
+
+@dataclass
+class LogprobsEntry:
+    """Log-probabilities of one sampled position, from the raw logits (before temperature,
+    top-k/top-p and min_tokens: vLLM's default ``raw_logprobs``).
+
+    ``rank`` is the sampled token's 1-based rank (1 + the number of tokens with a strictly higher
+    logprob); ``top_token_ids`` / ``top_logprobs`` the N most likely tokens, most likely first
+    (empty when the request asked for ``logprobs=0``)."""
+
+    token_id: int
+    logprob: float
+    rank: int
+    top_token_ids: list[int]
+    top_logprobs: list[float]
+
+    def __post_init__(self):
+        if len(self.top_token_ids) != len(self.top_logprobs):
+            raise ValueError("top_token_ids and top_logprobs must have the same length")
+        if self.rank < 1:
+            raise ValueError(f"rank is 1-based, got {self.rank}")
+
+
+@dataclass
+class EngineCoreRequest:
+    """One request as the core sees it. ``prompt_token_ids`` may hold negative media-handle slots
+    (written by the frontend's input builder); the core reads only segments of the
+    ``shm_instances`` registered here. ``eos_token_ids`` come from the frontend (generation
+    config, tokenizer, family rules), so the core needs no tokenizer."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    shm_instances: tuple[str, ...] = ()
+    arrival_time: float = field(default_factory=time.monotonic)  # CLOCK_MONOTONIC: one clock for all processes
+
+    def __post_init__(self):
+        if not isinstance(self.request_id, str) or not self.request_id:
+            raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
+        self.eos_token_ids = tuple(self.eos_token_ids)
+        self.shm_instances = tuple(self.shm_instances)
+
+
+@dataclass
+class EngineCoreOutput:
+    """What one step did for one request: the tokens it appended (one per step today), and
+    ``finish_reason`` ("stop", "length", "abort", "error") once it ended, with ``error`` saying
+    why for "error". ``queue_time`` (seconds from arrival to first scheduling) rides on the first
+    output of a request."""
+
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[LogprobsEntry] | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    num_cached_tokens: int = 0
+    queue_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_queries: int = 0  # tokens looked up since the previous stats
+    prefix_cache_hits: int = 0  # of those, tokens found cached
+    num_preemptions: int = 0  # since the previous stats
+
+
+@dataclass
+class EngineCoreOutputs:
+    """One message from the core process: a step's outputs and, with them, its scheduler stats."""
+
+    outputs: list[EngineCoreOutput] = field(default_factory=list)
+    stats: SchedulerStats | None = None
+
+
+_encoder = msgspec.msgpack.Encoder()
+_request_decoder = msgspec.msgpack.Decoder(EngineCoreRequest)
+_outputs_decoder = msgspec.msgpack.Decoder(EngineCoreOutputs)
+
+
+def encode(message) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_request(data: bytes) -> EngineCoreRequest:
+    return _request_decoder.decode(data)
+
+
+def decode_outputs(data: bytes) -> EngineCoreOutputs:
+    return _outputs_decoder.decode(data)

@@ -1,0 +1,78 @@
+"""Model capabilities, as runtime-checkable protocols.
+
+The engine asks what a model can do with ``isinstance(model, SupportsMedia)`` /
+``isinstance(model, SupportsMRoPE)`` instead of probing single attributes with ``hasattr``: a
+capability is the whole set of members below, and a model that has only part of one does not
+have it. These add to the generative models' base contract (``decoder.DecoderForCausalLM``:
+``forward``, ``compute_logits``, ``make_kv_caches``, weights).
+
+Which family has what::
+
+    Qwen2, Llama, BERT             neither
+    LLaVA, Qwen-VL                 SupportsMedia
+    Qwen2-VL, Qwen2.5-VL           SupportsMedia, SupportsMRoPE
+
+``isinstance`` against a protocol checks that the members exist, not their signatures. On
+Python < 3.12 it reads ``media_layout`` to do so: keep that property cheap and free of side
+effects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from atb_plugin.multimodal import MediaLayout
+
+GridTHW = tuple[int, int, int]  # an image's patch grid (temporal, height, width)
+
+__all__ = ["GridTHW", "SupportsMRoPE", "SupportsMedia"]
+
+
+@runtime_checkable
+class SupportsMedia(Protocol):
+    """A model that takes images through media blocks in the prompt (``atb_plugin.multimodal``).
+
+    - ``media_layout``: the ``MediaLayout`` of this model's blocks (placeholder id, number of
+      metadata slots, block length). Fixed for the model's lifetime.
+    - ``get_multimodal_embeddings(pixel_values, grid_thw=None)``: the encoder for ONE block's
+      pixels (as the block's shm segment holds them) -> ``(block length, hidden)`` feature rows in
+      block order, in the model's dtype. ``grid_thw`` is the block's ``(t, h, w)`` patch grid for
+      layouts with a THW slot (required there), None otherwise (a model without grids refuses
+      one). Raises ``ValueError`` on pixels that do not fit the model.
+    - ``get_input_embeddings(input_ids, mm_embeds=None)``: text embeddings ``(T, hidden)`` of
+      ``input_ids`` (restored ids: no metadata slot < 0). With ``mm_embeds``, those rows replace
+      the placeholder positions in order; a model may refuse ``mm_embeds`` (NotImplementedError)
+      and leave the merge to ``MultimodalPrompt.embed``.
+    """
+
+    @property
+    def media_layout(self) -> MediaLayout: ...
+
+    def get_multimodal_embeddings(self, pixel_values: torch.Tensor, grid_thw: GridTHW | None = None) -> torch.Tensor: ...
+
+    def get_input_embeddings(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class SupportsMRoPE(Protocol):
+    """A model with multimodal rotary positions (M-RoPE): ``forward`` takes ``positions`` of shape
+    ``(3, T)`` (temporal, height, width rows) instead of ``(T,)``.
+
+    - ``get_mrope_positions(token_ids, grid_thws)`` -> ``(positions (3, L), rope_delta)`` for a
+      whole prompt of ``L`` ids whose media blocks, in order, have the patch grids ``grid_thws``
+      (metadata slots < 0 count as block slots; a text-only prompt has ``grid_thws == []``).
+      ``rope_delta`` is ``max position + 1 - L``, an int. Raises ``ValueError`` when the blocks
+      and the grids disagree. Computed once per prompt; chunks of a chunked prefill take slices.
+    - ``decode_positions(num_computed, num_new, rope_delta)`` -> ``(3, num_new)`` positions of the
+      tokens after the first ``num_computed`` of the sequence, for the tokens past the prompt
+      (generated ones, also when recomputed after a preemption): ``position + rope_delta`` in
+      all three rows. Depends on its arguments only.
+    """
+
+    def get_mrope_positions(self, token_ids: torch.Tensor, grid_thws: Sequence[GridTHW]) -> tuple[torch.Tensor, int]: ...
+
+    def decode_positions(self, num_computed: int, num_new: int, rope_delta: int) -> torch.Tensor: ...

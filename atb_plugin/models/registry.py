@@ -1,0 +1,76 @@
+"""Which model class serves a checkpoint, and the facts the engine reads from its config.json.
+
+The engine core resolves its model here from ``config.json`` alone (no tokenizer, no router):
+routers are the frontend's. ``routers`` reuses this table, so a family is registered once.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+# registry key -> "module:Class" (imported only when asked for)
+MODEL_CLASSES: dict[str, str] = {
+    "qwen2": "atb_plugin.models.qwen2:Qwen2ForCausalLM",
+    "llama": "atb_plugin.models.llama:LlamaForCausalLM",
+    "qwen2_vl": "atb_plugin.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "qwen2_5_vl": "atb_plugin.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "llava": "atb_plugin.models.llava:LlavaForConditionalGeneration",
+    "qwen_vl": "atb_plugin.models.qwen_vl:QwenVLForCausalLM",
+    "bert": "atb_plugin.models.bert:BertModel",
+}
+
+
+def read_checkpoint_config(model_dir) -> dict:
+    """``config.json`` of ``model_dir`` as a dict; a missing or unreadable file is a ValueError
+    naming the path (the user pointed us at the wrong directory)."""
+    path = Path(model_dir) / "config.json"
+    try:
+        with open(path, encoding="utf-8") as file:
+            config = json.load(file)
+    except FileNotFoundError:
+        raise ValueError(f"{path} does not exist: is {model_dir} a checkpoint directory?") from None
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON: {error}") from error
+    if not isinstance(config, dict):
+        raise ValueError(f"{path} must hold a JSON object")
+    return config
+
+
+def registry_key(config: dict) -> str | None:
+    model_type = config.get("model_type")
+    # Qwen-VL calls itself "qwen" like the text-only Qwen-1; its vision tower tells them apart.
+    if model_type == "qwen" and "visual" in config:
+        return "qwen_vl"
+    return model_type
+
+
+def config_value(config: dict, key: str, default=None):
+    """A value from config.json, top level first, then text_config (transformers 5 nests)."""
+    for scope in (config, config.get("text_config") or {}):
+        if key in scope:
+            return scope[key]
+    return default
+
+
+def declared_max_model_len(config: dict) -> int | None:
+    """The context window the checkpoint declares."""
+    for scope in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "seq_length"):
+            if isinstance(scope.get(key), int):
+                return scope[key]
+    return None
+
+
+def model_class_path(config: dict) -> str:
+    key = registry_key(config)
+    if key not in MODEL_CLASSES:
+        raise ValueError(f"unsupported model_type {config.get('model_type')!r}; supported: "
+                         f"{', '.join(sorted(MODEL_CLASSES))}")
+    return MODEL_CLASSES[key]
+
+
+def model_class(config: dict) -> type:
+    module_name, _, class_name = model_class_path(config).partition(":")
+    return getattr(importlib.import_module(module_name), class_name)

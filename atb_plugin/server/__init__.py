@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP service: protocol models, metrics, MindIE config mapping, API server."""

@@ -1,0 +1,5 @@
+import sys
+
+from atb_plugin.server.cli import main
+
+sys.exit(main())

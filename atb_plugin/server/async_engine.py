@@ -1,0 +1,170 @@
+"""``AsyncEngine``: the API process's frontend. Requests in, a stream of ``RequestOutput`` out.
+
+    route ──► TokenizerPool (ids + handles, leased in worker i's ShmStore)
+          ──► AsyncEngine.generate(): OutputProcessor.add_request, EngineClient.add_request
+                  EngineCoreRequest(ids, params, eos ids, shm_instances={worker i's instance})
+          ◄── per-request asyncio.Queue of RequestOutput ◄── _on_outputs (one reader task:
+              EngineCoreOutputs ─► OutputProcessor.process ─► queues; stop strings ─► abort)
+    finished (any reason) ──► OutputProcessor.on_finish ─► release(worker i, request id) + metrics
+
+Whatever ends a request (it finishes, the client disconnects, the engine or its worker dies,
+shutdown) goes through ``OutputProcessor`` exactly once, so its lease is released exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from atb_plugin.engine.messages import EngineCoreOutputs, EngineCoreRequest
+from atb_plugin.engine.output_processor import OutputProcessor, RequestOutput
+from atb_plugin.engine.sampling_params import SamplingParams
+from atb_plugin.server.engine_client import EngineClient
+from atb_plugin.server.errors import APIError
+from atb_plugin.server.metrics import ServerMetrics
+from atb_plugin.server.workers import TokenizerPool
+
+logger = logging.getLogger("atb_plugin.server")
+
+
+@dataclass
+class _Tracked:
+    queue: asyncio.Queue
+    worker: int
+    arrival: float
+    prompt_tokens: int
+    first_token: float | None = None
+    last_token: float | None = None
+    itls: list = field(default_factory=list)
+    num_output_tokens: int = 0
+
+
+class EngineDeadError(APIError):
+    def __init__(self, message: str = "the engine-core process died; the service is restarting"):
+        super().__init__(500, message)
+
+
+class AsyncEngine:
+    def __init__(self, engine_client: EngineClient, pool: TokenizerPool, tokenizer, eos_token_ids,
+                 metrics: ServerMetrics, max_queued_requests: int):
+        self.engine_client = engine_client
+        self.pool = pool
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.metrics = metrics
+        self.max_queued_requests = max_queued_requests
+        self.output_processor = OutputProcessor(tokenizer, on_finish=self._on_finish)
+        self._tracked: dict[str, _Tracked] = {}
+        self.dead_reason: str | None = None
+        self.num_preparing = 0
+
+    # -- admission ---------------------------------------------------------------------------------
+
+    def check_admission(self) -> None:
+        if self.dead_reason is not None:
+            raise APIError(503, f"the service is unhealthy: {self.dead_reason}", retry_after=5)
+        if len(self._tracked) + self.num_preparing >= self.max_queued_requests:
+            raise APIError(429, f"too many requests in flight ({self.max_queued_requests}, "
+                                "--max-queued-requests); retry later", retry_after=1)
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, worker: int,
+                       instance_id: str | None, prompt=None) -> AsyncIterator[RequestOutput]:
+        """Run one request; yields a RequestOutput per step, the last one finished. Closing the
+        generator early (client gone) aborts the request in the core."""
+        if self.dead_reason is not None:
+            self.pool.release(worker, request_id)
+            raise EngineDeadError()
+        queue: asyncio.Queue = asyncio.Queue()
+        self._tracked[request_id] = _Tracked(queue, worker, time.monotonic(), len(prompt_token_ids))
+        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        instances = (instance_id,) if instance_id else ()
+        self.engine_client.add_request(EngineCoreRequest(request_id, list(prompt_token_ids), params,
+                                                         self.eos_token_ids, instances))
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> None:
+        if request_id not in self._tracked:
+            return
+        self.engine_client.abort([request_id])
+        self.output_processor.abort(request_id, reason, error)  # -> _on_finish
+
+    # -- from the engine ---------------------------------------------------------------------------
+
+    def on_outputs(self, outputs: EngineCoreOutputs) -> None:
+        now = time.monotonic()
+        if outputs.stats is not None:
+            stats = outputs.stats
+            self.metrics.set_scheduler_stats(stats.num_running, stats.num_waiting, stats.kv_cache_usage)
+            self.metrics.add_prefix_cache(stats.prefix_cache_queries, stats.prefix_cache_hits)
+        queues = {}
+        for out in outputs.outputs:
+            tracked = self._tracked.get(out.request_id)
+            if tracked is None:
+                continue  # aborted here while the core was still stepping it
+            queues[out.request_id] = tracked.queue
+            if out.new_token_ids:
+                if tracked.first_token is None:
+                    tracked.first_token = now
+                else:
+                    tracked.itls.append(now - tracked.last_token)
+                tracked.last_token = now
+        processed = self.output_processor.process(outputs.outputs)  # finished ones -> _on_finish
+        if processed.to_abort:
+            self.engine_client.abort(processed.to_abort)
+        for request_output in processed.request_outputs:
+            queues[request_output.request_id].put_nowait(request_output)
+        self.metrics.set_tokenizer_queue_depth(self.pool.queue_depth)
+
+    def _on_finish(self, output: RequestOutput) -> None:
+        """Exactly once per request, whatever ended it: release its lease, record its metrics."""
+        tracked = self._tracked.pop(output.request_id, None)
+        if tracked is None:
+            return
+        self.pool.release(tracked.worker, output.request_id)
+        now = time.monotonic()
+        completion = output.outputs[0]
+        reason = completion.finish_reason or "abort"
+        self.metrics.record_finished(
+            prompt_tokens=tracked.prompt_tokens, generation_tokens=len(completion.token_ids),
+            finish_reason=reason,
+            ttft=None if tracked.first_token is None else tracked.first_token - tracked.arrival,
+            itls=tracked.itls, e2e=now - tracked.arrival, queue_time=output.queue_time)
+        logger.info("request %s: %d prompt + %d output tokens, TTFT %s, finish %s%s", output.request_id,
+                    tracked.prompt_tokens, len(completion.token_ids),
+                    "-" if tracked.first_token is None else f"{tracked.first_token - tracked.arrival:.3f}s",
+                    reason, f" ({output.error})" if output.error else "")
+
+    def on_engine_death(self, exit_code) -> None:
+        self.dead_reason = f"the engine-core process exited with code {exit_code}"
+        self._fail_all(EngineDeadError(), lambda tracked: True)
+
+    def on_worker_death(self, index: int, instance_id: str | None) -> None:
+        # Its segments are about to be reaped: the requests built there cannot go on.
+        self._fail_all(APIError(500, f"tokenizer worker {index} died; this request's images are gone. Retry it"),
+                       lambda tracked: tracked.worker == index)
+
+    def _fail_all(self, error: Exception, which) -> None:
+        for request_id, tracked in list(self._tracked.items()):
+            if which(tracked):
+                self.abort(request_id, "error", str(error))
+                tracked.queue.put_nowait(error)
+
+    async def abort_all(self) -> None:
+        for request_id in list(self._tracked):
+            self.abort(request_id)

@@ -1,0 +1,150 @@
+"""``atb-plugin serve`` / ``python -m atb_plugin.server``: flags -> ServerConfig -> uvicorn.
+
+Flags use vLLM's names where vLLM has the setting; ``--config FILE`` takes a MindIE-style
+``config.json`` whose fields fill the flags they map to (a flag given on the command line wins),
+and every field it cannot honour is listed at start-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from atb_plugin.engine.config import DEFAULT_KV_CACHE_BYTES, DEVICES, DTYPES, EngineConfig
+from atb_plugin.server.config import ServerConfig, default_tokenizer_workers
+
+logger = logging.getLogger("atb_plugin.server")
+
+
+def _size(text: str) -> int:
+    """``1073741824``, ``512M``, ``2G``, ``1GiB``."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    value = text.strip().lower().removesuffix("ib").removesuffix("b")
+    try:
+        if value and value[-1] in units:
+            return int(float(value[:-1]) * units[value[-1]])
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 1073741824, 512M, 2G)") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="atb-plugin serve", description="OpenAI-compatible server (vLLM's routes).",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add = p.add_argument
+    add("--config", help="a MindIE-style config.json (ServerConfig / BackendConfig / ModelDeployConfig); "
+                         "flags given here override it")
+    add("--model", help="checkpoint directory (HF format); default: SmolLM2-135M-Instruct, prepared once")
+    add("--served-model-name", help="the name clients send as `model` (default: the --model value)")
+    add("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    add("--port", type=int, default=1025, help="port (MindIE's default)")
+    add("--device", default="auto", choices=DEVICES, help="auto: NPU if torch_npu finds one, else CUDA, else CPU")
+    add("--dtype", default="float32", choices=DTYPES)
+    add("--max-model-len", type=int, help="prompt + output tokens per request (default: the checkpoint's)")
+    add("--max-num-seqs", type=int, default=64, help="requests running at once")
+    add("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step (chunked prefill)")
+    add("--block-size", type=int, default=16, help="tokens per KV block")
+    add("--kv-cache-memory", type=_size, default=DEFAULT_KV_CACHE_BYTES, help="bytes for the KV cache (512M, 2G)")
+    add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    add("--limit-mm-per-prompt", type=int, help="images per prompt (default: the family's limit)")
+    add("--allowed-local-media-path", action="append", default=[], metavar="DIR",
+        help="a directory images may be read from (file:// URLs and paths); repeatable")
+    add("--allowed-media-domains", action="append", default=[], metavar="HOST",
+        help="a host http(s) images may be fetched from (subdomains too); repeatable")
+    add("--max-image-bytes", type=_size, default=20 << 20, help="encoded bytes per image (data: URLs too)")
+    add("--max-image-pixels", type=int, default=6000 * 6000, help="decoded pixels per image")
+    add("--max-request-body-bytes", type=_size, default=64 << 20, help="HTTP request body limit (413 beyond)")
+    add("--max-queued-requests", type=int, default=256, help="requests in flight before 429")
+    add("--chat-template", help="a Jinja chat template (file or text) replacing the checkpoint's")
+    add("--api-key", default=os.environ.get("ATB_PLUGIN_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on every route but /health (env ATB_PLUGIN_API_KEY)")
+    add("--tokenizer-workers", type=int, default=default_tokenizer_workers(),
+        help="processes that tokenize and preprocess images")
+    add("--shm-budget-bytes", type=_size, help="cap on live shared-memory bytes for images (503 beyond)")
+    add("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def parse_config(argv: list[str] | None = None) -> ServerConfig:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    given = {a.dest for a in parser._actions if any(opt in (argv if argv is not None else sys.argv[1:])
+                                                     for opt in a.option_strings)}
+    values = vars(args)
+    if args.config:
+        from atb_plugin.server.mindie_config import load_mindie_config
+
+        mapping = load_mindie_config(args.config)
+        for key, value in mapping.flags.items():
+            if key not in given:
+                values[key] = value
+        for key, value in mapping.env.items():
+            os.environ.setdefault(key, value)
+        for ignored in mapping.ignored:
+            logger.warning("--config %s: %s is ignored (%s)", args.config, ignored,
+                           mapping.reasons.get(ignored, "not supported here"))
+    if values["model"] is None:
+        from atb_plugin.default_model import default_model_dir
+
+        values["model"] = str(default_model_dir())
+    engine = EngineConfig(model=values["model"], dtype=values["dtype"], device=values["device"],
+                          max_model_len=values["max_model_len"], block_size=values["block_size"],
+                          kv_cache_bytes=values["kv_cache_memory"], max_num_seqs=values["max_num_seqs"],
+                          max_num_batched_tokens=values["max_num_batched_tokens"],
+                          enable_prefix_caching=values["enable_prefix_caching"])
+    return ServerConfig(
+        engine=engine, served_model_name=values["served_model_name"], host=values["host"], port=values["port"],
+        api_key=values["api_key"], tokenizer_workers=values["tokenizer_workers"],
+        max_queued_requests=values["max_queued_requests"], limit_mm_per_prompt=values["limit_mm_per_prompt"],
+        allowed_local_media_paths=tuple(values["allowed_local_media_path"]),
+        allowed_media_domains=tuple(values["allowed_media_domains"]),
+        max_image_bytes=values["max_image_bytes"], max_image_pixels=values["max_image_pixels"],
+        max_request_body_bytes=values["max_request_body_bytes"],
+        max_input_tokens=values.get("max_input_tokens"), chat_template=values["chat_template"],
+        shm_budget_bytes=values["shm_budget_bytes"], shutdown_timeout=values["shutdown_timeout"],
+        log_level=values["log_level"])
+
+
+def serve(config: ServerConfig) -> int:
+    """Run until SIGTERM/SIGINT (exit 0 after draining) or the engine core dies (exit 1)."""
+    import uvicorn
+
+    from atb_plugin.server.api_server import build_app, log_shm_capacity
+
+    logger.info("atb-plugin server configuration:\n%s", config.describe())
+    log_shm_capacity(config)
+    app = build_app(config)
+    uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
+                               timeout_graceful_shutdown=config.shutdown_timeout, access_log=False)
+    server = uvicorn.Server(uv_config)
+    app.state.service.uvicorn_server = server
+    asyncio.run(server.serve())
+    service = app.state.service
+    if not service.started and service.exit_code == 0:
+        return 1  # start-up failed (the log says why)
+    return service.exit_code
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "serve":
+        argv = argv[1:]
+    level = next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--log-level"), "info")
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = parse_config(argv)
+    except ValueError as error:
+        print(f"atb-plugin serve: {error}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGPIPE, signal.SIG_DFL) if hasattr(signal, "SIGPIPE") else None
+    return serve(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

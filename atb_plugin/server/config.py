@@ -1,0 +1,78 @@
+"""``ServerConfig``: the service's one validated configuration (the HTTP fields + an EngineConfig).
+
+The CLI (``atb_plugin.server.cli``) fills it from flags (and a MindIE ``config.json``); the API
+process hands ``engine`` to the engine-core process and the worker settings to the tokenizer
+pool. Every limit a request can hit is here, named as its flag so error messages can say which
+flag raises it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from atb_plugin.engine.config import EngineConfig
+
+
+def default_tokenizer_workers() -> int:
+    # One core stays with the engine core's busy loop; preprocessing images is the workers' job.
+    return max(1, min(4, (os.cpu_count() or 2) - 1))
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    engine: EngineConfig
+    served_model_name: str | None = None  # None: the --model value, as vLLM does
+    host: str = "127.0.0.1"
+    port: int = 1025  # MindIE's default
+    api_key: str | None = None
+    tokenizer_workers: int = field(default_factory=default_tokenizer_workers)
+    max_queued_requests: int = 256
+    limit_mm_per_prompt: int | None = None  # None: the family's own limit
+    allowed_local_media_paths: tuple[str, ...] = ()
+    allowed_media_domains: tuple[str, ...] = ()
+    max_image_bytes: int = 20 * 1024 * 1024  # per image (a data: URL's decoded bytes too)
+    max_image_pixels: int = 6000 * 6000
+    max_request_body_bytes: int = 64 * 1024 * 1024  # three 20 MiB images as base64 data URLs fit
+    max_input_tokens: int | None = None  # MindIE's maxInputTokenLen
+    chat_template: str | None = None  # a file path or the template text
+    shm_budget_bytes: int | None = None
+    shutdown_timeout: float = 30.0
+    log_level: str = "info"
+
+    def __post_init__(self):
+        if self.served_model_name is None:
+            object.__setattr__(self, "served_model_name", self.engine.model)
+        for name, low in (("port", 0), ("tokenizer_workers", 1), ("max_queued_requests", 1),
+                          ("max_image_bytes", 1), ("max_image_pixels", 1), ("max_request_body_bytes", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"--{name.replace('_', '-')} = {value!r}: must be an integer >= {low}")
+        if self.port > 65535:
+            raise ValueError(f"--port = {self.port}: must be <= 65535")
+        for name in ("limit_mm_per_prompt", "shm_budget_bytes", "max_input_tokens"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"--{name.replace('_', '-')} = {value!r}: must be an integer >= 0")
+        if self.shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout = {self.shutdown_timeout}: must be >= 0")
+        object.__setattr__(self, "allowed_local_media_paths", tuple(self.allowed_local_media_paths))
+        object.__setattr__(self, "allowed_media_domains", tuple(self.allowed_media_domains))
+        if self.chat_template is not None and os.path.isfile(self.chat_template):
+            with open(self.chat_template, encoding="utf-8") as file:
+                object.__setattr__(self, "chat_template", file.read())
+
+    def media_config(self):
+        from input_builders.media import MediaConfig
+
+        return MediaConfig(allowed_local_media_paths=self.allowed_local_media_paths,
+                           allowed_domains=self.allowed_media_domains,
+                           max_image_bytes=self.max_image_bytes, max_image_pixels=self.max_image_pixels)
+
+    def describe(self) -> str:
+        lines = [f"{f.name} = {getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                 if f.name not in ("engine", "api_key", "chat_template")]
+        lines.append(f"api_key = {'<set>' if self.api_key else None}")
+        lines.append(f"chat_template = {'<custom>' if self.chat_template else None}")
+        return "\n".join(lines + ["engine." + line for line in self.engine.describe().splitlines()])

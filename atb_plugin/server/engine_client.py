@@ -1,0 +1,126 @@
+"""``EngineClient``: the API process's handle on the engine-core process.
+
+Starts the process (spawn: a clean interpreter, no inherited event loop or threads), waits for
+READY, then sends requests/aborts and receives ``EngineCoreOutputs`` on the asyncio loop. Death
+of the process is noticed through its sentinel (a file descriptor that becomes readable when
+the process ends), not by a timeout: ``on_death`` runs at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import multiprocessing
+import os
+import tempfile
+import uuid
+from collections.abc import Callable
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from atb_plugin.engine.config import EngineConfig
+from atb_plugin.engine.messages import EngineCoreOutputs, EngineCoreRequest, decode_outputs, encode
+from atb_plugin.server.engine_process import ABORT, ADD, FAILED, OUT, READY, STOP, run_engine_core
+
+logger = logging.getLogger(__name__)
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+class EngineClient:
+    def __init__(self, config: EngineConfig, on_outputs: Callable[[EngineCoreOutputs], None],
+                 on_death: Callable[[int | None], None]):
+        self.config = config
+        self.on_outputs = on_outputs
+        self.on_death = on_death
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.info: dict = {}
+        self.alive = False
+        self._stopping = False
+        base = os.path.join(tempfile.gettempdir(), f"atb-plugin-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self._addresses = (f"ipc://{base}-in", f"ipc://{base}-out")
+        self._context = zmq.asyncio.Context()
+        self._inbox = self._context.socket(zmq.PUSH)  # to the core
+        self._outbox = self._context.socket(zmq.PULL)  # from the core
+        self._reader: asyncio.Task | None = None
+
+    async def start(self, timeout_s: float = 600.0) -> None:
+        self._inbox.bind(self._addresses[0])
+        self._outbox.bind(self._addresses[1])
+        context = multiprocessing.get_context("spawn")
+        self.process = context.Process(target=run_engine_core, name="atb-engine-core", daemon=True,
+                                       args=(self.config, *self._addresses, logging.getLogger().level or logging.INFO))
+        self.process.start()
+        loop = asyncio.get_running_loop()
+        died = loop.create_future()
+        loop.add_reader(self.process.sentinel, lambda: died.done() or died.set_result(None))
+        receive = asyncio.ensure_future(self._outbox.recv_multipart())
+        done, _ = await asyncio.wait({receive, died}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        loop.remove_reader(self.process.sentinel)
+        if receive not in done:
+            receive.cancel()
+            self.process.join(1)
+            raise EngineStartError(f"the engine core did not start (exit code {self.process.exitcode}); "
+                                   "see its log above")
+        kind, *payload = receive.result()
+        if kind == FAILED:
+            self.process.join(10)
+            raise EngineStartError("the engine core failed to start:\n" + payload[0].decode(errors="replace"))
+        assert kind == READY, kind
+        self.info = msgspec.msgpack.decode(payload[0])
+        self.alive = True
+        loop.add_reader(self.process.sentinel, self._process_ended)
+        self._reader = asyncio.ensure_future(self._read_outputs())
+
+    async def _read_outputs(self) -> None:
+        while True:
+            kind, *payload = await self._outbox.recv_multipart()
+            if kind == OUT:
+                try:
+                    self.on_outputs(decode_outputs(payload[0]))
+                except Exception:  # a frontend bug must not stop the reader: it is logged, requests go on
+                    logger.exception("processing engine outputs failed")
+
+    def _process_ended(self) -> None:
+        loop = asyncio.get_running_loop()
+        loop.remove_reader(self.process.sentinel)
+        self.process.join(0)
+        self.alive = False
+        if not self._stopping:
+            logger.error("the engine-core process died (exit code %s)", self.process.exitcode)
+            self.on_death(self.process.exitcode)
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self._inbox.send_multipart([ADD, encode(request)])
+
+    def abort(self, request_ids: list[str]) -> None:
+        if request_ids and self.alive:
+            self._inbox.send_multipart([ABORT, encode(list(request_ids))])
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stopping = True
+        if self.process is not None and self.process.is_alive():
+            try:
+                self.process.sentinel and asyncio.get_running_loop().remove_reader(self.process.sentinel)
+            except (ValueError, OSError):
+                pass
+            await self._inbox.send_multipart([STOP])
+            await asyncio.to_thread(self.process.join, timeout_s)
+            if self.process.is_alive():
+                self.process.terminate()
+                await asyncio.to_thread(self.process.join, 5)
+        if self._reader is not None:
+            self._reader.cancel()
+        self.alive = False
+        self._inbox.close(linger=0)
+        self._outbox.close(linger=0)
+        self._context.term()
+        for address in self._addresses:
+            try:
+                os.unlink(address[len("ipc://"):])
+            except OSError:
+                pass

@@ -1,0 +1,169 @@
+"""Prometheus metrics for ``/metrics``, under vLLM's names so vLLM's dashboards and alerts work.
+
+Every series carries the label ``model_name`` (the served model name). Counters are exposed with
+prometheus_client's ``_total`` suffix (``vllm:prompt_tokens`` -> ``vllm:prompt_tokens_total``,
+as vLLM's are) plus its ``_created`` companion series. Histogram buckets are vLLM's.
+
+``vllm:kv_cache_usage_perc`` is a fraction in [0, 1], as in vLLM despite its name.
+
+Our own gauges use the ``atb_plugin:`` prefix: live shared-memory segments and bytes (the
+multimodal transport) and the tokenizer workers' queue depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4, generate_latest
+
+__all__ = ["ServerMetrics", "FINISH_REASONS"]
+
+# The engine's finish reasons (RequestStatus values); pre-created so rate() has data from the start.
+FINISH_REASONS = ("stop", "length", "abort", "error")
+
+# vLLM's buckets (vllm/v1/metrics/loggers.py).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+
+
+def build_1_2_5_buckets(max_value: int) -> list[int]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to ``max_value``."""
+    buckets, exponent = [], 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_value:
+                return buckets
+            buckets.append(value)
+        exponent += 1
+
+
+class ServerMetrics:
+    """All of the service's metrics in a registry of its own (not prometheus_client's global
+    one, so several servers or tests can live in one process).
+
+    Token counts and latencies can be recorded as they happen (``add_tokens``,
+    ``observe_time_to_first_token``, ``observe_inter_token_latencies``) or once per finished
+    request through ``record_finished``'s arguments; a caller uses one way for each, not both."""
+
+    def __init__(self, model_name: str, max_model_len: int = 4096):
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+        r = self.registry
+
+        def gauge(name, doc):
+            return Gauge(name, doc, labels, registry=r).labels(model_name)
+
+        def counter(name, doc):
+            return Counter(name, doc, labels, registry=r).labels(model_name)
+
+        def histogram(name, doc, buckets):
+            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.num_requests_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
+        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
+        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                          labels + ["finished_reason"], registry=r)
+        self._request_success = success
+        for reason in FINISH_REASONS:
+            success.labels(model_name, reason)
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", REQUEST_LATENCY_BUCKETS)
+        self.request_queue_time = histogram(
+            "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS)
+        token_buckets = build_1_2_5_buckets(max(1, max_model_len))
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets)
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets)
+        self.shm_live_segments = gauge("atb_plugin:shm_live_segments", "Shared-memory segments alive in this instance.")
+        self.shm_live_bytes = gauge("atb_plugin:shm_live_bytes", "Bytes held by this instance's live shared-memory segments.")
+        self.tokenizer_queue_depth = gauge(
+            "atb_plugin:tokenizer_queue_depth", "Requests waiting for or in the tokenizer workers.")
+
+    # -- engine state ------------------------------------------------------------------------------
+
+    def set_scheduler_stats(self, running: int, waiting: int, kv_usage: float) -> None:
+        """``kv_usage``: the fraction of KV-cache blocks in use, in [0, 1]."""
+        self.num_requests_running.set(running)
+        self.num_requests_waiting.set(waiting)
+        self.kv_cache_usage.set(kv_usage)
+
+    def add_prefix_cache(self, queries: int, hits: int) -> None:
+        """Tokens looked up in the prefix cache and tokens found, since the last call."""
+        if queries:
+            self.prefix_cache_queries.inc(queries)
+        if hits:
+            self.prefix_cache_hits.inc(hits)
+
+    def set_shm(self, segments: int, nbytes: int) -> None:
+        self.shm_live_segments.set(segments)
+        self.shm_live_bytes.set(nbytes)
+
+    def set_tokenizer_queue_depth(self, n: int) -> None:
+        self.tokenizer_queue_depth.set(n)
+
+    # -- requests ----------------------------------------------------------------------------------
+
+    def add_tokens(self, prompt_tokens: int = 0, generation_tokens: int = 0) -> None:
+        if prompt_tokens:
+            self.prompt_tokens.inc(prompt_tokens)
+        if generation_tokens:
+            self.generation_tokens.inc(generation_tokens)
+
+    def observe_time_to_first_token(self, seconds: float) -> None:
+        self.time_to_first_token.observe(seconds)
+
+    def observe_inter_token_latencies(self, seconds: Iterable[float]) -> None:
+        for value in seconds:
+            self.inter_token_latency.observe(value)
+
+    def record_finished(self, finish_reason: str, *, e2e: float, queue_time: float | None = None,
+                        prompt_tokens: int | None = None, generation_tokens: int | None = None,
+                        ttft: float | None = None, itls: Iterable[float] = (), count_tokens: bool = True) -> None:
+        """One finished request: ``vllm:request_success_total{finished_reason}``, its end-to-end
+        and queue times, and its prompt / output lengths (``vllm:request_*_tokens`` histograms).
+        The lengths are also added to ``vllm:prompt_tokens`` / ``vllm:generation_tokens`` unless
+        ``count_tokens`` is False (for a caller that counts them with ``add_tokens`` as they are
+        processed); ``ttft`` / ``itls``, when given, go to their histograms."""
+        self._request_success.labels(self.model_name, finish_reason).inc()
+        self.e2e_request_latency.observe(e2e)
+        if queue_time is not None:
+            self.request_queue_time.observe(queue_time)
+        if prompt_tokens is not None:
+            self.request_prompt_tokens.observe(prompt_tokens)
+        if generation_tokens is not None:
+            self.request_generation_tokens.observe(generation_tokens)
+        if count_tokens:
+            self.add_tokens(prompt_tokens or 0, generation_tokens or 0)
+        if ttft is not None:
+            self.observe_time_to_first_token(ttft)
+        self.observe_inter_token_latencies(itls)
+
+    # -- exposition --------------------------------------------------------------------------------
+
+    def render(self, accept: str | None = None) -> tuple[bytes, str]:
+        """``(body, content_type)`` for ``/metrics``, in the Prometheus text format 0.0.4 whatever
+        the scraper's ``Accept`` header (``accept``) asks for: prometheus_client's OpenMetrics
+        encoder rewrites the colon in sample names (``vllm:x`` -> ``vllm_x``) while keeping it in
+        ``# TYPE`` lines, which breaks vLLM's names; every Prometheus version reads the text
+        format."""
+        return generate_latest(self.registry), CONTENT_TYPE_PLAIN_0_0_4

@@ -1,0 +1,335 @@
+"""The tokenizer worker pool: processes that turn requests into token ids (with media handles).
+
+Each worker owns a router (tokenizer, chat template, input builder) and its own ``ShmStore``, so
+the shared-memory segments of a request belong to the worker that built it::
+
+    API process ── [msgpack job] ──► worker i (PULL ipc://…-w<i>)
+        ▲                             router.input_builder.make_context / tokenize
+        │                             images: load → preprocess → store_i.put(…, request_id)
+        └──── [msgpack result] ◄───── PUSH ipc://…-results (shared by all workers)
+
+A request's lease ends when the API process sends ``release`` to the worker that built it (the
+OutputProcessor's on_finish, whatever ended the request). Ownership is per worker so no store is
+shared across processes, and a worker that dies takes nothing with it: the replacement's
+``ShmStore()`` reaps the dead instance's segments on start, and the API process fails the
+requests that were using them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import signal
+import tempfile
+import traceback
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from atb_plugin.server.errors import APIError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """What a worker needs to build a router (picklable: it crosses the spawn)."""
+
+    model: str
+    media_config: object
+    max_images_per_prompt: int | None = None
+    chat_template: str | None = None
+    shm_capacity_bytes: int | None = None
+    shm_cache_bytes: int = 256 << 20
+
+
+def run_tokenizer_worker(index: int, settings: WorkerSettings, job_address: str, result_address: str,
+                         log_level: int = logging.INFO) -> None:
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [tokenizer-{index}] %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when workers stop
+    import shm
+    from routers import get_router
+
+    parent = os.getppid()
+    store = shm.ShmStore(shm.ShmStoreConfig(capacity_bytes=settings.shm_capacity_bytes,
+                                            cache_bytes=settings.shm_cache_bytes))
+    router = get_router(settings.model, shm_store=store, media_config=settings.media_config,
+                        max_images_per_prompt=settings.max_images_per_prompt)
+    if settings.chat_template is not None:
+        router.tokenizer.chat_template = settings.chat_template
+    builder = router.input_builder
+    context = zmq.Context()
+    jobs = context.socket(zmq.PULL)
+    jobs.connect(job_address)
+    results = context.socket(zmq.PUSH)
+    results.connect(result_address)
+    results.send(msgspec.msgpack.encode({"ready": index, "instance": store.instance_id}))
+    try:
+        while True:
+            if not jobs.poll(500):
+                if os.getppid() != parent:
+                    return
+                continue
+            job = msgspec.msgpack.decode(jobs.recv())
+            op = job["op"]
+            if op == "stop":
+                return
+            if op == "release":
+                store.release(job["request_id"])
+                continue
+            results.send(msgspec.msgpack.encode(_run_job(job, router, builder, store)))
+    finally:
+        store.close()
+        results.close(linger=1000)
+        jobs.close(linger=0)
+        context.term()
+
+
+def _run_job(job: dict, router, builder, store) -> dict:
+    import shm
+
+    reply = {"id": job["id"]}
+    try:
+        op = job["op"]
+        if op == "chat":
+            reply["ok"] = builder.make_context(
+                0, job["messages"], add_generation_prompt=job.get("add_generation_prompt", True),
+                request_id=job["request_id"], chat_template_kwargs=job.get("chat_template_kwargs"))
+        elif op == "prompt":
+            prompt = job["prompt"]
+            reply["ok"] = builder.tokenize(prompt, request_id=job["request_id"],
+                                           add_special_tokens=job.get("add_special_tokens", True))
+        elif op == "detokenize":
+            reply["ok"] = router.tokenizer.decode(job["tokens"])
+        elif op == "stats":
+            reply["ok"] = store.stats()
+        else:
+            raise RuntimeError(f"unknown job {op!r}")
+        if op in ("chat", "prompt") and job.get("release_now"):
+            store.release(job["request_id"])  # /tokenize: the ids are all the caller wants
+    except shm.ShmStoreFullError as error:
+        store.release(job.get("request_id", ""))
+        reply.update(error=str(error), kind="busy")
+    except ValueError as error:  # the builders' and media loaders' contract: bad input
+        store.release(job.get("request_id", ""))
+        reply.update(error=str(error), kind="client")
+    except Exception as error:  # noqa: BLE001 - reported as a 500 with the traceback logged here
+        logger.error("job %s failed:\n%s", job.get("op"), traceback.format_exc())
+        store.release(job.get("request_id", ""))
+        reply.update(error=f"{type(error).__name__}: {error}", kind="internal")
+    return reply
+
+
+@dataclass
+class _Worker:
+    index: int
+    process: multiprocessing.process.BaseProcess
+    jobs: zmq.asyncio.Socket
+    address: str
+    instance_id: str | None = None
+    pending: set = field(default_factory=set)
+
+
+class TokenizerPool:
+    """N tokenizer workers. ``await call(op, **fields)`` runs a job on the least busy worker (or
+    ``worker=i``) and returns ``(worker index, instance id, result)``; a client error becomes a
+    400 ``APIError``, a full shm store a 503, anything else a 500."""
+
+    def __init__(self, settings: WorkerSettings, num_workers: int, shm_budget_bytes: int | None,
+                 on_worker_death: Callable[[int, str | None], None], shm_help: str = ""):
+        if num_workers < 1:
+            raise ValueError(f"--tokenizer-workers must be >= 1, got {num_workers}")
+        self.num_workers = num_workers
+        per_worker = None if shm_budget_bytes is None else max(1, shm_budget_bytes // num_workers)
+        # Cached segments count against the budget too: keep at most half of it as cache.
+        cache = settings.shm_cache_bytes if per_worker is None else min(settings.shm_cache_bytes, per_worker // 2)
+        self.settings = WorkerSettings(settings.model, settings.media_config, settings.max_images_per_prompt,
+                                       settings.chat_template, per_worker, cache)
+        self.shm_budget_bytes = shm_budget_bytes
+        self.shm_help = shm_help
+        self.on_worker_death = on_worker_death
+        base = os.path.join(tempfile.gettempdir(), f"atb-plugin-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        self._base = base
+        self._context = zmq.asyncio.Context()
+        self._results = self._context.socket(zmq.PULL)
+        self._results_address = f"ipc://{base}-results"
+        self._workers: list[_Worker | None] = [None] * num_workers
+        self._futures: dict[int, tuple[asyncio.Future, int]] = {}
+        self._ready: dict[int, asyncio.Future] = {}
+        self._job_ids = itertools.count()
+        self._reader: asyncio.Task | None = None
+        self._stopping = False
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._futures)
+
+    def instance_id(self, index: int) -> str | None:
+        worker = self._workers[index]
+        return worker.instance_id if worker else None
+
+    async def start(self, timeout_s: float = 300.0) -> None:
+        self._results.bind(self._results_address)
+        self._reader = asyncio.ensure_future(self._read_results())
+        await asyncio.gather(*(self._spawn(i, timeout_s) for i in range(self.num_workers)))
+
+    async def _spawn(self, index: int, timeout_s: float = 300.0) -> None:
+        address = f"ipc://{self._base}-w{index}-{uuid.uuid4().hex[:4]}"
+        jobs = self._context.socket(zmq.PUSH)
+        jobs.bind(address)
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_tokenizer_worker, name=f"atb-tokenizer-{index}", daemon=True,
+            args=(index, self.settings, address, self._results_address, logging.getLogger().level or logging.INFO))
+        process.start()
+        worker = _Worker(index, process, jobs, address)
+        self._workers[index] = worker
+        loop = asyncio.get_running_loop()
+        ready = self._ready[index] = loop.create_future()
+        died = loop.create_future()
+        loop.add_reader(process.sentinel, lambda: died.done() or died.set_result(None))
+        done, _ = await asyncio.wait({ready, died}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        loop.remove_reader(process.sentinel)
+        if ready not in done:
+            raise RuntimeError(f"tokenizer worker {index} did not start (exit code {process.exitcode})")
+        worker.instance_id = ready.result()
+        loop.add_reader(process.sentinel, lambda: self._worker_ended(worker))
+
+    async def _read_results(self) -> None:
+        while True:
+            message = msgspec.msgpack.decode(await self._results.recv())
+            if "ready" in message:
+                future = self._ready.pop(message["ready"], None)
+                if future is not None and not future.done():
+                    future.set_result(message["instance"])
+                continue
+            entry = self._futures.pop(message["id"], None)
+            if entry is None:
+                continue
+            future, index = entry
+            worker = self._workers[index]
+            if worker is not None:
+                worker.pending.discard(message["id"])
+            if not future.done():
+                future.set_result(message)
+
+    def _worker_ended(self, worker: _Worker) -> None:
+        asyncio.get_running_loop().remove_reader(worker.process.sentinel)
+        worker.process.join(0)
+        if self._stopping:
+            return
+        logger.error("tokenizer worker %d died (exit code %s); replacing it", worker.index, worker.process.exitcode)
+        for job_id in list(worker.pending):
+            future, _ = self._futures.pop(job_id, (None, None))
+            if future is not None and not future.done():
+                future.set_exception(APIError(500, f"tokenizer worker {worker.index} died while preparing "
+                                                   "this request; retry it"))
+        worker.jobs.close(linger=0)
+        self.on_worker_death(worker.index, worker.instance_id)
+        self._workers[worker.index] = None
+        asyncio.ensure_future(self._replace(worker.index))
+
+    async def _replace(self, index: int) -> None:
+        try:
+            await self._spawn(index)
+        except Exception:
+            logger.exception("could not replace tokenizer worker %d", index)
+
+    def _pick(self) -> _Worker:
+        live = [w for w in self._workers if w is not None and w.instance_id is not None and w.process.is_alive()]
+        if not live:
+            raise APIError(503, "no tokenizer worker is available (one is being restarted); retry shortly",
+                           retry_after=1)
+        return min(live, key=lambda w: len(w.pending))
+
+    async def call(self, op: str, **fields) -> tuple[int, str, object]:
+        worker = self._pick()
+        job_id = next(self._job_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._futures[job_id] = (future, worker.index)
+        worker.pending.add(job_id)
+        await worker.jobs.send(msgspec.msgpack.encode({"id": job_id, "op": op, **fields}))
+        try:
+            reply = await future
+        except asyncio.CancelledError:
+            # The client went away while its request was being prepared: drop its leases.
+            if "request_id" in fields:
+                self.release(worker.index, fields["request_id"])
+            raise
+        if "error" in reply:
+            if reply["kind"] == "client":
+                raise APIError(400, reply["error"])
+            if reply["kind"] == "busy":
+                raise APIError(503, f"{reply['error']}. The shared-memory budget for images is "
+                                    f"{self._budget_text()}; retry shortly, or give the service more "
+                                    f"shared memory{self.shm_help}", retry_after=1)
+            raise APIError(500, reply["error"])
+        return worker.index, worker.instance_id, reply["ok"]
+
+    def _budget_text(self) -> str:
+        if self.shm_budget_bytes is None:
+            return "what /dev/shm has free"
+        return f"{self.shm_budget_bytes} bytes (--shm-budget-bytes)"
+
+    def release(self, index: int, request_id: str) -> None:
+        worker = self._workers[index]
+        if worker is not None and worker.process.is_alive():
+            worker.jobs.send(msgspec.msgpack.encode({"op": "release", "request_id": request_id}))
+
+    async def stats(self) -> dict:
+        totals = {"segments": 0, "bytes": 0}
+        for worker in list(self._workers):
+            if worker is None or worker.instance_id is None:
+                continue
+            try:
+                _, _, stats = await asyncio.wait_for(self.call_on(worker, "stats"), 5)
+            except (APIError, asyncio.TimeoutError):
+                continue
+            totals["segments"] += stats["segments"]
+            totals["bytes"] += stats["leased_bytes"] + stats["cached_bytes"]
+        return totals
+
+    async def call_on(self, worker: _Worker, op: str):
+        job_id = next(self._job_ids)
+        future = asyncio.get_running_loop().create_future()
+        self._futures[job_id] = (future, worker.index)
+        worker.pending.add(job_id)
+        await worker.jobs.send(msgspec.msgpack.encode({"id": job_id, "op": op}))
+        reply = await future
+        return worker.index, worker.instance_id, reply.get("ok")
+
+    async def shutdown(self, timeout_s: float = 10.0) -> None:
+        self._stopping = True
+        loop = asyncio.get_running_loop()
+        for worker in self._workers:
+            if worker is None:
+                continue
+            try:
+                loop.remove_reader(worker.process.sentinel)
+            except (ValueError, OSError):
+                pass
+            if worker.process.is_alive():
+                await worker.jobs.send(msgspec.msgpack.encode({"op": "stop"}))
+        for worker in self._workers:
+            if worker is None:
+                continue
+            await asyncio.to_thread(worker.process.join, timeout_s)
+            if worker.process.is_alive():
+                worker.process.terminate()
+                await asyncio.to_thread(worker.process.join, 5)
+            worker.jobs.close(linger=0)
+        if self._reader is not None:
+            self._reader.cancel()
+        self._results.close(linger=0)
+        self._context.term()
+        for path in [self._results_address] + [w.address for w in self._workers if w is not None]:
+            try:
+                os.unlink(path[len("ipc://"):])
+            except OSError:
+                pass
