@@ -159,7 +159,8 @@ def test_stream_options():
     message, param = chat_refused(stream_options={"include_usage": True})
     assert "Stream options can only be defined when `stream=True`" in message and param == "stream_options"
     assert chat(stream=True, stream_options={"include_usage": True}).include_usage
-    assert chat(stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True}).continuous_usage_stats
+    assert chat(stream=True,
+                stream_options={"include_usage": True, "continuous_usage_stats": True}).continuous_usage_stats
     assert not chat(stream=True).include_usage
     assert not chat(stream_options={}).include_usage
 
@@ -303,7 +304,8 @@ def test_tokenize_forms():
                                                 "chat_template_kwargs": {"enable_thinking": False}})
     assert chat_form.is_chat and not chat_form.effective_add_special_tokens
     assert chat_form.to_conversation() == USER
-    assert TokenizeRequest.model_validate({"prompt": "x", "add_special_tokens": False}).effective_add_special_tokens is False
+    no_special = TokenizeRequest.model_validate({"prompt": "x", "add_special_tokens": False})
+    assert no_special.effective_add_special_tokens is False
     for body in ({"model": "m"}, {"prompt": "x", "messages": USER}):
         assert "exactly one of 'prompt'" in refused(TokenizeRequest, body)[0]
     assert refused(TokenizeRequest, {"messages": [{"role": "bot", "content": "x"}]})[1] == "messages.0.role"

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
 import sys
+import threading
 
 from atb_plugin.engine.config import DEFAULT_KV_CACHE_BYTES, DEVICES, DTYPES, EngineConfig
 from atb_plugin.server.config import ServerConfig, default_tokenizer_workers
@@ -73,15 +75,21 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_config(argv: list[str] | None = None) -> ServerConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
-    given = {a.dest for a in parser._actions if any(opt in (argv if argv is not None else sys.argv[1:])
-                                                     for opt in a.option_strings)}
+    words = {arg.split("=", 1)[0] for arg in (argv if argv is not None else sys.argv[1:])}
+    given = {a.dest for a in parser._actions if words & set(a.option_strings)}
     values = vars(args)
     if args.config:
         from atb_plugin.server.mindie_config import load_mindie_config
 
         mapping = load_mindie_config(args.config)
+        renamed = {"kv_cache_bytes": "kv_cache_memory"}
         for key, value in mapping.flags.items():
-            if key not in given:
+            key = renamed.get(key, key)
+            if key == "devices":
+                continue  # carried by ASCEND_RT_VISIBLE_DEVICES (mapping.env)
+            if key not in values and key != "max_input_tokens":
+                logger.warning("--config %s: %s=%r has no equivalent here and is ignored", args.config, key, value)
+            elif key not in given:
                 values[key] = value
         for key, value in mapping.env.items():
             os.environ.setdefault(key, value)
@@ -110,6 +118,29 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         log_level=values["log_level"])
 
 
+def _graceful_server_class():
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises SIGTERM/SIGINT after a graceful shutdown, so the process would die
+        "by signal"; a drained, clean stop is a success for a supervisor: exit 0 instead."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return GracefulServer
+
+
 def serve(config: ServerConfig) -> int:
     """Run until SIGTERM/SIGINT (exit 0 after draining) or the engine core dies (exit 1)."""
     import uvicorn
@@ -121,7 +152,7 @@ def serve(config: ServerConfig) -> int:
     app = build_app(config)
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                timeout_graceful_shutdown=config.shutdown_timeout, access_log=False)
-    server = uvicorn.Server(uv_config)
+    server = _graceful_server_class()(uv_config)
     app.state.service.uvicorn_server = server
     asyncio.run(server.serve())
     service = app.state.service

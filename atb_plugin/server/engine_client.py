@@ -55,6 +55,7 @@ class EngineClient:
         self.process = context.Process(target=run_engine_core, name="atb-engine-core", daemon=True,
                                        args=(self.config, *self._addresses, logging.getLogger().level or logging.INFO))
         self.process.start()
+        logger.info("engine core pid %d", self.process.pid)
         loop = asyncio.get_running_loop()
         died = loop.create_future()
         loop.add_reader(self.process.sentinel, lambda: died.done() or died.set_result(None))

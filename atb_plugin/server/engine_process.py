@@ -76,8 +76,10 @@ def _loop(core, inbox, outbox, parent: int) -> None:
     while True:
         timeout = 0 if core.has_unfinished_requests() else _IDLE_POLL_MS
         refused: list[EngineCoreOutput] = []
+        received = False
         while poller.poll(timeout):
             kind, *payload = inbox.recv_multipart()
+            received = True
             if kind == STOP:
                 return
             if kind == ABORT:
@@ -93,7 +95,6 @@ def _loop(core, inbox, outbox, parent: int) -> None:
             logger.error("the API process is gone; the engine core exits")
             return
         outputs = refused + (core.step() if core.has_unfinished_requests() else [])
-        if outputs:
+        # Stats go out with every step, and after an abort too, so the gauges never go stale.
+        if outputs or received:
             outbox.send_multipart([OUT, encode(EngineCoreOutputs(outputs, core.make_stats()))])
-        elif not core.has_unfinished_requests() and timeout:
-            continue

@@ -95,7 +95,8 @@ class ServerMetrics:
         self.request_generation_tokens = histogram(
             "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets)
         self.shm_live_segments = gauge("atb_plugin:shm_live_segments", "Shared-memory segments alive in this instance.")
-        self.shm_live_bytes = gauge("atb_plugin:shm_live_bytes", "Bytes held by this instance's live shared-memory segments.")
+        self.shm_live_bytes = gauge("atb_plugin:shm_live_bytes",
+                                    "Bytes held by this instance's live shared-memory segments.")
         self.tokenizer_queue_depth = gauge(
             "atb_plugin:tokenizer_queue_depth", "Requests waiting for or in the tokenizer workers.")
 

@@ -145,7 +145,8 @@ _NO_SLO_SCHEDULING = "MindIE's latency-target scheduling knobs have no counterpa
 _SERVER: dict[str, Any] = {
     "ipAddress": Flag("host", _text),
     "port": Flag("port", _port),
-    "httpsEnabled": Neutral(_is_false, "HTTPS is not supported: serve plain HTTP behind a TLS-terminating proxy", _bool),
+    "httpsEnabled": Neutral(_is_false, "HTTPS is not supported: serve plain HTTP behind a TLS-terminating proxy",
+                            _bool),
     "allowAllZeroIpListening": Neutral(lambda v: True, "", _bool),  # only guards ipAddress 0.0.0.0
     "managementIpAddress": Unsupported("no separate management endpoint: /health and friends are on the main port"),
     "managementPort": Unsupported("no separate management endpoint: /health and friends are on the main port"),
@@ -314,7 +315,8 @@ def load_mindie_config(path: str | Path) -> MindieMapping:
     try:
         config = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise ValueError(f"MindIE config {path} is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})") from exc
+        raise ValueError(f"MindIE config {path} is not valid JSON: {exc.msg} "
+                         f"(line {exc.lineno}, column {exc.colno})") from exc
     try:
         return map_mindie_config(config)
     except ValueError as exc:

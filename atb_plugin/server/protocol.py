@@ -695,7 +695,8 @@ class CompletionRequest(_GenerationRequest):
         elif all(isinstance(p, str) for p in value) or all(_is_token_ids(p) for p in value):
             prompts = value
         else:
-            raise ValueError("prompt must be a string, a list of strings, a list of token ids or a list of token-id lists")
+            raise ValueError("prompt must be a string, a list of strings, a list of token ids "
+                             "or a list of token-id lists")
         # One engine request per HTTP request keeps streaming, usage and cancellation per request.
         if len(prompts) != 1:
             raise ValueError(f"got {len(prompts)} prompts; only one prompt per request is supported "
@@ -769,8 +770,8 @@ class TokenizeRequest(OpenAIBaseModel):
         """As ``ChatCompletionRequest.to_conversation``."""
         if self.messages is None:
             raise ValueError("not a chat tokenize request")
-        return [{"role": "system" if m.role == "developer" else m.role, "content": "" if m.content is None else m.content}
-                for m in self.messages]
+        return [{"role": "system" if m.role == "developer" else m.role,
+                 "content": "" if m.content is None else m.content} for m in self.messages]
 
 
 class TokenizeResponse(OpenAIBaseModel):
@@ -962,7 +963,8 @@ def _clamp(logprob: float) -> float:
 
 
 def _chat_logprob(text: str, logprob: float) -> ChatCompletionLogProb:
-    return ChatCompletionLogProb(token=text, logprob=_clamp(logprob), bytes=list(text.encode("utf-8", errors="replace")))
+    return ChatCompletionLogProb(token=text, logprob=_clamp(logprob),
+                                 bytes=list(text.encode("utf-8", errors="replace")))
 
 
 def chat_logprobs(entries: Sequence[LogprobsEntry], token_to_text: Callable[[int], str]) -> ChatCompletionLogProbs:
@@ -975,7 +977,8 @@ def chat_logprobs(entries: Sequence[LogprobsEntry], token_to_text: Callable[[int
         text = token_to_text(entry.token_id)
         content.append(ChatCompletionLogProbsContent(
             token=text, logprob=_clamp(entry.logprob), bytes=list(text.encode("utf-8", errors="replace")),
-            top_logprobs=[_chat_logprob(token_to_text(t), lp) for t, lp in zip(entry.top_token_ids, entry.top_logprobs)],
+            top_logprobs=[_chat_logprob(token_to_text(t), lp)
+                          for t, lp in zip(entry.top_token_ids, entry.top_logprobs)],
         ))
     return ChatCompletionLogProbs(content=content)
 

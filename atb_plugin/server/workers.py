@@ -188,6 +188,7 @@ class TokenizerPool:
             target=run_tokenizer_worker, name=f"atb-tokenizer-{index}", daemon=True,
             args=(index, self.settings, address, self._results_address, logging.getLogger().level or logging.INFO))
         process.start()
+        logger.info("tokenizer worker %d pid %d", index, process.pid)
         worker = _Worker(index, process, jobs, address)
         self._workers[index] = worker
         loop = asyncio.get_running_loop()
@@ -199,6 +200,7 @@ class TokenizerPool:
         if ready not in done:
             raise RuntimeError(f"tokenizer worker {index} did not start (exit code {process.exitcode})")
         worker.instance_id = ready.result()
+        logger.info("tokenizer worker %d ready, shm instance %s", index, worker.instance_id)
         loop.add_reader(process.sentinel, lambda: self._worker_ended(worker))
 
     async def _read_results(self) -> None:
@@ -248,8 +250,8 @@ class TokenizerPool:
                            retry_after=1)
         return min(live, key=lambda w: len(w.pending))
 
-    async def call(self, op: str, **fields) -> tuple[int, str, object]:
-        worker = self._pick()
+    async def call(self, op: str, worker: _Worker | None = None, **fields) -> tuple[int, str, object]:
+        worker = worker or self._pick()
         job_id = next(self._job_ids)
         future = asyncio.get_running_loop().create_future()
         self._futures[job_id] = (future, worker.index)
@@ -288,21 +290,12 @@ class TokenizerPool:
             if worker is None or worker.instance_id is None:
                 continue
             try:
-                _, _, stats = await asyncio.wait_for(self.call_on(worker, "stats"), 5)
+                _, _, stats = await asyncio.wait_for(self.call("stats", worker=worker), 5)
             except (APIError, asyncio.TimeoutError):
                 continue
             totals["segments"] += stats["segments"]
             totals["bytes"] += stats["leased_bytes"] + stats["cached_bytes"]
         return totals
-
-    async def call_on(self, worker: _Worker, op: str):
-        job_id = next(self._job_ids)
-        future = asyncio.get_running_loop().create_future()
-        self._futures[job_id] = (future, worker.index)
-        worker.pending.add(job_id)
-        await worker.jobs.send(msgspec.msgpack.encode({"id": job_id, "op": op}))
-        reply = await future
-        return worker.index, worker.instance_id, reply.get("ok")
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stopping = True

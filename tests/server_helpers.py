@@ -1,0 +1,124 @@
+"""Start the real service (``python -m atb_plugin.server``) on a free localhost port for a test module."""
+
+from __future__ import annotations
+
+import base64
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from PIL import Image
+
+from shm.segment import list_segment_names
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """The service in its own process group (API process + engine core + tokenizer workers)."""
+
+    def __init__(self, model_dir, *args: str, api_key: str | None = None, workers: int = 1, start_timeout: float = 120):
+        self.port = free_port()
+        self.api_key = api_key
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"atb-plugin-test-server-{self.port}.log"
+        command = [sys.executable, "-m", "atb_plugin.server", "--model", str(model_dir), "--port", str(self.port),
+                   "--tokenizer-workers", str(workers), "--block-size", "16", "--kv-cache-memory", "64M",
+                   "--shutdown-timeout", "5", *args]
+        if api_key:
+            command += ["--api-key", api_key]
+        self._log = open(self.log_path, "w")
+        env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+        env.pop("ATB_PLUGIN_API_KEY", None)
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
+                                        start_new_session=True)
+        self._wait_ready(start_timeout)
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"the server did not become healthy in {timeout}s:\n{self.log()}")
+
+    @property
+    def headers(self) -> dict:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, **kwargs):
+        import openai
+
+        return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.api_key or "none", max_retries=0,
+                             timeout=60, **kwargs)
+
+    def post(self, path: str, json=None, **kwargs) -> httpx.Response:
+        headers = {**self.headers, **kwargs.pop("headers", {})}
+        return httpx.post(self.base_url + path, json=json, headers=headers, timeout=60, **kwargs)
+
+    def get(self, path: str, **kwargs) -> httpx.Response:
+        headers = {**self.headers, **kwargs.pop("headers", {})}
+        return httpx.get(self.base_url + path, headers=headers, timeout=30, **kwargs)
+
+    def pid_of(self, what: str) -> int:
+        """The pid the service logged for ``what``: "engine core" or "tokenizer worker 0" (the
+        newest, after a restart)."""
+        import re
+
+        pids = re.findall(rf"{what} pid (\d+)", self.log(tail=None))
+        if not pids:
+            raise LookupError(f"the log names no {what} pid:\n{self.log()}")
+        return int(pids[-1])
+
+    def shm_instances(self) -> list[str]:
+        """Every shm instance id the service's tokenizer workers have had (replacements too)."""
+        import re
+
+        return re.findall(r"shm instance (\w+)", self.log(tail=None))
+
+    def log(self, tail: int | None = 6000) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        text = self.log_path.read_text(errors="replace")
+        return text[-tail:] if tail else text
+
+    def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        self._log.close()
+        return self.process.returncode
+
+
+def segments_of_instance_prefix(prefixes) -> list[str]:
+    return [n for n in list_segment_names() if any(n.startswith("psm_" + p) for p in prefixes)]
+
+
+def data_url(height: int = 64, width: int = 96, seed: int = 0, fmt: str = "PNG") -> str:
+    rng = np.random.default_rng(seed)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, format=fmt)
+    return f"data:image/{fmt.lower()};base64," + base64.b64encode(buffer.getvalue()).decode()
