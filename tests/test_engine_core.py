@@ -176,3 +176,27 @@ def test_no_comment_points_outside_the_repo():
             if marker in text:
                 offenders.append(f"{path.relative_to(ROOT)}: {marker}")
     assert not offenders, offenders
+
+
+def test_a_handle_of_an_unregistered_instance_fails_only_its_request(tmp_path):
+    from input_builders.media import MediaConfig
+    from tests.helpers import write_test_images
+
+    images = write_test_images(tmp_path, sizes=((60, 90),))
+    chat = [{"role": "user", "content": [{"image": str(images[0])}, {"text": "hi"}]}]
+    with LLM(tiny_checkpoint("qwen2_vl"), block_size=16,
+             media_config=MediaConfig(allowed_local_media_paths=(str(tmp_path),))) as llm:
+        engine = llm.engine
+        ids = llm.router.input_builder.make_context(0, chat, request_id="forged")
+        core = engine.core
+        # Registered for another instance: the core must not read this segment.
+        core.add_request(EngineCoreRequest("forged", ids, GREEDY, shm_instances=("zzzz",)))
+        core.add_request(EngineCoreRequest("honest", ids, GREEDY, shm_instances=(engine.shm_store.instance_id,)))
+        ends = {}
+        while core.has_unfinished_requests():
+            for out in core.step():
+                if out.finished:
+                    ends[out.request_id] = out
+        engine.shm_store.release("forged")
+    assert ends["forged"].finish_reason == "error" and "belongs to instance" in ends["forged"].error
+    assert ends["honest"].finish_reason == "length"

@@ -240,6 +240,8 @@ def build_app(config: ServerConfig) -> FastAPI:
             data = json.loads(body)
         except (UnicodeDecodeError, json.JSONDecodeError) as error:
             raise APIError(400, f"the body is not valid JSON: {error}") from None
+        except RecursionError:
+            raise APIError(400, "the body's JSON is nested too deeply") from None
         if not isinstance(data, dict):
             raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
         try:
@@ -309,7 +311,8 @@ def build_app(config: ServerConfig) -> FastAPI:
                     consume.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await consume
-                    raise APIError(499 if False else 400, "the client disconnected")
+                    # Nobody reads this answer; the request is already aborted in the core.
+                    raise APIError(400, "the client disconnected before the answer was ready")
             final = consume.result()
         finally:
             if not consume.done():
@@ -321,11 +324,6 @@ def build_app(config: ServerConfig) -> FastAPI:
         return protocol.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                                   prompt_tokens_details=protocol.PromptTokenUsageInfo(
                                       cached_tokens=output.num_cached_tokens) if output.num_cached_tokens else None)
-
-    def check_failed(output: RequestOutput) -> None:
-        completion = output.outputs[0]
-        if completion.finish_reason == "error":
-            raise APIError(500, f"the request failed: {output.error}")
 
     token_text = lambda token_id: service.tokenizer.decode([token_id])  # noqa: E731
 
@@ -360,6 +358,38 @@ def build_app(config: ServerConfig) -> FastAPI:
         body, content_type = service.metrics.render(raw.headers.get("accept"))
         return Response(body, media_type=content_type)
 
+    async def respond(raw: Request, req, engine: AsyncEngine, dialect, request_id: str, ids, worker, instance):
+        """Run a prepared request and answer in the route's dialect: one JSON body, or SSE."""
+        try:
+            params = sampling_params(req, len(ids))
+        except APIError:
+            if worker is not None:
+                service.pool.release(worker, request_id)
+            raise
+        worker = 0 if worker is None else worker  # a token-id prompt holds no segments: releasing is a no-op
+        if not req.stream:
+            output = await run(raw, engine, request_id, ids, params, worker, instance, False)
+            if output.outputs[0].finish_reason == "error":
+                raise APIError(500, f"the request failed: {output.error}")
+            return JSONResponse(dialect.response(output, usage(output)).model_dump(exclude_none=True))
+        generator = await run(raw, engine, request_id, ids, params, worker, instance, True)
+
+        async def events():
+            first = dialect.first_chunk()
+            if first is not None:
+                yield first.model_dump(exclude_none=True)
+            async for output in generator:
+                completion = output.outputs[0]
+                if completion.finish_reason == "error":
+                    raise APIError(500, f"the request failed: {output.error}")
+                if completion.delta_text or completion.finish_reason or completion.delta_logprobs:
+                    chunk = dialect.delta_chunk(output, usage(output) if req.continuous_usage_stats else None)
+                    yield chunk.model_dump(exclude_none=True)
+                if output.finished and req.include_usage:
+                    yield dialect.usage_chunk(usage(output)).model_dump(exclude_none=True)
+
+        return StreamingResponse(sse(events(), generator), media_type="text/event-stream")
+
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         req = await parse(raw, protocol.ChatCompletionRequest)
@@ -370,50 +400,8 @@ def build_app(config: ServerConfig) -> FastAPI:
             engine, "chat", request_id, messages=req.to_conversation(),
             add_generation_prompt=getattr(req, "add_generation_prompt", True),
             chat_template_kwargs=getattr(req, "chat_template_kwargs", None))
-        try:
-            params = sampling_params(req, len(ids))
-        except APIError:
-            service.pool.release(worker, request_id)
-            raise
-        created = int(time.time())
-        model = config.served_model_name
-        if not req.stream:
-            output = await run(raw, engine, request_id, ids, params, worker, instance, False)
-            check_failed(output)
-            completion = output.outputs[0]
-            choice = protocol.ChatCompletionResponseChoice(
-                index=0, message=protocol.ChatMessage(role="assistant", content=completion.text),
-                logprobs=protocol.chat_logprobs(completion.logprobs, token_text) if completion.logprobs is not None
-                else None,
-                finish_reason=completion.finish_reason)
-            response = protocol.ChatCompletionResponse(id=request_id, created=created, model=model, choices=[choice],
-                                                       usage=usage(output))
-            return JSONResponse(response.model_dump(exclude_none=True))
-        generator = await run(raw, engine, request_id, ids, params, worker, instance, True)
-
-        def chunk(delta, finish_reason=None, logprobs=None, usage_info=None, choices=True):
-            body = protocol.ChatCompletionStreamResponse(
-                id=request_id, created=created, model=model,
-                choices=[protocol.ChatCompletionResponseStreamChoice(index=0, delta=delta, logprobs=logprobs,
-                                                                     finish_reason=finish_reason)] if choices else [],
-                usage=usage_info)
-            return body.model_dump(exclude_none=True)
-
-        async def events():
-            yield chunk(protocol.DeltaMessage(role="assistant", content=""))
-            async for output in generator:
-                completion = output.outputs[0]
-                if completion.finish_reason == "error":
-                    raise APIError(500, f"the request failed: {output.error}")
-                logprobs = (protocol.chat_logprobs(completion.delta_logprobs, token_text)
-                            if completion.delta_logprobs is not None else None)
-                if completion.delta_text or completion.finish_reason or logprobs is not None:
-                    yield chunk(protocol.DeltaMessage(content=completion.delta_text), completion.finish_reason, logprobs,
-                                usage(output) if req.continuous_usage_stats else None)
-                if output.finished and req.include_usage:
-                    yield chunk(None, usage_info=usage(output), choices=False)
-
-        return StreamingResponse(sse(events(), generator), media_type="text/event-stream")
+        dialect = ChatDialect(request_id, config.served_model_name, token_text)
+        return await respond(raw, req, engine, dialect, request_id, ids, worker, instance)
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
@@ -430,51 +418,8 @@ def build_app(config: ServerConfig) -> FastAPI:
         else:
             worker, instance, ids = await prepare(engine, "prompt", request_id, prompt=req.prompt,
                                                   add_special_tokens=req.add_special_tokens)
-        try:
-            params = sampling_params(req, len(ids))
-        except APIError:
-            if worker is not None:
-                service.pool.release(worker, request_id)
-            raise
-        created = int(time.time())
-        model = config.served_model_name
-        worker = 0 if worker is None else worker  # token-id prompts hold no segments; release is a no-op
-        if not req.stream:
-            output = await run(raw, engine, request_id, ids, params, worker, instance, False)
-            check_failed(output)
-            completion = output.outputs[0]
-            choice = protocol.CompletionResponseChoice(
-                index=0, text=completion.text, finish_reason=completion.finish_reason,
-                logprobs=protocol.completion_logprobs(completion.logprobs, token_text)
-                if completion.logprobs is not None else None)
-            response = protocol.CompletionResponse(id=request_id, created=created, model=model, choices=[choice],
-                                                   usage=usage(output))
-            return JSONResponse(response.model_dump(exclude_none=True))
-        generator = await run(raw, engine, request_id, ids, params, worker, instance, True)
-
-        async def events():
-            offset = 0
-            async for output in generator:
-                completion = output.outputs[0]
-                if completion.finish_reason == "error":
-                    raise APIError(500, f"the request failed: {output.error}")
-                logprobs = None
-                if completion.delta_logprobs is not None:
-                    logprobs = protocol.completion_logprobs(completion.delta_logprobs, token_text, offset)
-                offset += len(completion.delta_text)
-                if completion.delta_text or completion.finish_reason or logprobs is not None:
-                    body = protocol.CompletionStreamResponse(
-                        id=request_id, created=created, model=model,
-                        choices=[protocol.CompletionResponseStreamChoice(
-                            index=0, text=completion.delta_text, logprobs=logprobs,
-                            finish_reason=completion.finish_reason)],
-                        usage=usage(output) if req.continuous_usage_stats else None)
-                    yield body.model_dump(exclude_none=True)
-                if output.finished and req.include_usage:
-                    yield protocol.CompletionStreamResponse(id=request_id, created=created, model=model, choices=[],
-                                                            usage=usage(output)).model_dump(exclude_none=True)
-
-        return StreamingResponse(sse(events(), generator), media_type="text/event-stream")
+        dialect = CompletionDialect(request_id, config.served_model_name, token_text)
+        return await respond(raw, req, engine, dialect, request_id, ids, worker, instance)
 
     @app.post("/tokenize")
     async def tokenize(raw: Request):
@@ -504,6 +449,76 @@ def build_app(config: ServerConfig) -> FastAPI:
         return {"prompt": service.tokenizer.decode(ids)}
 
     return app
+
+
+class ChatDialect:
+    """How /v1/chat/completions shapes a request's outputs (a role chunk first, then deltas)."""
+
+    def __init__(self, request_id: str, model: str, token_text):
+        self.request_id, self.model, self.token_text = request_id, model, token_text
+        self.created = int(time.time())
+
+    def _logprobs(self, entries):
+        return protocol.chat_logprobs(entries, self.token_text) if entries is not None else None
+
+    def response(self, output: RequestOutput, usage_info) -> protocol.ChatCompletionResponse:
+        completion = output.outputs[0]
+        choice = protocol.ChatCompletionResponseChoice(
+            index=0, message=protocol.ChatMessage(role="assistant", content=completion.text),
+            logprobs=self._logprobs(completion.logprobs), finish_reason=completion.finish_reason)
+        return protocol.ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model,
+                                               choices=[choice], usage=usage_info)
+
+    def _chunk(self, choices, usage_info=None) -> protocol.ChatCompletionStreamResponse:
+        return protocol.ChatCompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
+                                                     choices=choices, usage=usage_info)
+
+    def first_chunk(self):
+        return self._chunk([protocol.ChatCompletionResponseStreamChoice(
+            index=0, delta=protocol.DeltaMessage(role="assistant", content=""))])
+
+    def delta_chunk(self, output: RequestOutput, usage_info):
+        completion = output.outputs[0]
+        return self._chunk([protocol.ChatCompletionResponseStreamChoice(
+            index=0, delta=protocol.DeltaMessage(content=completion.delta_text),
+            logprobs=self._logprobs(completion.delta_logprobs), finish_reason=completion.finish_reason)], usage_info)
+
+    def usage_chunk(self, usage_info):
+        return self._chunk([], usage_info)
+
+
+class CompletionDialect(ChatDialect):
+    """How /v1/completions shapes them (text deltas; logprobs with text offsets)."""
+
+    def __init__(self, request_id: str, model: str, token_text):
+        super().__init__(request_id, model, token_text)
+        self._offset = 0  # text already streamed: the next logprobs' text_offset starts here
+
+    def _completion_logprobs(self, entries, offset: int = 0):
+        return protocol.completion_logprobs(entries, self.token_text, offset) if entries is not None else None
+
+    def response(self, output: RequestOutput, usage_info) -> protocol.CompletionResponse:
+        completion = output.outputs[0]
+        choice = protocol.CompletionResponseChoice(index=0, text=completion.text,
+                                                   finish_reason=completion.finish_reason,
+                                                   logprobs=self._completion_logprobs(completion.logprobs))
+        return protocol.CompletionResponse(id=self.request_id, created=self.created, model=self.model,
+                                           choices=[choice], usage=usage_info)
+
+    def _chunk(self, choices, usage_info=None) -> protocol.CompletionStreamResponse:
+        return protocol.CompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
+                                                 choices=choices, usage=usage_info)
+
+    def first_chunk(self):
+        return None
+
+    def delta_chunk(self, output: RequestOutput, usage_info):
+        completion = output.outputs[0]
+        logprobs = self._completion_logprobs(completion.delta_logprobs, self._offset)
+        self._offset += len(completion.delta_text)
+        return self._chunk([protocol.CompletionResponseStreamChoice(
+            index=0, text=completion.delta_text, logprobs=logprobs, finish_reason=completion.finish_reason)],
+            usage_info)
 
 
 async def _last(generator: AsyncIterator[RequestOutput]) -> RequestOutput:

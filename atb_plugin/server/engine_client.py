@@ -112,7 +112,7 @@ class EngineClient:
             await self._inbox.send_multipart([STOP])
             await asyncio.to_thread(self.process.join, timeout_s)
             if self.process.is_alive():
-                self.process.terminate()
+                self.process.kill()  # it ignores SIGTERM (see engine_process)
                 await asyncio.to_thread(self.process.join, 5)
         if self._reader is not None:
             self._reader.cancel()

@@ -39,9 +39,11 @@ _IDLE_POLL_MS = 500  # while idle: how often to check that the parent is still a
 def run_engine_core(config, input_address: str, output_address: str, log_level: int = logging.INFO) -> None:
     """Process entry point (spawned by ``EngineClient``)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(message)s")
-    # SIGINT goes to the whole foreground process group on Ctrl-C: the API process decides when
-    # the core stops (after draining), so the core ignores it. SIGTERM stays fatal.
+    # Ctrl-C (SIGINT) and a supervisor's SIGTERM often reach the whole process group: the API
+    # process decides when the core stops (after draining), so the core ignores both. It still
+    # exits when the API process is gone (see _loop), so it is never orphaned.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()
     context = zmq.Context()
     inbox = context.socket(zmq.PULL)
@@ -63,6 +65,7 @@ def run_engine_core(config, input_address: str, output_address: str, log_level: 
     except BaseException:
         logger.exception("engine core crashed")
         outbox.close(linger=500)
+        inbox.close(linger=0)  # term() waits for every socket: an open inbox would hang the exit
         context.term()
         sys.exit(1)
     outbox.close(linger=2000)

@@ -53,7 +53,10 @@ class WorkerSettings:
 def run_tokenizer_worker(index: int, settings: WorkerSettings, job_address: str, result_address: str,
                          log_level: int = logging.INFO) -> None:
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [tokenizer-{index}] %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when workers stop
+    # The API process decides when workers stop (a group-wide SIGINT/SIGTERM must not kill them
+    # before it has drained); a worker exits by itself when the API process is gone.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     import shm
     from routers import get_router
 
@@ -314,7 +317,7 @@ class TokenizerPool:
                 continue
             await asyncio.to_thread(worker.process.join, timeout_s)
             if worker.process.is_alive():
-                worker.process.terminate()
+                worker.process.kill()  # it ignores SIGTERM
                 await asyncio.to_thread(worker.process.join, 5)
             worker.jobs.close(linger=0)
         if self._reader is not None:

