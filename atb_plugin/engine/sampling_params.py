@@ -16,6 +16,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 _SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes [0, 2**64) (and negatives, which we refuse)
+# top_k and logprobs count vocabulary entries: anything above this is a client bug, and an
+# unbounded int would overflow the int64 tensors and messages it travels in.
+_COUNT_LIMIT = 2**31 - 1
+_TOKEN_ID_LIMIT = 2**63  # token ids travel as int64
 
 
 def _describe(value) -> str:
@@ -79,15 +83,15 @@ class SamplingParams:
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         self.top_k = _int("top_k", self.top_k, "(-1 or 0: disabled, else >= 1)")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (disabled) or >= 1, got {self.top_k!r}")
+        if not -1 <= self.top_k <= _COUNT_LIMIT:
+            raise ValueError(f"top_k must be -1 or 0 (disabled) or in [1, {_COUNT_LIMIT}], got {self.top_k!r}")
         if self.seed is not None:
             self.seed = _int("seed", self.seed, "in [0, 2**64) or None")
             if not 0 <= self.seed < _SEED_LIMIT:
                 raise ValueError(f"seed must be in [0, 2**64) or None, got {self.seed!r}")
         if self.max_tokens is not None:
             self.max_tokens = _int("max_tokens", self.max_tokens, ">= 1 or None")
-            if self.max_tokens < 1:
+            if not 1 <= self.max_tokens < _TOKEN_ID_LIMIT:
                 raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens!r}")
         upper = "max_tokens" if self.max_tokens is None else f"max_tokens = {self.max_tokens}"
         self.min_tokens = _int("min_tokens", self.min_tokens, f"in [0, {upper}]")
@@ -95,8 +99,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be in [0, {upper}], got {self.min_tokens!r}")
         if self.logprobs is not None:
             self.logprobs = _int("logprobs", self.logprobs, ">= 0 or None")
-            if self.logprobs < 0:
-                raise ValueError(f"logprobs must be >= 0 or None, got {self.logprobs!r}")
+            if not 0 <= self.logprobs <= _COUNT_LIMIT:
+                raise ValueError(f"logprobs must be in [0, {_COUNT_LIMIT}] or None, got {self.logprobs!r}")
         self.stop = self._stop(self.stop)
         self.stop_token_ids = self._stop_token_ids(self.stop_token_ids)
         self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
@@ -119,10 +123,10 @@ class SamplingParams:
     def _stop_token_ids(value) -> list[int]:
         if value is None:
             return []
-        accepted = "of token ids (ints >= 0)"
+        accepted = "of token ids (ints in [0, 2**63))"
         ids = _list("stop_token_ids", value, accepted)
         for t in ids:
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < _TOKEN_ID_LIMIT:
                 raise ValueError(f"stop_token_ids must be a list {accepted}, got {_describe(t)} in {value!r}")
         return [int(t) for t in ids]
 

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import re
 import shutil
 import time
 import uuid
@@ -39,6 +40,7 @@ VERSION = "0.1.0"
 # Rough bytes of one preprocessed image in shared memory (a 448x448 float32 RGB image is 2.4 MB;
 # a large Qwen2-VL image 20+ MB): only for the start-up warning about a small /dev/shm.
 _TYPICAL_IMAGE_BYTES = 8 << 20
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
 class Service:
@@ -244,6 +246,14 @@ def build_app(config: ServerConfig) -> FastAPI:
             raise APIError(400, "the body's JSON is nested too deeply") from None
         if not isinstance(data, dict):
             raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
+        if _SURROGATE_ESCAPE.search(body):
+            # JSON may spell an unpaired UTF-16 surrogate ("\ud800"); it is no character, and no
+            # tokenizer or encoder downstream can take it. (Paired ones decode to real characters.)
+            try:
+                json.dumps(data, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                raise APIError(400, "the body holds an unpaired UTF-16 surrogate escape (such as \\ud800), "
+                                    "which is not a character") from None
         try:
             return model_cls.model_validate(data)
         except pydantic.ValidationError as error:

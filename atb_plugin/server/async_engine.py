@@ -79,11 +79,16 @@ class AsyncEngine:
             self.pool.release(worker, request_id)
             raise EngineDeadError()
         queue: asyncio.Queue = asyncio.Queue()
+        instances = (instance_id,) if instance_id else ()
+        message = EngineCoreRequest(request_id, list(prompt_token_ids), params, self.eos_token_ids, instances)
         self._tracked[request_id] = _Tracked(queue, worker, time.monotonic(), len(prompt_token_ids))
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
-        instances = (instance_id,) if instance_id else ()
-        self.engine_client.add_request(EngineCoreRequest(request_id, list(prompt_token_ids), params,
-                                                         self.eos_token_ids, instances))
+        try:
+            self.engine_client.add_request(message)
+        except Exception as error:
+            # Nothing reached the core: end it here (releases the lease) and report our failure.
+            self.output_processor.abort(request_id, "error", str(error))
+            raise APIError(500, f"could not hand the request to the engine core: {error}") from error
         finished = False
         try:
             while True:

@@ -89,7 +89,7 @@ class EngineClient:
     def _process_ended(self) -> None:
         loop = asyncio.get_running_loop()
         loop.remove_reader(self.process.sentinel)
-        self.process.join(0)
+        self.process.join(1)  # the sentinel fired: it has ended, reap it for its exit code
         self.alive = False
         if not self._stopping:
             logger.error("the engine-core process died (exit code %s)", self.process.exitcode)

@@ -120,6 +120,9 @@ def _run_job(job: dict, router, builder, store) -> dict:
     except shm.ShmStoreFullError as error:
         store.release(job.get("request_id", ""))
         reply.update(error=str(error), kind="busy")
+    except RecursionError:
+        store.release(job.get("request_id", ""))
+        reply.update(error="the request is nested too deeply to render", kind="client")
     except ValueError as error:  # the builders' and media loaders' contract: bad input
         store.release(job.get("request_id", ""))
         reply.update(error=str(error), kind="client")
@@ -226,7 +229,7 @@ class TokenizerPool:
 
     def _worker_ended(self, worker: _Worker) -> None:
         asyncio.get_running_loop().remove_reader(worker.process.sentinel)
-        worker.process.join(0)
+        worker.process.join(1)  # the sentinel fired: it has ended, reap it for its exit code
         if self._stopping:
             return
         logger.error("tokenizer worker %d died (exit code %s); replacing it", worker.index, worker.process.exitcode)
@@ -256,10 +259,14 @@ class TokenizerPool:
     async def call(self, op: str, worker: _Worker | None = None, **fields) -> tuple[int, str, object]:
         worker = worker or self._pick()
         job_id = next(self._job_ids)
+        try:
+            payload = msgspec.msgpack.encode({"id": job_id, "op": op, **fields})
+        except (UnicodeEncodeError, OverflowError, TypeError) as error:  # unpaired surrogates, huge ints
+            raise APIError(400, f"the request holds a value that cannot be processed: {error}") from None
         future = asyncio.get_running_loop().create_future()
         self._futures[job_id] = (future, worker.index)
         worker.pending.add(job_id)
-        await worker.jobs.send(msgspec.msgpack.encode({"id": job_id, "op": op, **fields}))
+        await worker.jobs.send(payload)
         try:
             reply = await future
         except asyncio.CancelledError:
