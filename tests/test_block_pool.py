@@ -68,7 +68,7 @@ def test_null_block_is_never_handed_out_or_freed():
     assert pool.get_num_free_blocks() == 7
     blocks = pool.get_new_blocks(7)
     assert sorted(b.block_id for b in blocks) == list(range(1, 8))
-    with pytest.raises(ValueError, match="only 0 are free"):
+    with pytest.raises(RuntimeError, match="only 0 are free"):
         pool.get_new_blocks(1)
     pool.free_blocks([pool.null_block, *blocks])  # padding entries of a block table: skipped
     pool.touch([pool.null_block])
@@ -102,13 +102,13 @@ def test_free_queue_removal_from_the_middle_keeps_order():
     queue.remove(blocks[5])  # the tail
     assert [b.block_id for b in queue] == [1, 2, 4] and len(queue) == 3
     assert blocks[3].prev_free_block is None and blocks[3].next_free_block is None
-    with pytest.raises(ValueError, match="not in the free queue"):
+    with pytest.raises(RuntimeError, match="not in the free queue"):
         queue.remove(blocks[3])
-    with pytest.raises(ValueError, match="already in the free queue"):
+    with pytest.raises(RuntimeError, match="already in the free queue"):
         queue.append(blocks[1])
     queue.append(blocks[3])
     assert [queue.popleft().block_id for _ in range(4)] == [1, 2, 4, 3]
-    with pytest.raises(ValueError, match="no free blocks left"):
+    with pytest.raises(RuntimeError, match="no free blocks left"):
         queue.popleft()
 
 
@@ -158,7 +158,7 @@ def test_double_free_of_a_block_is_refused():
     pool = BlockPool(num_blocks=4)
     (block,) = pool.get_new_blocks(1)
     pool.free_blocks([block])
-    with pytest.raises(ValueError, match="freed more often"):
+    with pytest.raises(RuntimeError, match="freed more often"):
         pool.free_blocks([block])
 
 
@@ -395,7 +395,7 @@ def test_stale_computed_block_ids_are_refused():
     computed, _ = kv.get_computed_blocks(b)
     schedule_prefill(kv, make_request("c", list(range(20, 32))))  # evicts a's cached block
     kv.free(make_request("unknown", [0]))  # freeing a request that holds nothing is a no-op
-    with pytest.raises(ValueError, match="stale"):
+    with pytest.raises(RuntimeError, match="stale"):
         kv.allocate_slots(b, 1, computed)
 
 
@@ -403,12 +403,12 @@ def test_cache_hits_only_for_a_request_without_blocks():
     kv = KVCacheManager(num_blocks=16, block_size=BLOCK_SIZE)
     a = make_request("a", [1, 2, 3, 4, 5])
     schedule_prefill(kv, a)
-    with pytest.raises(ValueError, match="already holds blocks"):
+    with pytest.raises(RuntimeError, match="already holds blocks"):
         kv.get_computed_blocks(a)
     b = make_request("b", [1, 2, 3, 4, 5])
     computed, _ = kv.get_computed_blocks(b)
     b.num_computed_tokens = 1
-    with pytest.raises(ValueError, match="holds no blocks and has computed no tokens"):
+    with pytest.raises(RuntimeError, match="holds no blocks and has computed no tokens"):
         kv.allocate_slots(b, 1, computed)
 
 

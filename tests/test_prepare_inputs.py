@@ -336,7 +336,7 @@ def test_random_batches_match_the_per_token_reference(seed, max_num_reqs, max_mo
 def test_rows_are_reused_and_padded_with_the_null_block():
     batch = InputBatch(3, 16, 4)
     assert [batch.add_request(r, list(range(10)), 0, [5 + i, 8 + i, 11 + i]) for i, r in enumerate("abc")] == [0, 1, 2]
-    with pytest.raises(ValueError, match="full"):
+    with pytest.raises(RuntimeError, match="full"):
         batch.add_request("d", [1], 0, [20])
     batch.remove_request("b")
     assert "b" not in batch and batch.num_reqs == 2 and batch.request_ids == ["a", "c"]
@@ -390,7 +390,7 @@ BAD_CALLS = [
 def test_bad_calls_are_refused_with_a_reason(action, message):
     batch = InputBatch(2, 8, 2)
     batch.add_request("x", [1, 2], 0, [1])
-    with pytest.raises((ValueError, KeyError), match=message):
+    with pytest.raises((RuntimeError, KeyError), match=message):  # our invariants, not input errors
         action(batch)
 
 
@@ -398,7 +398,7 @@ def test_blocks_must_cover_the_scheduled_tokens():
     batch = InputBatch(2, 8, 2)
     batch.add_request("x", [1, 2, 3], 0, [1])  # 3 tokens, one block of 2: the scheduler owes a block
     assert prepare_inputs(batch, ["x"], [2]).slot_mapping_cpu.tolist() == [2, 3]
-    with pytest.raises(ValueError, match="need 2 blocks, the batch has 1"):
+    with pytest.raises(RuntimeError, match="need 2 blocks, the batch has 1"):
         prepare_inputs(batch, ["x"], [3])
     batch.append_token("x", 4)
     batch.append_block_ids("x", [6])

@@ -252,9 +252,9 @@ def test_logprobs_count_is_clamped_to_the_vocabulary():
 
 
 def test_mismatched_inputs_are_rejected():
-    with pytest.raises(ValueError, match="one entry per row"):
+    with pytest.raises(RuntimeError, match="one entry per row"):
         Sampler().sample(random_logits(2), [SamplingParams()], [None, None], [0, 0])
-    with pytest.raises(ValueError, match="num_requests, vocab_size"):
+    with pytest.raises(RuntimeError, match="num_requests, vocab_size"):
         Sampler().sample(torch.zeros(VOCAB), [SamplingParams()], [None], [0])
     assert Sampler().sample(torch.zeros(0, VOCAB), [], [], []) == SamplerOutput([], [])
 
@@ -266,11 +266,13 @@ def finished_after(tokens: list[int], params: SamplingParams, max_model_len: int
                    prompt_len: int = 4) -> tuple[int, RequestStatus]:
     """Append ``tokens`` one at a time, calling check_stop after each: (how many, final status)."""
     request = Request("r", list(range(100, 100 + prompt_len)), params)
+    status = request.status
     for token in tokens:
         request.append_output_token(token)
-        if check_stop(request, {EOS, 8}, max_model_len):
+        status = check_stop(request, {EOS, 8}, max_model_len) or status
+        if status.is_finished:
             break
-    return request.num_output_tokens, request.status
+    return request.num_output_tokens, status
 
 
 def test_max_tokens_finishes_with_length():
@@ -302,4 +304,4 @@ def test_min_tokens_defers_stopping():
 def test_a_running_request_is_left_alone():
     request = Request("r", [1, 2], SamplingParams(max_tokens=5), status=RequestStatus.RUNNING)
     request.append_output_token(3)
-    assert not check_stop(request, {EOS}) and request.status is RequestStatus.RUNNING
+    assert check_stop(request, {EOS}) is None and request.status is RequestStatus.RUNNING

@@ -99,14 +99,14 @@ class FreeKVCacheBlockQueue:
     def popleft(self) -> KVCacheBlock:
         block = self.fake_head.next_free_block
         if block is self.fake_tail:
-            raise ValueError("no free blocks left")
+            raise RuntimeError("no free blocks left")
         self.remove(block)
         return block
 
     def remove(self, block: KVCacheBlock) -> None:
         prev_block, next_block = block.prev_free_block, block.next_free_block
         if prev_block is None or next_block is None:
-            raise ValueError(f"{block!r} is not in the free queue")
+            raise RuntimeError(f"{block!r} is not in the free queue")
         prev_block.next_free_block = next_block
         next_block.prev_free_block = prev_block
         block.prev_free_block = block.next_free_block = None
@@ -114,7 +114,7 @@ class FreeKVCacheBlockQueue:
 
     def append(self, block: KVCacheBlock) -> None:
         if block.prev_free_block is not None or block.next_free_block is not None:
-            raise ValueError(f"{block!r} is already in the free queue")
+            raise RuntimeError(f"{block!r} is already in the free queue")
         last = self.fake_tail.prev_free_block
         last.next_free_block = block
         block.prev_free_block = last
@@ -184,7 +184,7 @@ class BlockPool:
         if num_blocks < 0:
             raise ValueError(f"num_blocks must be >= 0, got {num_blocks}")
         if num_blocks > self.get_num_free_blocks():
-            raise ValueError(f"cannot get {num_blocks} blocks: only {self.get_num_free_blocks()} are free")
+            raise RuntimeError(f"cannot get {num_blocks} blocks: only {self.get_num_free_blocks()} are free")
         new_blocks = []
         for _ in range(num_blocks):
             block = self.free_block_queue.popleft()
@@ -202,7 +202,7 @@ class BlockPool:
             if block.is_null:
                 continue
             if block.ref_cnt <= 0:
-                raise ValueError(f"{block!r} freed more often than it was taken")
+                raise RuntimeError(f"{block!r} freed more often than it was taken")
             block.ref_cnt -= 1
             if block.ref_cnt == 0:
                 self.free_block_queue.append(block)
@@ -238,7 +238,7 @@ class BlockPool:
         if not self.enable_prefix_caching or num_cached_blocks >= num_full_blocks:
             return
         if num_full_blocks > len(blocks) or num_full_blocks > len(block_hashes):
-            raise ValueError(
+            raise RuntimeError(
                 f"num_full_blocks={num_full_blocks} but only {len(blocks)} blocks and {len(block_hashes)} hashes"
             )
         to_cache = range(num_cached_blocks, num_full_blocks)
@@ -246,10 +246,10 @@ class BlockPool:
             if block.block_hash is not None:
                 # A hit (it is already under this very hash) or already cached.
                 if block.block_hash != block_hash:
-                    raise ValueError(f"{block!r} is cached under another hash than this request's")
+                    raise RuntimeError(f"{block!r} is cached under another hash than this request's")
                 continue
             if block.is_null:
-                raise ValueError("the null block cannot be cached")
+                raise RuntimeError("the null block cannot be cached")
             if block_hash in self.cached_block_hash_to_block:
                 continue  # a concurrent duplicate: the first copy keeps the entry
             block.block_hash = block_hash

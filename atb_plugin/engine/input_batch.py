@@ -95,14 +95,14 @@ class InputBatch:
                     block_ids: Sequence[int]) -> int:
         """Store a request in the lowest free row and return that row."""
         if request_id in self._row_of:
-            raise ValueError(f"request {request_id!r} is already in the input batch (row {self._row_of[request_id]})")
+            raise RuntimeError(f"request {request_id!r} is already in the input batch (row {self._row_of[request_id]})")
         if not self._free_rows:
-            raise ValueError(f"the input batch is full (max_num_reqs={self.max_num_reqs})")
+            raise RuntimeError(f"the input batch is full (max_num_reqs={self.max_num_reqs})")
         num_tokens = len(token_ids)
         if num_tokens > self.max_model_len:
-            raise ValueError(f"request {request_id!r}: {num_tokens} tokens exceed max_model_len={self.max_model_len}")
+            raise RuntimeError(f"request {request_id!r}: {num_tokens} tokens exceed max_model_len={self.max_model_len}")
         if not 0 <= num_computed_tokens <= num_tokens:
-            raise ValueError(f"request {request_id!r}: num_computed_tokens={num_computed_tokens} is not in "
+            raise RuntimeError(f"request {request_id!r}: num_computed_tokens={num_computed_tokens} is not in "
                              f"[0, {num_tokens}]")
         self._check_block_ids(request_id, block_ids, 0)
         token_array = np.asarray(token_ids, dtype=np.int64).reshape(-1)  # validated before the int32 store
@@ -137,7 +137,7 @@ class InputBatch:
         row = self.row(request_id)
         n = int(self.num_tokens_cpu[row])
         if n >= self.max_model_len:
-            raise ValueError(f"request {request_id!r} already holds max_model_len={self.max_model_len} tokens")
+            raise RuntimeError(f"request {request_id!r} already holds max_model_len={self.max_model_len} tokens")
         self._check_token_ids(request_id, np.array([token_id], dtype=np.int64))
         self.token_ids_cpu[row, n] = token_id
         self.num_tokens_cpu[row] = n + 1
@@ -153,7 +153,7 @@ class InputBatch:
     def set_num_computed_tokens(self, request_id, num_computed_tokens: int) -> None:
         row = self.row(request_id)
         if not 0 <= num_computed_tokens <= self.num_tokens_cpu[row]:
-            raise ValueError(f"request {request_id!r}: num_computed_tokens={num_computed_tokens} is not in "
+            raise RuntimeError(f"request {request_id!r}: num_computed_tokens={num_computed_tokens} is not in "
                              f"[0, {int(self.num_tokens_cpu[row])}]")
         self.num_computed_tokens_cpu[row] = num_computed_tokens
 
@@ -171,15 +171,15 @@ class InputBatch:
 
     def _check_block_ids(self, request_id, block_ids: Sequence[int], start: int) -> None:
         if start + len(block_ids) > self.max_blocks_per_req:
-            raise ValueError(f"request {request_id!r}: {start + len(block_ids)} blocks exceed "
+            raise RuntimeError(f"request {request_id!r}: {start + len(block_ids)} blocks exceed "
                              f"max_model_len / block_size = {self.max_blocks_per_req}")
         # Block 0 is the null block (padding): a request never owns it.
         if len(block_ids) and not all(0 < b <= np.iinfo(np.int32).max for b in block_ids):
-            raise ValueError(f"request {request_id!r}: block ids must be positive int32 (0 is the null block), "
+            raise RuntimeError(f"request {request_id!r}: block ids must be positive int32 (0 is the null block), "
                              f"got {list(block_ids)}")
 
     @staticmethod
     def _check_token_ids(request_id, token_ids: np.ndarray) -> None:
         info = np.iinfo(np.int32)
         if token_ids.size and (token_ids.min() < info.min or token_ids.max() > info.max):
-            raise ValueError(f"request {request_id!r}: token ids must fit in int32")
+            raise RuntimeError(f"request {request_id!r}: token ids must fit in int32")

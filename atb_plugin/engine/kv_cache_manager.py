@@ -94,7 +94,7 @@ class KVCacheManager:
         number of tokens they cover (a multiple of block_size, at most ``num_tokens - 1``).
         Takes no reference: pass the ids straight to ``allocate_slots``."""
         if request.request_id in self.req_to_blocks:
-            raise ValueError(
+            raise RuntimeError(
                 f"request {request.request_id} already holds blocks; only a waiting request looks up the cache"
             )
         if not self.enable_prefix_caching:
@@ -120,11 +120,11 @@ class KVCacheManager:
         the computed ones; possibly []), or None — having changed nothing — when the pool has too
         few free blocks. Afterwards every full block of known tokens is hashed and cached."""
         if num_new_tokens < 0:
-            raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
+            raise RuntimeError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         computed_blocks = [self.block_pool.blocks[i] for i in computed_block_ids or ()]
         req_blocks = self.req_to_blocks.get(request.request_id, [])
         if computed_blocks and (req_blocks or request.num_computed_tokens):
-            raise ValueError(
+            raise RuntimeError(
                 f"request {request.request_id}: cache-hit blocks go only to a request that holds no blocks "
                 f"and has computed no tokens (holds {len(req_blocks)}, computed {request.num_computed_tokens})"
             )
@@ -133,7 +133,7 @@ class KVCacheManager:
             # it would be a silent wrong answer, so refuse loudly.
             expected = self._block_hashes(request, len(computed_blocks) * self.block_size)
             if any(block.block_hash != h for block, h in zip(computed_blocks, expected)):
-                raise ValueError(f"request {request.request_id}: stale computed_block_ids {computed_block_ids}")
+                raise RuntimeError(f"request {request.request_id}: stale computed_block_ids {computed_block_ids}")
         num_computed_tokens = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_total_tokens = num_computed_tokens + num_new_tokens
         num_new_blocks = cdiv(num_total_tokens, self.block_size) - len(req_blocks) - len(computed_blocks)

@@ -86,9 +86,9 @@ class PreparedInputs:
         token_level = (self.req_indices, self.positions_cpu, self.token_indices, self.block_table_indices,
                        self.block_numbers, self.block_offsets, self.slot_mapping_cpu)
         if any(len(a) != num_reqs for a in request_level) or len(self.query_start_loc_cpu) != num_reqs + 1:
-            raise ValueError(f"request-level arrays must have {num_reqs} entries (query_start_loc one more)")
+            raise RuntimeError(f"request-level arrays must have {num_reqs} entries (query_start_loc one more)")
         if any(len(a) != num_tokens for a in token_level) or self.query_start_loc_cpu[-1] != num_tokens:
-            raise ValueError(f"token-level arrays must have {num_tokens} entries (= query_start_loc[-1])")
+            raise RuntimeError(f"token-level arrays must have {num_tokens} entries (= query_start_loc[-1])")
 
     @property
     def num_reqs(self) -> int:
@@ -117,7 +117,7 @@ def prepare_inputs(batch: InputBatch, request_ids: Sequence[str], num_scheduled_
     num_reqs = len(request_ids)
     num_scheduled = np.asarray(num_scheduled_tokens, dtype=np.int64)
     if num_reqs == 0 or num_scheduled.shape != (num_reqs,):
-        raise ValueError(f"num_scheduled_tokens must have one entry per request ({num_reqs}), got shape "
+        raise RuntimeError(f"num_scheduled_tokens must have one entry per request ({num_reqs}), got shape "
                          f"{num_scheduled.shape}; prepare_inputs needs at least one request")
     # The one per-request Python loop: request id -> row (dict lookups, driven from C by map).
     try:
@@ -206,17 +206,17 @@ def prepare_inputs(batch: InputBatch, request_ids: Sequence[str], num_scheduled_
 def _raise_bad_schedule(batch: InputBatch, request_ids, num_scheduled: np.ndarray, rows: np.ndarray):
     """The slow path of prepare_inputs' one combined check: name what is wrong."""
     if len(set(request_ids)) != len(request_ids):
-        raise ValueError("a request is scheduled twice in one step")
+        raise RuntimeError("a request is scheduled twice in one step")
     for request_id, n, row in zip(request_ids, num_scheduled.tolist(), rows.tolist()):
         computed, num_tokens = int(batch.num_computed_tokens_cpu[row]), int(batch.num_tokens_cpu[row])
         num_blocks = int(batch.num_blocks_cpu[row])
         if n < 1:
-            raise ValueError(f"request {request_id!r}: every scheduled request needs >= 1 token, got {n}")
+            raise RuntimeError(f"request {request_id!r}: every scheduled request needs >= 1 token, got {n}")
         if computed + n > num_tokens:
-            raise ValueError(f"request {request_id!r}: {computed} computed + {n} scheduled tokens exceed the "
+            raise RuntimeError(f"request {request_id!r}: {computed} computed + {n} scheduled tokens exceed the "
                              f"{num_tokens} tokens in the batch")
         if cdiv(computed + n, batch.block_size) > num_blocks:
-            raise ValueError(f"request {request_id!r}: {computed + n} tokens need "
+            raise RuntimeError(f"request {request_id!r}: {computed + n} tokens need "
                              f"{cdiv(computed + n, batch.block_size)} blocks, the batch has {num_blocks}")
     raise AssertionError("unreachable: the combined check failed but no single check does")
 

@@ -48,7 +48,7 @@ class SamplerOutput:
 
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
-            raise ValueError("token_ids and logprobs must have one entry per request")
+            raise RuntimeError("token_ids and logprobs must have one entry per request")
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -79,10 +79,10 @@ class Sampler:
         eos_token_ids: Sequence[Collection[int]] | None = None,
     ) -> SamplerOutput:
         if logits.dim() != 2:
-            raise ValueError(f"logits must be (num_requests, vocab_size), got {tuple(logits.shape)}")
+            raise RuntimeError(f"logits must be (num_requests, vocab_size), got {tuple(logits.shape)}")
         batch = logits.shape[0]
         if not len(params) == len(generators) == len(num_output_tokens) == batch:
-            raise ValueError(
+            raise RuntimeError(
                 f"one entry per row: {batch} rows of logits, {len(params)} params, "
                 f"{len(generators)} generators, {len(num_output_tokens)} output counts"
             )

@@ -187,9 +187,10 @@ class Scheduler:
                                    num_cached_tokens=request.num_cached_tokens)
             if request.num_output_tokens == 1 and request.first_scheduled_time is not None:
                 out.queue_time = max(0.0, request.first_scheduled_time - request.arrival_time)
-            if check_stop(request, request.eos_token_ids, self.config.max_model_len):
-                self.finish(request_id, request.status)
-                out.finish_reason = request.status.value
+            status = check_stop(request, request.eos_token_ids, self.config.max_model_len)
+            if status is not None:
+                self.finish(request_id, status)  # the one place a finished status is written
+                out.finish_reason = status.value
             outputs.append(out)
         return outputs
 
@@ -217,8 +218,10 @@ class Scheduler:
         self.waiting.appendleft(request)
 
 
-def check_stop(request: Request, eos_token_ids: Collection[int], max_model_len: int | None = None) -> bool:
-    """After a token was appended: has ``request`` finished? Sets its status if so.
+def check_stop(request: Request, eos_token_ids: Collection[int],
+               max_model_len: int | None = None) -> RequestStatus | None:
+    """After a token was appended: the status ``request`` finishes with, or None to go on.
+    Pure: the scheduler writes the status (``Scheduler.finish``).
 
     Order (vLLM v1's): nothing stops a request short of min_tokens but the length limits; then
     EOS (unless ignore_eos) and the stop token ids give FINISHED_STOPPED; then max_tokens or the
@@ -227,14 +230,12 @@ def check_stop(request: Request, eos_token_ids: Collection[int], max_model_len: 
     (text: its detokenizer finds them and aborts the request here)."""
     params = request.sampling_params
     if request.num_output_tokens == 0:
-        return False
+        return None
     last = request.output_token_ids[-1]
     if request.num_output_tokens >= params.min_tokens:
         if (not params.ignore_eos and last in eos_token_ids) or last in params.stop_token_ids:
-            request.status = RequestStatus.FINISHED_STOPPED
-            return True
+            return RequestStatus.FINISHED_STOPPED
     if (params.max_tokens is not None and request.num_output_tokens >= params.max_tokens) or (
             max_model_len is not None and request.num_tokens >= max_model_len):
-        request.status = RequestStatus.FINISHED_LENGTH
-        return True
-    return False
+        return RequestStatus.FINISHED_LENGTH
+    return None
