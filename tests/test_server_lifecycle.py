@@ -167,3 +167,28 @@ def test_a_full_shm_budget_is_a_503_with_retry_after():
     finally:
         assert server.stop() == 0
     assert segments_of(server) == []
+
+
+def test_a_full_queue_is_a_429_and_startup_reaps_a_dead_predecessors_segments():
+    from tests.helpers import run_python
+
+    # A "crashed predecessor": a process that wrote a segment and died without cleaning up.
+    crashed = run_python("""
+        import os, numpy as np, shm
+        store = shm.ShmStore(shm.ShmStoreConfig(reap_on_start=False))
+        handle = store.put(np.ones((4, 4), np.float32), key="k", request_id="r")
+        print(handle.name, flush=True)
+        os._exit(0)  # no finalizer: the segment and the instance marker stay behind
+    """)
+    orphan = crashed.stdout.split()[-1]
+    assert orphan in list_segment_names()
+    server = ServerProcess(tiny_checkpoint("qwen2_vl"), "--max-queued-requests", "1")
+    try:
+        assert orphan not in list_segment_names(), "the new service reaps what a dead instance left"
+        stream = StreamInThread(server, {"messages": [{"role": "user", "content": "hi"}], **LONG})
+        assert stream.first_chunk.wait(30)
+        response = server.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        assert response.status_code == 429 and response.headers["retry-after"] == "1"
+        assert "--max-queued-requests" in response.json()["error"]["message"]
+    finally:
+        assert server.stop() == 0
