@@ -102,9 +102,16 @@ class MediaFetchError(MediaError):
 
 # ----------------------------------------------------------------------------------------- config
 
-# Server flags named in error messages, so the fix is one copy-paste away.
-_LOCAL_FLAG = "--allowed-local-media-path"
-_DOMAINS_FLAG = "--allowed-media-domains"
+# How each limit is set, per API: an error names the knob of the API the caller is using, so the
+# fix is one copy-paste away (a server flag means nothing inside the offline LLM, and vice versa).
+_KNOBS = {
+    "server": {"local": "start the server with --allowed-local-media-path DIR",
+               "domains": "start the server with --allowed-media-domains {host}",
+               "max_image_bytes": "--max-image-bytes", "max_image_pixels": "--max-image-pixels"},
+    "offline": {"local": "pass LLM(..., media_config=MediaConfig(allowed_local_media_paths=('DIR',)))",
+                "domains": "pass LLM(..., media_config=MediaConfig(allowed_domains=('{host}',)))",
+                "max_image_bytes": "MediaConfig.max_image_bytes", "max_image_pixels": "MediaConfig.max_image_pixels"},
+}
 
 
 @dataclass(frozen=True)
@@ -124,8 +131,13 @@ class MediaConfig:
     max_image_pixels: int = 6000 * 6000
     # Per socket operation and for the whole download.
     http_timeout_s: float = 10.0
+    # Which API set these limits ("offline": LLM's media_config; "server": its flags): error
+    # messages name that API's knob.
+    api: str = "offline"
 
     def __post_init__(self) -> None:
+        if self.api not in _KNOBS:
+            raise ValueError(f"MediaConfig.api must be one of {', '.join(_KNOBS)}, got {self.api!r}")
         dirs = tuple(_normalise_dir(p) for p in _as_tuple(self.allowed_local_media_paths))
         domains = tuple(_normalise_domain(d) for d in _as_tuple(self.allowed_domains))
         object.__setattr__(self, "allowed_local_media_paths", tuple(dict.fromkeys(dirs)))
@@ -272,9 +284,14 @@ def _check_bytes(size: int, what: str, config: MediaConfig, *, at_least: bool = 
     if size > config.max_image_bytes:
         amount = f"more than {config.max_image_bytes}" if at_least else str(size)
         raise MediaTooLargeError(
-            f"image ({what}) is {amount} bytes; the limit is {config.max_image_bytes} (max_image_bytes); "
+            f"image ({what}) is {amount} bytes; the limit is {config.max_image_bytes} "
+            f"({_knob(config, 'max_image_bytes')}); "
             "send a smaller image"
         )
+
+
+def _knob(config: MediaConfig, which: str, **names) -> str:
+    return _KNOBS[config.api][which].format(**names)
 
 
 def _clip(text: str, limit: int = 120) -> str:
@@ -287,8 +304,8 @@ def _read_local(path: str, config: MediaConfig) -> tuple[bytes, str]:
     dirs = config.allowed_local_media_paths
     if not dirs:
         raise MediaNotAllowedError(
-            f"path {shown} refused: reading local files is disabled on this server (no allowed media "
-            f"directories); start the server with {_LOCAL_FLAG} DIR, or send the image inline as a data: URL"
+            f"path {shown} refused: reading local files is disabled (no allowed media directories); "
+            f"{_knob(config, 'local')}, or send the image inline as a data: URL"
         )
     if "\0" in path:
         raise MediaNotAllowedError(f"path {shown!r} contains a NUL byte; send a plain file path")
@@ -298,7 +315,7 @@ def _read_local(path: str, config: MediaConfig) -> tuple[bytes, str]:
     if not any(real == d or real.startswith(d.rstrip(os.sep) + os.sep) for d in dirs):
         raise MediaNotAllowedError(
             f"path {shown} is outside the allowed media directories [{', '.join(dirs)}] (symlinks and '..' "
-            f"are resolved first); put the image there or start the server with {_LOCAL_FLAG}"
+            f"are resolved first); put the image there, or allow its directory: {_knob(config, 'local')}"
         )
     try:
         # O_NOFOLLOW: the resolved path must not have become a symlink since the check (a swap race);
@@ -395,15 +412,15 @@ def _allowed_host(url: str, config: MediaConfig) -> str:
         raise MediaNotAllowedError(f"URL {shown} is not http(s); only http(s) URLs are fetched")
     if not config.allowed_domains:
         raise MediaNotAllowedError(
-            f"URL {shown} refused: fetching http(s) images is disabled on this server (no allowed media "
-            f"domains); send the image inline as a data: URL, or start the server with {_DOMAINS_FLAG} HOST"
+            f"URL {shown} refused: fetching http(s) images is disabled (no allowed media domains); send the "
+            f"image inline as a data: URL, or {_knob(config, 'domains', host='HOST')}"
         )
     if not host:
         raise MediaNotAllowedError(f"URL {shown} has no host; send a full http(s) URL")
     if not _host_allowed(host, config.allowed_domains):
         raise MediaNotAllowedError(
             f"host {host} is not in the allowed media domains [{', '.join(config.allowed_domains)}]; send the "
-            f"image inline as a data: URL, or start the server with {_DOMAINS_FLAG} {host}"
+            f"image inline as a data: URL, or {_knob(config, 'domains', host=host)}"
         )
     return host
 
@@ -510,7 +527,7 @@ def _finish(image: Image.Image, source: str, config: MediaConfig, *, owned: bool
     if width * height > config.max_image_pixels:
         raise MediaTooLargeError(
             f"image ({source}) is {width}x{height} = {width * height} pixels; the limit is "
-            f"{config.max_image_pixels} (max_image_pixels); send a smaller image"
+            f"{config.max_image_pixels} ({_knob(config, 'max_image_pixels')}); send a smaller image"
         )
     image.load()
     return _to_rgb(_upright(image, owned), source)
@@ -531,8 +548,8 @@ def _pillow_errors(source: str, config: MediaConfig, hint: str = "") -> Iterator
         raise
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise MediaTooLargeError(
-            f"image ({source}) is too large to decode safely ({exc}); this server's limit is "
-            f"{config.max_image_pixels} pixels (max_image_pixels); send a smaller image"
+            f"image ({source}) is too large to decode safely ({exc}); the limit is "
+            f"{config.max_image_pixels} pixels ({_knob(config, 'max_image_pixels')}); send a smaller image"
         ) from None
     except UnidentifiedImageError:
         raise MediaDecodeError(

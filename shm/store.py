@@ -8,6 +8,11 @@ Lifecycle of a segment::
                                                                                      ▼
                                               evicted when cached bytes > cache_bytes: unlinked
 
+When shared memory runs out (``capacity_bytes`` reached, or ``ENOSPC`` from ``/dev/shm``), the
+least recently used cached segments are evicted until the new one fits; ``ShmStoreFullError``
+is raised only when every byte the store still holds is leased to a running request. The default
+``cache_bytes`` (None) is a quarter of the ``/dev/shm`` filesystem, at most 1 GiB.
+
 Segments are content-addressed by ``key`` (e.g. a hash of the source bytes + preprocessing
 parameters), so a multi-turn chat that resends an image reuses its segment without writing it
 again; reuse costs a dict lookup where a new segment costs ``ftruncate`` + a 2.4 MB write + page
@@ -17,14 +22,17 @@ instance's segments are unlinked by the next store's reaper.
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 import threading
 import weakref
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from shm import segment as _segment
 from shm.codec import encode_shape_to_int64, encode_shm_name_to_int64
 from shm.errors import ShmStoreFullError
 from shm.process import ProcessIdentity
@@ -41,6 +49,12 @@ from shm.segment import (
 )
 
 _MAX_NAME_ATTEMPTS = 64
+_MIB = 1 << 20
+AUTO_CACHE_FRACTION_PERCENT = 25  # cache_bytes=None: this share of the shm filesystem's size ...
+AUTO_CACHE_MAX_BYTES = 1 << 30  # ... but no more than this
+_OUT_OF_SPACE = (errno.ENOSPC, errno.ENOMEM)  # what freeing pages of our own can cure
+
+logger = logging.getLogger("shm")
 
 
 @dataclass(frozen=True)
@@ -61,17 +75,49 @@ class ShmHandle:
 @dataclass(frozen=True)
 class ShmStoreConfig:
     max_segment_bytes: int = 1 << 30  # one array larger than this is refused (1 GiB)
-    cache_bytes: int = 1 << 30  # unleased segments kept for reuse, least recently used evicted first
+    # Unleased segments kept for reuse, least recently used evicted first. None: "auto", resolved
+    # when a store is built: 25% of the shm filesystem's size, at most 1 GiB (see resolve_cache_bytes).
+    cache_bytes: int | None = None
     capacity_bytes: int | None = None  # all bytes owned (leased + cached); None: only /dev/shm limits
     reap_on_start: bool = True
 
     def __post_init__(self):
         if self.max_segment_bytes <= 0:
             raise ValueError(f"max_segment_bytes must be > 0, got {self.max_segment_bytes}")
-        if self.cache_bytes < 0:
+        if self.cache_bytes is not None and self.cache_bytes < 0:
             raise ValueError(f"cache_bytes must be >= 0, got {self.cache_bytes}")
         if self.capacity_bytes is not None and self.capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0 or None, got {self.capacity_bytes}")
+
+
+def _shm_space() -> tuple[int, int] | None:
+    """(free, total) bytes of the filesystem holding the segments, None if it cannot be measured."""
+    try:
+        stat = os.statvfs(_segment.SHM_DIR)
+    except OSError:
+        return None
+    return stat.f_bavail * stat.f_frsize, stat.f_blocks * stat.f_frsize
+
+
+def resolve_cache_bytes(cache_bytes: int | None) -> tuple[int, str]:
+    """The cache size a store uses for ``ShmStoreConfig.cache_bytes``, and how it was chosen.
+
+    An explicit value is kept. None means auto: ``AUTO_CACHE_FRACTION_PERCENT`` of the shm
+    filesystem's total size, capped at ``AUTO_CACHE_MAX_BYTES`` (the cap also when the size
+    cannot be read), so that cached segments leave most of a small ``/dev/shm`` (Docker's
+    default is 64 MiB) to the requests in flight.
+    """
+    if cache_bytes is not None:
+        return cache_bytes, "cache_bytes"
+    space = _shm_space()
+    if space is None:
+        return AUTO_CACHE_MAX_BYTES, f"{_segment.SHM_DIR}'s size unknown"
+    total = space[1]
+    share = total * AUTO_CACHE_FRACTION_PERCENT // 100
+    how = f"{AUTO_CACHE_FRACTION_PERCENT}% of {_segment.SHM_DIR}'s {total // _MIB} MiB"
+    if share > AUTO_CACHE_MAX_BYTES:
+        return AUTO_CACHE_MAX_BYTES, how + f", capped at {AUTO_CACHE_MAX_BYTES // _MIB} MiB"
+    return share, how
 
 
 @dataclass
@@ -99,7 +145,10 @@ class ShmStore:
     """
 
     def __init__(self, config: ShmStoreConfig | None = None):
-        self.config = config or ShmStoreConfig()
+        config = config or ShmStoreConfig()
+        self.cache_bytes, how = resolve_cache_bytes(config.cache_bytes)
+        # The resolved size, so that store.config.cache_bytes is always a number.
+        self.config = replace(config, cache_bytes=self.cache_bytes)
         self.owner = ProcessIdentity.current()
         self.reaped: list[str] = reap_orphans() if self.config.reap_on_start else []
         self.instance_id = self._claim_instance_id()
@@ -112,9 +161,11 @@ class ShmStore:
         self._cached_bytes = 0
         self._sequence = 0
         self._closed = False
+        self._warned_full = False
         self._finalizer = weakref.finalize(
             self, _unlink_all, self._segments, marker_name(self.instance_id), self.owner.pid
         )
+        logger.info("shm cache: %d MiB (%s)", self.cache_bytes // _MIB, how)
 
     def _claim_instance_id(self) -> str:
         # The O_EXCL marker makes the id unique among instances on this host and records the
@@ -154,7 +205,7 @@ class ShmStore:
         self._unlink(victims)
 
         try:
-            name = self._write(array)
+            name = self._write_making_room(array, size)
         except BaseException:
             with self._lock:
                 self._owned_bytes -= size
@@ -256,6 +307,61 @@ class ShmStore:
             return name
         raise ShmStoreFullError(f"{_MAX_NAME_ATTEMPTS} consecutive segment names are in use")
 
+    def _write_making_room(self, array: np.ndarray, size: int) -> str:
+        """Write a new segment; on ENOSPC evict cached segments (LRU first) and retry.
+
+        ``size`` bytes are already reserved in ``_owned_bytes`` by the caller.
+        """
+        while True:
+            try:
+                return self._write(array)
+            except ShmStoreFullError as error:
+                cause = error.__cause__
+                if not (isinstance(cause, OSError) and cause.errno in _OUT_OF_SPACE):
+                    raise
+                with self._lock:
+                    self._check_open()
+                    victims = self._evict_bytes_locked(size)
+                    if not victims:
+                        message = self._full_message_locked(size, cause)
+                if not victims:
+                    raise ShmStoreFullError(message) from error
+                # Once per store at WARNING: the cache (and the other users of /dev/shm) fill it.
+                logger.log(logging.DEBUG if self._warned_full else logging.WARNING,
+                           "shm: %s is full (%s); evicted %d cached segment(s) to make room for %d bytes. "
+                           "A smaller cache_bytes (now %d) or a bigger %s avoids this",
+                           _segment.SHM_DIR, cause.strerror, len(victims), size, self.cache_bytes,
+                           _segment.SHM_DIR)
+                self._warned_full = True
+                self._unlink(victims)
+
+    def _full_message_locked(self, size: int, cause: OSError | None = None) -> str:
+        """Why a ``size``-byte segment does not fit (ENOSPC ``cause``, or capacity_bytes), and the fix."""
+        shm_dir = _segment.SHM_DIR
+        leased = sum(s.size for s in self._segments.values() if s.leases)
+        # Reserved by other puts still writing (the failing put's own reservation excluded).
+        in_flight = self._owned_bytes - leased - self._cached_bytes - (size if cause is not None else 0)
+        held = (f"{leased} bytes leased to running requests and {self._cached_bytes} bytes cached"
+                + (f", {in_flight} bytes being written" if in_flight > 0 else ""))
+        space = _shm_space()
+        room = (f"{shm_dir}'s free space is unknown" if space is None
+                else f"{shm_dir} has {space[0]} of {space[1]} bytes free")
+        if cause is not None:
+            return (
+                f"a {size}-byte segment does not fit: {shm_dir} is full ({cause.strerror}; {room}) and "
+                f"this store has no cached segment left to evict (it holds {held}). Retry when running "
+                f"requests finish; to fix, give {shm_dir} more room (in Docker: --shm-size, e.g. --shm-size=2g) or "
+                f"lower the shared-memory cache/budget of the processes using it (this store: cache_bytes="
+                f"{self.cache_bytes}, capacity_bytes={self.config.capacity_bytes}; the server: "
+                "--shm-budget-bytes)"
+            )
+        return (
+            f"a {size}-byte segment does not fit in capacity_bytes={self.config.capacity_bytes}, even "
+            f"with every cached segment evicted: this store holds {held}; {room}. Retry when running "
+            "requests finish; to fix, raise capacity_bytes (the server's --shm-budget-bytes), with a bigger "
+            f"{shm_dir} if it needs one (in Docker: --shm-size, e.g. --shm-size=2g)"
+        )
+
     def _reuse_locked(self, name: str, array: np.ndarray, request_id: str | None) -> ShmHandle:
         handle = self._segments[name].handle
         if handle.shape != array.shape or handle.dtype != array.dtype:
@@ -280,33 +386,44 @@ class ShmStore:
     def _cache_locked(self, name: str) -> list[str]:
         self._cached[name] = None
         self._cached_bytes += self._segments[name].size
-        return self._evict_locked(lambda: self._cached_bytes > self.config.cache_bytes)
+        return self._evict_locked(lambda: self._cached_bytes > self.cache_bytes)
 
     def _reserve_locked(self, size: int) -> list[str]:
+        """Count ``size`` bytes in ``_owned_bytes``, evicting cached segments (LRU first) as far as
+        ``capacity_bytes`` needs; returns the victims to unlink outside the lock."""
         capacity = self.config.capacity_bytes
         victims = []
         if capacity is not None:
+            if self._owned_bytes - self._cached_bytes + size > capacity:
+                # Evicting the whole cache would not do: keep it, and fail now.
+                raise ShmStoreFullError(self._full_message_locked(size))
             victims = self._evict_locked(lambda: self._owned_bytes + size > capacity)
-            if self._owned_bytes + size > capacity:
-                self._unlink(victims)
-                raise ShmStoreFullError(
-                    f"a {size}-byte segment does not fit: {self._owned_bytes} of capacity_bytes={capacity} "
-                    "are leased to running requests; retry when some finish"
-                )
         self._owned_bytes += size
+        return victims
+
+    def _evict_bytes_locked(self, nbytes: int) -> list[str]:
+        """Evict the least recently used cached segments until at least ``nbytes`` are freed."""
+        victims, freed = [], 0
+        while self._cached and freed < nbytes:
+            segment = self._evict_oldest_locked()
+            victims.append(segment.handle.name)
+            freed += segment.size
         return victims
 
     def _evict_locked(self, over_budget) -> list[str]:
         victims = []
         while self._cached and over_budget():
-            name, _ = self._cached.popitem(last=False)
-            segment = self._segments.pop(name)
-            self._cached_bytes -= segment.size
-            self._owned_bytes -= segment.size
-            if segment.key is not None:
-                del self._by_key[segment.key]
-            victims.append(name)
+            victims.append(self._evict_oldest_locked().handle.name)
         return victims
+
+    def _evict_oldest_locked(self) -> _Segment:
+        name, _ = self._cached.popitem(last=False)
+        segment = self._segments.pop(name)
+        self._cached_bytes -= segment.size
+        self._owned_bytes -= segment.size
+        if segment.key is not None:
+            del self._by_key[segment.key]
+        return segment
 
     @staticmethod
     def _unlink(names: list[str]) -> None:

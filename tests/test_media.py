@@ -331,10 +331,15 @@ def test_pil_palette_images_with_equal_indices_but_different_palettes_get_differ
 # ------------------------------------------------------------------------------- local refusals
 
 
-def test_local_files_refused_when_no_directory_is_configured(media_dir, png_bytes):
+@pytest.mark.parametrize("api, knob", [("server", "--allowed-local-media-path"),
+                                       ("offline", "media_config=MediaConfig(allowed_local_media_paths=")])
+def test_local_files_refused_when_no_directory_is_configured(media_dir, png_bytes, api, knob):
+    # The message names the knob of the API in use: a server flag means nothing inside LLM.
     (media_dir / "quad.png").write_bytes(png_bytes)
-    with pytest.raises(MediaNotAllowedError, match="--allowed-local-media-path"):
-        load_image(str(media_dir / "quad.png"), MediaConfig())
+    with pytest.raises(MediaNotAllowedError) as caught:
+        load_image(str(media_dir / "quad.png"), MediaConfig(api=api))
+    assert knob in str(caught.value)
+    assert ("--" in str(caught.value)) == (api == "server")
 
 
 def test_path_outside_the_allowed_directories(config, media_dir):
@@ -342,7 +347,7 @@ def test_path_outside_the_allowed_directories(config, media_dir):
         load_image("/etc/passwd", config)
     message = str(caught.value)
     assert f"path /etc/passwd is outside the allowed media directories [{os.path.realpath(media_dir)}]" in message
-    assert "--allowed-local-media-path" in message
+    assert "media_config=MediaConfig(allowed_local_media_paths=" in message  # the offline API's knob
 
 
 def test_dotdot_escape_is_refused(config, media_dir, tmp_path, png_bytes):
@@ -467,7 +472,7 @@ LOCAL_WEB = MediaConfig(allowed_domains=("127.0.0.1",), max_image_bytes=1000, ht
 
 def test_http_refused_without_an_allow_list():
     with pytest.raises(MediaNotAllowedError, match="--allowed-media-domains") as caught:
-        load_image("https://example.com/cat.png", MediaConfig())
+        load_image("https://example.com/cat.png", MediaConfig(api="server"))
     assert "data: URL" in str(caught.value)
 
 
@@ -555,7 +560,7 @@ SMALL = dict(max_image_bytes=100)
 
 
 def too_large(data_len: int) -> str:
-    return rf"is {data_len} bytes; the limit is 100 \(max_image_bytes\); send a smaller image"
+    return rf"is {data_len} bytes; the limit is 100 \(MediaConfig.max_image_bytes\); send a smaller image"
 
 
 @pytest.fixture
@@ -583,9 +588,9 @@ def test_base64_cap_is_checked_before_decoding(monkeypatch, big_png):
 
 
 def test_byte_cap_over_http_with_and_without_content_length(web):
-    with pytest.raises(MediaTooLargeError, match=r"is 5000 bytes; the limit is 1000 \(max_image_bytes\)"):
+    with pytest.raises(MediaTooLargeError, match=r"is 5000 bytes; the limit is 1000 \(MediaConfig.max_image_bytes\)"):
         load_image(f"{web}/big", LOCAL_WEB)
-    with pytest.raises(MediaTooLargeError, match=r"is more than 1000 bytes; the limit is 1000 \(max_image_bytes\)"):
+    with pytest.raises(MediaTooLargeError, match=r"is more than 1000 bytes; the limit is 1000 \(MediaConfig.max_image_bytes\)"):
         load_image(f"{web}/big-no-length", LOCAL_WEB)
 
 
@@ -593,9 +598,9 @@ def test_byte_cap_over_http_with_and_without_content_length(web):
 
 
 def test_pixel_cap_names_size_and_limit(config):
-    with pytest.raises(MediaTooLargeError, match=r"is 40x20 = 800 pixels; the limit is 799 \(max_image_pixels\)"):
+    with pytest.raises(MediaTooLargeError, match=r"is 40x20 = 800 pixels; the limit is 799 \(MediaConfig.max_image_pixels\)"):
         load_image(encode(quadrants(), "PNG"), MediaConfig(max_image_pixels=799))
-    with pytest.raises(MediaTooLargeError, match=r"the limit is 799 \(max_image_pixels\)"):
+    with pytest.raises(MediaTooLargeError, match=r"the limit is 799 \(MediaConfig.max_image_pixels\)"):
         load_image(quadrants(), MediaConfig(max_image_pixels=799))
 
 

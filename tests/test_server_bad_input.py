@@ -220,17 +220,18 @@ CASES = [
     Case("image-not-an-image", 400, "is not an image in a supported format",
          body=image_chat(lambda m: str(m.notimage))),
     Case("image-truncated-png", 400, "could not be decoded", body=image_chat(lambda m: str(m.truncated))),
-    Case("image-over-max-bytes", 400, f"the limit is {MAX_IMAGE_BYTES} (max_image_bytes)",
+    Case("image-over-max-bytes", 400, f"the limit is {MAX_IMAGE_BYTES} (--max-image-bytes)",
          body=image_chat(data_url(400, 400, seed=1))),
     Case("image-decompression-bomb", 400, f"5000x5000 = 25000000 pixels; the limit is {MAX_IMAGE_PIXELS} "
-         "(max_image_pixels)", body=image_chat(lambda m: str(m.bomb))),
+         "(--max-image-pixels)", body=image_chat(lambda m: str(m.bomb))),
     Case("image-etc-passwd", 400, f"path /etc/passwd is {OUTSIDE}", body=image_chat("/etc/passwd")),
     Case("image-file-url-etc-passwd", 400, f"path /etc/passwd is {OUTSIDE}", body=image_chat("file:///etc/passwd")),
     Case("image-dotdot-escape", 400, OUTSIDE, body=image_chat(lambda m: m.escape)),
     Case("image-symlink-out", 400, OUTSIDE, body=image_chat(lambda m: str(m.link))),
     Case("image-file-url-other-host", 400, "names host 'otherhost'",
          body=image_chat("file://otherhost/etc/passwd")),
-    Case("image-http-not-allowed", 400, "fetching http(s) images is disabled on this server",
+    Case("image-http-not-allowed", 400, "fetching http(s) images is disabled (no allowed media domains); send the image inline as a data: "
+         "URL, or start the server with --allowed-media-domains HOST",
          body=image_chat("http://example.com/cat.png")),
     Case("image-ftp-scheme", 400, "URL scheme 'ftp' is not supported", body=image_chat("ftp://example.com/cat.png")),
     Case("image-data-url-not-image", 400, "data: URL media type is 'text/plain'",
@@ -240,7 +241,7 @@ CASES = [
     Case("too-many-images", 400, "the prompt has 3 images; this model takes at most 2 per prompt",
          body=image_chat(IMAGE_URL, IMAGE_URL, IMAGE_URL)),
     Case("image-error-before-stream", 400, "does not exist", body=image_chat(lambda m: str(m.missing), stream=True)),
-    Case("tokenize-image-bomb", 400, "(max_image_pixels)", path="/tokenize",
+    Case("tokenize-image-bomb", 400, "(--max-image-pixels)", path="/tokenize",
          body=lambda m: {"messages": [{"role": "user", "content": [
              {"type": "image_url", "image_url": {"url": str(m.bomb)}}]}]}),
     # -- lengths

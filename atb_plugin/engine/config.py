@@ -76,6 +76,13 @@ class EngineConfig:
         hf_config = registry.read_checkpoint_config(self.model)
         registry.model_class_path(hf_config)  # unsupported model_type: fail now, naming the choices
         set_(self, "model_type", registry.registry_key(hf_config))
+        if self.model_type in registry.EMBEDDING_ONLY:
+            cls = registry.model_class_path(hf_config).partition(":")[2]
+            raise ValueError(
+                f"{self.model} is an embedding model ({self.model_type}: {cls}); it produces embeddings, not "
+                "text, so the generation engine (LLM, the chat/completions server) cannot run it. Load it with "
+                f"{registry.model_class_path(hf_config).replace(':', '.')}.from_pretrained(dir) and call it on "
+                "token ids; serving embedding models is not supported yet")
         vocab_size = registry.config_value(hf_config, "vocab_size")
         if not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"{self.model}/config.json: vocab_size is {vocab_size!r}, expected a positive integer")

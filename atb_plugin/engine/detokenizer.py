@@ -149,6 +149,8 @@ class IncrementalDetokenizer:
                 best = (index, stop)
         if best is not None:
             index, self.stopped_by = best
+            if self.params.include_stop_str_in_output:
+                index += len(self.stopped_by)
             # Withholding guarantees index >= _num_streamed; max() only guards the contract.
             self._text = self._text[:max(index, self._num_streamed)]
             self.finished = True

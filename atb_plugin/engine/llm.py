@@ -20,7 +20,7 @@ from atb_plugin.engine.messages import EngineCoreRequest
 from atb_plugin.engine.output_processor import CompletionOutput, OutputProcessor, RequestOutput
 from atb_plugin.engine.sampling_params import SamplingParams
 from routers import get_router
-from shm import ShmStore
+from shm import ShmStore, ShmStoreConfig
 
 __all__ = ["LLM", "LLMEngine", "RequestOutput", "CompletionOutput", "validate_client_token_ids"]
 
@@ -97,12 +97,14 @@ class LLM:
     """``LLM(model_dir).generate(prompts, params)`` / ``.chat(conversations, params)``.
 
     Keyword arguments are ``EngineConfig`` fields (``dtype``, ``max_model_len``, ``block_size``,
-    ``kv_cache_blocks``, ...) plus ``shm_store`` and ``media_config``; or pass a whole
+    ``kv_cache_blocks``, ...) plus ``shm_store`` (or ``shm_cache_bytes`` for a store of its own
+    with that cache size) and ``media_config``; or pass a whole
     ``EngineConfig`` as ``model``. A prompt is a string, a list of token ids, or MindIE's list of
     ``{"image": ...}`` / ``{"text": ...}`` items; a conversation is a list of OpenAI/MindIE
     messages. Use as a context manager (or call ``close``) to release every shared-memory segment."""
 
-    def __init__(self, model, *, shm_store: ShmStore | None = None, media_config=None, **config_fields):
+    def __init__(self, model, *, shm_store: ShmStore | None = None, media_config=None,
+                 shm_cache_bytes: int | None = None, **config_fields):
         unknown = sorted(set(config_fields) - _CONFIG_FIELDS)
         if unknown:
             raise ValueError(f"LLM(): unknown argument(s) {', '.join(unknown)}; "
@@ -111,7 +113,15 @@ class LLM:
             config = model.replace(**config_fields) if config_fields else model
         else:
             config = EngineConfig(model=model, **config_fields)
+        if shm_cache_bytes is not None:
+            if shm_store is not None:
+                raise ValueError("LLM(): pass shm_cache_bytes or shm_store, not both")
+            shm_store = ShmStore(ShmStoreConfig(cache_bytes=shm_cache_bytes))
+            owned = True
+        else:
+            owned = shm_store is None
         self.engine = LLMEngine(config, shm_store=shm_store, media_config=media_config)
+        self.engine.owns_store = owned
         self.router = self.engine.router
         self._ids = itertools.count()
 

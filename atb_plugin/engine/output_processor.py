@@ -91,7 +91,12 @@ class OutputProcessor:
             state = self._states.get(out.request_id)
             if state is None:
                 continue  # aborted here while the core was still stepping it
-            delta = state.detokenizer.update(out.new_token_ids) if out.new_token_ids else ""
+            text_ids = out.new_token_ids
+            if out.finish_reason == "stop" and not state.params.include_stop_str_in_output:
+                # The core stops with "stop" only at an EOS or stop_token_ids token: like vLLM,
+                # its text is not part of the output (the token id still is).
+                text_ids = text_ids[:-1]
+            delta = state.detokenizer.update(text_ids) if text_ids else ""
             state.token_ids += out.new_token_ids
             delta_logprobs = None
             if state.params.logprobs is not None:

@@ -70,6 +70,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's; N: plus the top N
     skip_special_tokens: bool = True
+    # vLLM's: keep the stop string, or the text of the EOS / stop_token_ids token that ended the
+    # request, in the output text (by default both are dropped).
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self):
         n = _int("n", self.n, "(only n=1 is supported)")
@@ -105,6 +108,7 @@ class SamplingParams:
         self.stop_token_ids = self._stop_token_ids(self.stop_token_ids)
         self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
         self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
+        self.include_stop_str_in_output = _bool("include_stop_str_in_output", self.include_stop_str_in_output)
 
     @staticmethod
     def _stop(value) -> list[str]:

@@ -22,6 +22,11 @@ MODEL_CLASSES: dict[str, str] = {
 }
 
 
+# Families that produce embeddings, not tokens: the generation engine refuses them with a message
+# saying what they are (until pooling models are served).
+EMBEDDING_ONLY = {"bert"}
+
+
 def read_checkpoint_config(model_dir) -> dict:
     """``config.json`` of ``model_dir`` as a dict; a missing or unreadable file is a ValueError
     naming the path (the user pointed us at the wrong directory)."""

@@ -68,7 +68,8 @@ class ServerConfig:
 
         return MediaConfig(allowed_local_media_paths=self.allowed_local_media_paths,
                            allowed_domains=self.allowed_media_domains,
-                           max_image_bytes=self.max_image_bytes, max_image_pixels=self.max_image_pixels)
+                           max_image_bytes=self.max_image_bytes, max_image_pixels=self.max_image_pixels,
+                           api="server")
 
     def describe(self) -> str:
         lines = [f"{f.name} = {getattr(self, f.name)!r}" for f in dataclasses.fields(self)

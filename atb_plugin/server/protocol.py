@@ -251,7 +251,6 @@ _NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "min_p": (_zero, "0"),
     "use_beam_search": (_falsy, "false"),
     "length_penalty": (_one, "1.0"),
-    "include_stop_str_in_output": (_falsy, "false"),
     "prompt_logprobs": (_none, "null"),
     "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
                         'null or {"type": "text"}'),
@@ -376,7 +375,7 @@ class _GenerationRequest(OpenAIBaseModel):
     min_p: float | None = None
     use_beam_search: bool | None = False
     length_penalty: float | None = 1.0
-    include_stop_str_in_output: bool | None = False
+    include_stop_str_in_output: bool = False
     prompt_logprobs: int | None = None
     response_format: Any = None
     truncate_prompt_tokens: Any = None
@@ -516,6 +515,7 @@ class _GenerationRequest(OpenAIBaseModel):
                 ignore_eos=self.ignore_eos,
                 logprobs=self._logprobs_k(),
                 skip_special_tokens=self.skip_special_tokens,
+                include_stop_str_in_output=self.include_stop_str_in_output,
             )
         except ValueError as exc:
             match = re.match(r"[a-z_]+", str(exc))

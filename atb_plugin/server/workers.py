@@ -47,7 +47,7 @@ class WorkerSettings:
     max_images_per_prompt: int | None = None
     chat_template: str | None = None
     shm_capacity_bytes: int | None = None
-    shm_cache_bytes: int = 256 << 20
+    shm_cache_bytes: int | None = None  # None: the store's own default (a quarter of /dev/shm, <= 1 GiB)
 
 
 def run_tokenizer_worker(index: int, settings: WorkerSettings, job_address: str, result_address: str,
@@ -155,7 +155,9 @@ class TokenizerPool:
         self.num_workers = num_workers
         per_worker = None if shm_budget_bytes is None else max(1, shm_budget_bytes // num_workers)
         # Cached segments count against the budget too: keep at most half of it as cache.
-        cache = settings.shm_cache_bytes if per_worker is None else min(settings.shm_cache_bytes, per_worker // 2)
+        cache = settings.shm_cache_bytes
+        if per_worker is not None:
+            cache = per_worker // 2 if cache is None else min(cache, per_worker // 2)
         self.settings = WorkerSettings(settings.model, settings.media_config, settings.max_images_per_prompt,
                                        settings.chat_template, per_worker, cache)
         self.shm_budget_bytes = shm_budget_bytes

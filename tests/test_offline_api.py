@@ -1,0 +1,98 @@
+"""What a new user of the offline API meets: the text of a stop token is not in the output
+(unless asked for), errors name the offline API's knobs, an empty conversation is an error, and
+an embedding checkpoint is refused with a message saying what it is."""
+
+from __future__ import annotations
+
+import pytest
+
+from atb_plugin import LLM, SamplingParams
+from atb_plugin.testing.tiny import tiny_checkpoint
+
+GREEDY = dict(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with LLM(tiny_checkpoint("qwen2"), block_size=4) as llm:
+        yield llm
+
+
+def first_new_token(token_ids, tokenizer) -> int:
+    """The index of a token with visible text that does not occur earlier in the output."""
+    return next(i for i, t in enumerate(token_ids)
+                if i > 0 and t not in token_ids[:i] and tokenizer.decode([t]).strip())
+
+
+def test_the_text_of_a_stop_token_id_is_dropped_unless_asked_for(llm):
+    tokenizer = llm.router.tokenizer
+    base = llm.generate("hello world", SamplingParams(**GREEDY))[0].outputs[0]
+    # A plain (non-special) token as the stop token: its text would show unless dropped.
+    index = first_new_token(base.token_ids, tokenizer)
+    stop = base.token_ids[index]
+    dropped = llm.generate("hello world", SamplingParams(**GREEDY, stop_token_ids=[stop]))[0].outputs[0]
+    kept = llm.generate("hello world", SamplingParams(**GREEDY, stop_token_ids=[stop],
+                                                      include_stop_str_in_output=True))[0].outputs[0]
+    assert dropped.finish_reason == kept.finish_reason == "stop"
+    assert dropped.token_ids == kept.token_ids == base.token_ids[:index + 1]  # the id is still reported
+    assert dropped.text == tokenizer.decode(base.token_ids[:index], skip_special_tokens=True)
+    assert kept.text == tokenizer.decode(base.token_ids[:index + 1], skip_special_tokens=True)
+
+
+def test_the_text_of_an_eos_token_is_dropped_even_when_special_tokens_are_kept(llm):
+    tokenizer = llm.router.tokenizer
+    base = llm.generate("hello world", SamplingParams(**GREEDY))[0].outputs[0]
+    index = first_new_token(base.token_ids, tokenizer)
+    eos = base.token_ids[index]
+    llm.engine.eos_token_ids = (eos,)  # pretend this token is the model's EOS
+    try:
+        params = dict(temperature=0, max_tokens=12, skip_special_tokens=False)
+        dropped = llm.generate("hello world", SamplingParams(**params))[0].outputs[0]
+        kept = llm.generate("hello world", SamplingParams(**params, include_stop_str_in_output=True))[0].outputs[0]
+    finally:
+        llm.engine.eos_token_ids = tuple(llm.router.eos_token_ids)
+    assert dropped.token_ids == base.token_ids[:index + 1] and dropped.finish_reason == "stop"
+    assert dropped.text == tokenizer.decode(base.token_ids[:index])
+    assert kept.text == tokenizer.decode(base.token_ids[:index + 1])
+
+
+def test_a_stop_string_is_kept_only_when_asked_for(llm):
+    text = llm.generate("hello world", SamplingParams(**GREEDY))[0].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    cut = llm.generate("hello world", SamplingParams(**GREEDY, stop=[stop]))[0].outputs[0].text
+    kept = llm.generate("hello world", SamplingParams(**GREEDY, stop=[stop], include_stop_str_in_output=True))
+    assert stop not in cut and kept[0].outputs[0].text == cut + stop
+
+
+def test_an_empty_conversation_is_an_error(llm):
+    with pytest.raises(ValueError, match="non-empty"):
+        llm.chat([])
+    with pytest.raises(ValueError, match="non-empty"):
+        llm.chat([[{"role": "user", "content": "hi"}], []])
+
+
+def test_a_refused_image_names_the_offline_knob(llm, tmp_path):
+    from tests.helpers import write_test_images
+
+    image = write_test_images(tmp_path, sizes=((30, 30),))[0]
+    with pytest.raises(ValueError) as caught:
+        with LLM(tiny_checkpoint("qwen2_vl"), block_size=16) as vl:
+            vl.chat([{"role": "user", "content": [{"image": str(image)}, {"text": "hi"}]}])
+    assert "media_config=MediaConfig(allowed_local_media_paths=" in str(caught.value)
+    assert "--allowed-local-media-path" not in str(caught.value)
+
+
+def test_an_embedding_checkpoint_is_refused_with_what_it_is():
+    with pytest.raises(ValueError, match=r"is an embedding model \(bert: BertModel\).*BertModel.from_pretrained"):
+        LLM(tiny_checkpoint("bert"))
+
+
+def test_the_shm_cache_size_is_an_llm_argument():
+    from shm.segment import list_segment_names
+
+    with LLM(tiny_checkpoint("qwen2"), block_size=4, shm_cache_bytes=1 << 20) as small:
+        assert small.engine.shm_store.cache_bytes == 1 << 20
+        instance = small.engine.shm_store.instance_id
+    assert not [n for n in list_segment_names() if n.startswith("psm_" + instance)]  # its own store: closed
+    with pytest.raises(ValueError, match="not both"):
+        LLM(tiny_checkpoint("qwen2"), shm_cache_bytes=0, shm_store=object())
