@@ -18,24 +18,10 @@ import pytest
 
 import shm
 import shm.segment
-from shm.segment import HEADER_SIZE, list_segment_names
 
-ITEM = np.arange(256, dtype=np.float32)  # 1 KiB payload
-ITEM_SIZE = HEADER_SIZE + ITEM.nbytes
+from tests.test_shm_store import ITEM, ITEM_SIZE, item, make_store, on_disk  # one copy of the helpers
+
 MIB = 1 << 20
-
-
-def make_store(**config) -> shm.ShmStore:
-    return shm.ShmStore(shm.ShmStoreConfig(reap_on_start=False, **config))
-
-
-def item(value: int) -> np.ndarray:
-    return ITEM + value
-
-
-def on_disk(store: shm.ShmStore) -> set[str]:
-    prefix = "psm_" + store.instance_id
-    return {n for n in list_segment_names() if n.startswith(prefix) and n != prefix}
 
 
 def assert_books_match_disk(store: shm.ShmStore) -> None:
