@@ -1,0 +1,67 @@
+"""The service's command line: every flag the issue names is documented in --help, a MindIE
+config.json fills the flags it maps to (a flag on the command line wins), bad values are refused
+with the flag's name."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+
+import pytest
+
+from atb_plugin.server.cli import parse_config
+from atb_plugin.testing.tiny import tiny_checkpoint
+from tests.server_helpers import REPO_ROOT
+from tests.test_mindie_config import SAMPLE
+
+FLAGS = ["--model", "--served-model-name", "--host", "--port", "--device", "--dtype", "--max-model-len",
+         "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--kv-cache-memory",
+         "--enable-prefix-caching", "--limit-mm-per-prompt", "--allowed-local-media-path",
+         "--allowed-media-domains", "--max-image-bytes", "--max-image-pixels", "--max-request-body-bytes",
+         "--max-queued-requests", "--chat-template", "--api-key", "--tokenizer-workers", "--shm-budget-bytes",
+         "--shutdown-timeout", "--config"]
+
+
+def test_help_documents_every_flag():
+    out = subprocess.run([sys.executable, "-m", "atb_plugin.server", "--help"], capture_output=True, text=True,
+                         cwd=REPO_ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    for flag in FLAGS:
+        assert flag in out.stdout, flag
+
+
+def test_a_mindie_config_fills_the_flags_and_the_command_line_wins(tmp_path, monkeypatch):
+    monkeypatch.delenv("ASCEND_RT_VISIBLE_DEVICES", raising=False)
+    config = copy.deepcopy(SAMPLE)
+    model = config["BackendConfig"]["ModelDeployConfig"]["ModelConfig"][0]
+    model["modelWeightPath"] = str(tiny_checkpoint("qwen2"))
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    server = parse_config(["--config", str(path), "--port", "9999", "--block-size=32"])
+    assert server.port == 9999 and server.engine.block_size == 32  # given flags win (both spellings)
+    assert server.host == "192.168.0.24" and server.served_model_name == "qwen2-vl"
+    assert server.engine.model == str(tiny_checkpoint("qwen2")) and server.engine.max_model_len == 2560
+    assert server.max_input_tokens == 2048 and server.tokenizer_workers == 8
+    assert server.engine.max_num_seqs == 200
+    import os
+
+    assert os.environ["ASCEND_RT_VISIBLE_DEVICES"] == "0,1"
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["--port", "70000"], "--port"),
+    (["--tokenizer-workers", "0"], "--tokenizer-workers"),
+    (["--max-model-len", "100000000"], "max_model_len"),
+    (["--shm-budget-bytes", "-1"], "--shm-budget-bytes"),
+])
+def test_bad_values_name_the_flag(argv, words):
+    with pytest.raises(ValueError, match=words):
+        parse_config(["--model", str(tiny_checkpoint("qwen2"))] + argv)
+
+
+def test_a_bad_size_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit):
+        parse_config(["--model", str(tiny_checkpoint("qwen2")), "--kv-cache-memory", "lots"])
+    assert "is not a size" in capsys.readouterr().err
