@@ -23,6 +23,13 @@ TOLERANCE = 1e-5
 LENGTHS = (9, 3, 17)
 
 
+@pytest.fixture(autouse=True)
+def atb_kernel_set(monkeypatch):
+    """These tests exercise the ATB kernel set; the simulated A2 chip would default to the
+    fused-infer-attention set (tests/test_npu_fia_kernels.py covers that one)."""
+    monkeypatch.setenv("ATB_PLUGIN_NPU_KERNELS", "atb")
+
+
 @pytest.fixture(scope="module")
 def path():
     return tiny_checkpoint("bert")
@@ -132,7 +139,8 @@ def test_npu_path_equals_the_cpu_path(ours):
     sequences, cu = batch(ours.config.vocab_size, seed=3)
     with torch.no_grad():
         cpu = ours(torch.cat(sequences), cu)
-        with fake_torch_npu.install() as fake, use_platform("npu"):
+        # About the packing, not precision: fp32 on the simulated NPU, opted in explicitly.
+        with fake_torch_npu.install(allow_fp32_attention=True) as fake, use_platform("npu"):
             npu = ours(torch.cat(sequences), cu)
             calls = dict(fake.module.calls)
     assert calls["_npu_flash_attention_unpad"] == ours.config.num_hidden_layers, calls

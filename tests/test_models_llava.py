@@ -34,6 +34,13 @@ TOLERANCE = 1e-4
 QUESTION = "What is in the picture?"
 
 
+@pytest.fixture(autouse=True)
+def atb_kernel_set(monkeypatch):
+    """These tests exercise the ATB kernel set; the simulated A2 chip would default to the
+    fused-infer-attention set (tests/test_npu_fia_kernels.py covers that one)."""
+    monkeypatch.setenv("ATB_PLUGIN_NPU_KERNELS", "atb")
+
+
 @pytest.fixture(scope="module")
 def path():
     return tiny_checkpoint("llava")
@@ -281,7 +288,8 @@ def test_npu_path_equals_the_cpu_path(ours, path, store, tmp_path):
     mm, _ = two_image_prompt(path, store, tmp_path, ours)
     cpu = full_logits(ours, mm, block_size=16)
     length = mm.token_ids.shape[0]
-    with fake_torch_npu.install() as fake, use_platform("npu"):
+    # About routing tower / LM ops, not precision: fp32 on the simulated NPU, opted in explicitly.
+    with fake_torch_npu.install(allow_fp32_attention=True) as fake, use_platform("npu"):
         fresh = MultimodalPrompt(mm.token_ids, mm.blocks)  # features not cached: the tower runs here
         runner = SequenceRunner(ours, max_len=length, block_size=16)
         cut = mm.blocks[0].start + 5  # chunked prefill through block 0, then the rest, then decode

@@ -44,6 +44,13 @@ def load_pair(family):
     return ours, reference
 
 
+@pytest.fixture(autouse=True)
+def atb_kernel_set(monkeypatch):
+    """These tests exercise the ATB kernel set; the simulated A2 chip would default to the
+    fused-infer-attention set (tests/test_npu_fia_kernels.py covers that one)."""
+    monkeypatch.setenv("ATB_PLUGIN_NPU_KERNELS", "atb")
+
+
 @pytest.fixture
 def image_paths(tmp_path):
     return write_test_images(tmp_path, IMAGE_SIZES)
@@ -224,7 +231,8 @@ def test_npu_path_equals_cpu_path(family):
 
     with torch.no_grad():
         cpu_features, cpu_logits = run()
-        handle = fake_torch_npu.install()
+        # About the mrope / tower paths, not precision: fp32 on the simulated NPU, opted in explicitly.
+        handle = fake_torch_npu.install(allow_fp32_attention=True)
         try:
             with use_platform("npu"):
                 npu_features, npu_logits = run()

@@ -31,6 +31,13 @@ TOLERANCE = 1e-4  # whole-model logits, fp32
 TIGHT = 1e-5  # one component (vision tower, one decoder layer)
 
 
+@pytest.fixture(autouse=True)
+def atb_kernel_set(monkeypatch):
+    """These tests exercise the ATB kernel set; the simulated A2 chip would default to the
+    fused-infer-attention set (tests/test_npu_fia_kernels.py covers that one)."""
+    monkeypatch.setenv("ATB_PLUGIN_NPU_KERNELS", "atb")
+
+
 @pytest.fixture(scope="module")
 def path():
     return tiny_checkpoint("qwen_vl")
@@ -367,7 +374,8 @@ def test_npu_path_equals_the_cpu_path(model):
     pixels = torch.randn(1, 3, 448, 448, generator=gen)
     ids = torch.randint(0, model.config.vocab_size, (40,), generator=gen)
     runs = {}
-    fake = fake_torch_npu.install()
+    # About the resampler / tower paths, not precision: fp32 on the simulated NPU, opted in explicitly.
+    fake = fake_torch_npu.install(allow_fp32_attention=True)
     try:
         for platform in ("cpu", "npu"):
             with use_platform(platform), torch.no_grad():

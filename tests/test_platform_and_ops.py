@@ -36,15 +36,31 @@ from atb_plugin.platform import (
     reset_current_platform,
     use_platform,
 )
+from atb_plugin.ops import npu_kernels
 from atb_plugin.testing import fake_torch_npu
 from atb_plugin.testing.fake_torch_npu import NpuOpError
 
 FP32_TOL = 1e-5
+# The ATB attention ops take float16 / bfloat16 only, so the NPU path runs in half precision and is
+# compared with the CPU path in float32 on the same (fp32-drawn) inputs. Inputs of magnitude ~1,
+# head_dim 16, the fake's softmax in fp32, output rounded once:
+# - bfloat16: 8 significant bits, unit roundoff 2^-9 ~ 2e-3 per rounding; rounding q, k, v and the
+#   output (and the q·k sum over 16 terms) gives errors ~1e-2 on outputs ~1 -> atol = rtol = 3e-2.
+# - float16: 11 significant bits, unit roundoff 2^-12 ~ 2.4e-4 -> about 8x tighter: 4e-3.
+HALF_TOL = {torch.bfloat16: 3e-2, torch.float16: 4e-3}
+HALF_DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 
 
 # --------------------------------------------------------------------------------------------
 # fixtures
 # --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def atb_kernel_set(monkeypatch):
+    """These tests exercise the ATB kernel set; the simulated A2 chip would default to the
+    fused-infer-attention set (tests/test_npu_fia_kernels.py covers that one)."""
+    monkeypatch.setenv("ATB_PLUGIN_NPU_KERNELS", "atb")
 
 
 @pytest.fixture
@@ -68,8 +84,21 @@ def fake_npu(clean_platform):
 
 
 @pytest.fixture
+def fake_npu_fp32(fake_npu):
+    """The fake with float32 let through the ATB attention ops: for tests about something other
+    than precision (the real ops take fp16 / bf16 only)."""
+    with fake_npu.allow_fp32_attention():
+        yield fake_npu
+
+
+@pytest.fixture
 def gen():
     return torch.Generator().manual_seed(1234)
+
+
+def _host(values) -> torch.Tensor:
+    """An int32 length tensor marked as host data, as npu_kernels passes ATB's seq_len / context_lens."""
+    return npu_kernels.host(torch.tensor(values, dtype=torch.int32))
 
 
 def randn(gen, *shape, dtype=torch.float32):
@@ -259,12 +288,17 @@ class Scenario:
         self.new_v = torch.cat([v[c:] for v, c in zip(self.full_v, computed)])
         self.scale = head_dim ** -0.5
 
-    def run(self, platform: str):
-        """Write this step's K/V, then attend, on ``platform``. Returns (out, key_cache, value_cache)."""
-        key_cache, value_cache = self.initial_key_cache.clone(), self.initial_value_cache.clone()
+    def run(self, platform: str, dtype: torch.dtype | None = None):
+        """Write this step's K/V, then attend, on ``platform``, in ``dtype`` (default: the
+        scenario's; the inputs are cast). Returns (out, key_cache, value_cache)."""
+        dtype = dtype or self.dtype
+        key_cache, value_cache = self.initial_key_cache.to(dtype), self.initial_value_cache.to(dtype)
+        if key_cache.data_ptr() == self.initial_key_cache.data_ptr():
+            key_cache, value_cache = key_cache.clone(), value_cache.clone()
         with use_platform(platform):
-            ops.write_kv_cache(self.new_k, self.new_v, key_cache, value_cache, self.metadata.slot_mapping)
-            out = ops.paged_attention(self.query, key_cache, value_cache, self.metadata, self.scale)
+            ops.write_kv_cache(self.new_k.to(dtype), self.new_v.to(dtype), key_cache, value_cache,
+                               self.metadata.slot_mapping)
+            out = ops.paged_attention(self.query.to(dtype), key_cache, value_cache, self.metadata, self.scale)
         return out, key_cache, value_cache
 
     def reference(self) -> torch.Tensor:
@@ -302,13 +336,16 @@ def test_cpu_paged_attention_equals_full_attention(gen, case, block_size, heads)
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("block_size", [16, 32])
 @pytest.mark.parametrize("heads", [(4, 2), (6, 1)])
-def test_npu_paged_attention_equals_cpu(fake_npu, gen, case, block_size, heads):
+@HALF_DTYPES
+def test_npu_paged_attention_equals_cpu(fake_npu, gen, case, block_size, heads, dtype):
+    """NPU path in bf16 / fp16 (what ATB runs) against the CPU path in fp32 (HALF_TOL)."""
     scenario = Scenario(gen, *CASES[case], block_size=block_size, num_heads=heads[0], num_kv_heads=heads[1])
     cpu_out, cpu_k, cpu_v = scenario.run("cpu")
-    npu_out, npu_k, npu_v = scenario.run("npu")
-    torch.testing.assert_close(npu_k, cpu_k, atol=0, rtol=0)
-    torch.testing.assert_close(npu_v, cpu_v, atol=0, rtol=0)
-    torch.testing.assert_close(npu_out, cpu_out, atol=FP32_TOL, rtol=FP32_TOL)
+    npu_out, npu_k, npu_v = scenario.run("npu", dtype)
+    torch.testing.assert_close(npu_k, cpu_k.to(dtype), atol=0, rtol=0)  # the cache write is a copy
+    torch.testing.assert_close(npu_v, cpu_v.to(dtype), atol=0, rtol=0)
+    assert npu_out.dtype == dtype
+    torch.testing.assert_close(npu_out.float(), cpu_out, atol=HALF_TOL[dtype], rtol=HALF_TOL[dtype])
     expected_op = {"prefill_only": "_npu_flash_attention", "decode_only": "_npu_paged_attention",
                    "mixed_chunked_prefill": "_npu_paged_attention_splitfuse"}[case]
     calls = fake_npu.module.calls
@@ -329,14 +366,17 @@ def test_npu_paged_attention_half_precision_masks(fake_npu, gen, case, dtype, to
     torch.testing.assert_close(npu_out.float(), cpu_out.float(), atol=tol, rtol=tol)
 
 
-def test_npu_paged_attention_skips_requests_without_new_tokens(fake_npu, gen):
+@HALF_DTYPES
+def test_npu_paged_attention_skips_requests_without_new_tokens(fake_npu, gen, dtype):
     scenario = Scenario(gen, [3, 8, 5], [4, 0, 2], block_size=16)
-    torch.testing.assert_close(scenario.run("npu")[0], scenario.run("cpu")[0], atol=FP32_TOL, rtol=FP32_TOL)
+    torch.testing.assert_close(scenario.run("npu", dtype)[0].float(), scenario.run("cpu")[0],
+                               atol=HALF_TOL[dtype], rtol=HALF_TOL[dtype])
 
 
-def test_npu_per_step_derivations_follow_a_metadata_updated_in_place(fake_npu, gen):
+def test_npu_per_step_derivations_follow_a_metadata_updated_in_place(fake_npu_fp32, gen):
     """The NPU kernels derive masks and indices once per step and keep them on the metadata; an
-    engine that updates one metadata object in place for the next step must not see stale ones."""
+    engine that updates one metadata object in place for the next step must not see stale ones.
+    (About caching, not precision: fp32 on the simulated NPU, opted in.)"""
     # 1. Same lengths, block table rewritten in place (blocks renumbered, caches moved to match).
     scenario = Scenario(gen, *CASES["prefill_only"], block_size=16)
     out, key_cache, value_cache = scenario.run("npu")
@@ -359,14 +399,47 @@ def test_npu_per_step_derivations_follow_a_metadata_updated_in_place(fake_npu, g
     torch.testing.assert_close(second.run("npu")[0], expected, atol=FP32_TOL, rtol=FP32_TOL)
 
 
-def test_npu_paged_attention_refuses_block_sizes_atb_cannot_run(fake_npu, gen):
-    scenario = Scenario(gen, [0, 0], [5, 3], block_size=4)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        scenario.run("npu")
+@pytest.mark.parametrize("block_size, head_dim, computed, match", [
+    (4, 16, [0, 0], "multiple of 16"),
+    (48, 16, [0, 0], None),  # a multiple of 16 up to 128 is fine
+    (256, 16, [0, 0], "at most 128"),  # refused at the first prefill already, not at the first decode
+    (256, 16, [4, 20], "at most 128"),
+    (128, 256, [4, 20], r"block_size \* head_size <= 128 \* 128"),  # splitfuse only
+    (128, 256, [0, 0], None),
+    (16, 288, [0, 0], "head sizes up to 256"),  # SelfAttention
+])
+def test_npu_paged_attention_refuses_sizes_atb_cannot_run(fake_npu, gen, block_size, head_dim, computed, match):
+    scenario = Scenario(gen, computed, [5, 3], block_size=block_size, head_dim=head_dim, num_heads=2, num_kv_heads=1)
+    if match is None:
+        scenario.run("npu", torch.float16)
+        return
+    calls_before = sum(fake_npu.module.calls.values())
+    with pytest.raises(npu_kernels.UnsupportedOnNpu, match=match) as info:
+        with use_platform("npu"):
+            ops.paged_attention(scenario.query.half(), scenario.initial_key_cache.half(),
+                                scenario.initial_value_cache.half(), scenario.metadata, scenario.scale)
+    assert isinstance(info.value, NotImplementedError) and isinstance(info.value, ValueError)
+    assert sum(fake_npu.module.calls.values()) == calls_before  # refused before any ATB call
+
+
+def test_fake_refuses_block_sizes_and_head_sizes_the_real_ops_refuse(npu):
+    """The fake checks the limits itself too (a kernel that skipped its own check would hit them)."""
+    with pytest.raises(NpuOpError, match="block_size must be <= 128"):
+        npu._npu_paged_attention(**_paged_args(key_cache=torch.randn(2, 256, 2, 8), value_cache=torch.randn(2, 256, 2, 8)))
+    big = dict(key_cache=torch.randn(4, 128, 2, 256), value_cache=torch.randn(4, 128, 2, 256),
+               query=torch.randn(2, 2, 256), out=torch.empty(2, 2, 256), context_lens=_host([20]),
+               seq_len=_host([2]), mask=torch.zeros(2, 20))
+    with pytest.raises(NpuOpError, match=r"block_size \* head_size must be <= 128 \* 128"):
+        npu._npu_paged_attention_splitfuse(**{k: v for k, v in _paged_args(**big).items()})
+    q = torch.zeros(3, 1, 288)
+    with pytest.raises(NpuOpError, match=r"head_size 288 outside \(0, 256\]"):
+        npu._npu_flash_attention_unpad(query=q, key=q, value=q, seq_len=_host([3]), scale_value=1.0, num_heads=1,
+                                       num_kv_heads=1, out=torch.empty_like(q))
 
 
 @pytest.mark.parametrize("platform, block_size", [("cpu", 4), ("cpu", 16), ("npu", 16)])
-def test_prefill_then_token_by_token_decode_equals_full_attention(fake_npu, gen, platform, block_size):
+def test_prefill_then_token_by_token_decode_equals_full_attention(fake_npu_fp32, gen, platform, block_size):
+    """About step sequencing, not precision: fp32 on the simulated NPU (opted in)."""
     heads, kv_heads, dim, prompt, steps = 4, 2, 16, [5, 11], 6
     total = [p + steps for p in prompt]
     full = Scenario(gen, [0, 0], total, block_size=block_size, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim)
@@ -403,13 +476,14 @@ def test_prefill_then_token_by_token_decode_equals_full_attention(fake_npu, gen,
 
 @pytest.mark.parametrize("block_size", [4, 16])
 def test_write_kv_cache_npu_equals_cpu_with_skipped_slots(fake_npu, gen, block_size):
-    num_blocks, kv_heads, dim, tokens = 6, 2, 8, 9
-    key, value = randn(gen, tokens, kv_heads, dim), randn(gen, tokens, kv_heads, dim)
+    """bf16 on both paths (ReshapeAndCache takes fp16 / bf16 / int8): the write is a copy, so exact."""
+    num_blocks, kv_heads, dim, tokens, bf16 = 6, 2, 8, 9, torch.bfloat16
+    key, value = randn(gen, tokens, kv_heads, dim, dtype=bf16), randn(gen, tokens, kv_heads, dim, dtype=bf16)
     slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
     slots[[1, 4, 8]] = -1
     caches = {}
     for platform in ("cpu", "npu"):
-        k_cache = randn(torch.Generator().manual_seed(7), num_blocks, block_size, kv_heads, dim)
+        k_cache = randn(torch.Generator().manual_seed(7), num_blocks, block_size, kv_heads, dim, dtype=bf16)
         v_cache = k_cache.clone() + 1
         with use_platform(platform):
             ops.write_kv_cache(key, value, k_cache, v_cache, slots)
@@ -422,15 +496,17 @@ def test_write_kv_cache_npu_equals_cpu_with_skipped_slots(fake_npu, gen, block_s
             assert torch.equal(flat_k[slot], key[i]) and torch.equal(flat_v[slot], value[i])
     untouched = torch.ones(num_blocks * block_size, dtype=torch.bool)
     untouched[slots[slots >= 0]] = False
-    original = randn(torch.Generator().manual_seed(7), num_blocks, block_size, kv_heads, dim).view(-1, kv_heads, dim)
+    original = randn(torch.Generator().manual_seed(7), num_blocks, block_size, kv_heads, dim,
+                     dtype=bf16).view(-1, kv_heads, dim)
     assert torch.equal(flat_k[untouched], original[untouched])
     assert fake_npu.module.calls["_npu_reshape_and_cache"] == 1
 
 
 def test_write_kv_cache_all_slots_skipped(fake_npu, gen):
-    cache = torch.zeros(2, 16, 1, 4)
+    cache = torch.zeros(2, 16, 1, 4, dtype=torch.float16)
     with use_platform("npu"):
-        ops.write_kv_cache(randn(gen, 2, 1, 4), randn(gen, 2, 1, 4), cache, cache.clone(), torch.tensor([-1, -1]))
+        ops.write_kv_cache(randn(gen, 2, 1, 4, dtype=torch.float16), randn(gen, 2, 1, 4, dtype=torch.float16), cache,
+                           cache.clone(), torch.tensor([-1, -1]))
     assert not cache.any() and fake_npu.module.calls["_npu_reshape_and_cache"] == 0
 
 
@@ -454,7 +530,9 @@ def _naive_varlen(q, k, v, bounds, scale, causal):
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
-def test_varlen_attention_npu_equals_cpu_equals_naive(fake_npu, gen, causal, heads):
+@HALF_DTYPES
+def test_varlen_attention_npu_equals_cpu_equals_naive(fake_npu, gen, causal, heads, dtype):
+    """CPU path in fp32 against the naive reference; NPU path in bf16 / fp16 against it (HALF_TOL)."""
     bounds = [0, 5, 5, 12, 20, 21]
     q = randn(gen, 21, heads[0], 16)
     k, v = randn(gen, 21, heads[1], 16), randn(gen, 21, heads[1], 16)
@@ -462,9 +540,10 @@ def test_varlen_attention_npu_equals_cpu_equals_naive(fake_npu, gen, causal, hea
     with use_platform("cpu"):
         cpu = ops.varlen_attention(q, k, v, cu, 0.3, causal=causal)
     with use_platform("npu"):
-        npu = ops.varlen_attention(q, k, v, cu, 0.3, causal=causal)
+        npu = ops.varlen_attention(q.to(dtype), k.to(dtype), v.to(dtype), cu, 0.3, causal=causal)
     torch.testing.assert_close(cpu.double(), _naive_varlen(q, k, v, bounds, 0.3, causal), atol=FP32_TOL, rtol=FP32_TOL)
-    torch.testing.assert_close(npu, cpu, atol=FP32_TOL, rtol=FP32_TOL)
+    assert npu.dtype == dtype
+    torch.testing.assert_close(npu.float(), cpu, atol=HALF_TOL[dtype], rtol=HALF_TOL[dtype])
     expected_op = "_npu_flash_attention" if causal else "_npu_flash_attention_unpad"
     assert fake_npu.module.calls[expected_op] == 1
 
@@ -573,8 +652,10 @@ def test_apply_rotary_matches_transformers(gen):
 
 
 @pytest.fixture
-def npu(fake_npu):
-    return fake_npu.module
+def npu(fake_npu_fp32):
+    """The simulated torch_npu with fp32 opted in: the by-hand tests below check semantics on
+    exact fp32 values (the fp32 refusal itself is tested separately)."""
+    return fake_npu_fp32.module
 
 
 def test_fake_rms_norm_by_hand(npu):
@@ -624,7 +705,7 @@ def test_fake_flash_attention_by_hand(npu, dtype, masked):
     mask = torch.tensor([[0.0, masked], [0.0, 0.0]]).to(dtype)
     out = torch.empty(2, 1, 4, dtype=dtype)
     npu._npu_flash_attention(query=query.to(dtype), key=key.to(dtype), value=value.to(dtype), mask=mask,
-                             seq_len=torch.tensor([2], dtype=torch.int32), scale_value=0.5, num_heads=1,
+                             seq_len=_host([2]), scale_value=0.5, num_heads=1,
                              num_kv_heads=1, out=out)
     # token 0 sees only itself (value 1); token 1 sees both equally weighted (value 2)
     torch.testing.assert_close(out.float(), torch.tensor([[[1.0] * 4], [[2.0] * 4]]))
@@ -635,7 +716,7 @@ def test_fake_flash_attention_unpad_by_hand(npu):
     out = torch.empty(3, 1, 4)
     npu._npu_flash_attention_unpad(query=torch.randn(3, 1, 4), key=torch.cat([key, key[:1]]),
                                    value=torch.cat([value, 5 * torch.ones(1, 1, 4)]),
-                                   seq_len=torch.tensor([2, 1], dtype=torch.int32), scale_value=1.0, num_heads=1,
+                                   seq_len=_host([2, 1]), scale_value=1.0, num_heads=1,
                                    num_kv_heads=1, out=out)
     torch.testing.assert_close(out, torch.tensor([[[2.0] * 4], [[2.0] * 4], [[5.0] * 4]]))
 
@@ -651,7 +732,7 @@ def test_fake_paged_attention_by_hand(npu):
     npu._npu_paged_attention(query=torch.tensor([[[1.0, 0.0]]]), key_cache=key_cache, value_cache=value_cache,
                              num_kv_heads=1, num_heads=1, scale_value=1.0,
                              block_table=torch.tensor([[2, 0]], dtype=torch.int32),
-                             context_lens=torch.tensor([2], dtype=torch.int32), out=out)
+                             context_lens=_host([2]), out=out)
     torch.testing.assert_close(out, torch.tensor([[[2.5, 2.5]]]))
 
 
@@ -663,8 +744,8 @@ def test_fake_paged_attention_splitfuse_by_hand(npu):
         value_cache[1, pos, 0] = val
     neg = torch.finfo(torch.float32).min
     args = dict(query=torch.randn(2, 1, 2), key_cache=key_cache, value_cache=value_cache,
-                block_table=torch.tensor([[1]], dtype=torch.int32), context_lens=torch.tensor([3], dtype=torch.int32),
-                seq_len=torch.tensor([2], dtype=torch.int32), num_kv_heads=1, num_heads=1, scale_value=1.0)
+                block_table=torch.tensor([[1]], dtype=torch.int32), context_lens=_host([3]),
+                seq_len=_host([2]), num_kv_heads=1, num_heads=1, scale_value=1.0)
     out = torch.empty(2, 1, 2)
     npu._npu_paged_attention_splitfuse(mask=torch.tensor([[0.0, 0.0, neg], [0.0, 0.0, 0.0]]), out=out, **args)
     torch.testing.assert_close(out, torch.tensor([[[2.0, 2.0]], [[3.0, 3.0]]]))
@@ -675,7 +756,7 @@ def test_fake_paged_attention_splitfuse_by_hand(npu):
 def _paged_args(**overrides):
     args = dict(query=torch.randn(1, 2, 8), key_cache=torch.randn(4, 16, 2, 8), value_cache=torch.randn(4, 16, 2, 8),
                 num_kv_heads=2, num_heads=2, scale_value=1.0, block_table=torch.tensor([[1, 2]], dtype=torch.int32),
-                context_lens=torch.tensor([20], dtype=torch.int32), out=torch.empty(1, 2, 8))
+                context_lens=_host([20]), out=torch.empty(1, 2, 8))
     args.update(overrides)
     return args
 
@@ -711,12 +792,12 @@ def test_fake_rejects_wrong_layouts_elsewhere(npu):
         npu._npu_reshape_and_cache(key=torch.zeros(1, 2, 4), value=torch.zeros(1, 2, 4), key_cache=cache,
                                    value_cache=cache.clone(), slot_indices=torch.tensor([-1], dtype=torch.int32))
     q = torch.zeros(3, 2, 4)
-    flash = dict(query=q, key=q, value=q, seq_len=torch.tensor([3], dtype=torch.int32), scale_value=1.0, num_heads=2,
+    flash = dict(query=q, key=q, value=q, seq_len=_host([3]), scale_value=1.0, num_heads=2,
                  num_kv_heads=2, out=torch.empty_like(q))
     with pytest.raises(NpuOpError, match="mask must be"):
         npu._npu_flash_attention(mask=torch.zeros(2, 2), **flash)
     with pytest.raises(NpuOpError, match="sum to num_tokens"):
-        npu._npu_flash_attention(mask=torch.zeros(3, 3), **{**flash, "seq_len": torch.tensor([2], dtype=torch.int32)})
+        npu._npu_flash_attention(mask=torch.zeros(3, 3), **{**flash, "seq_len": _host([2])})
     with pytest.raises(NpuOpError, match="seq_len must be int32"):
         npu._npu_flash_attention(mask=torch.zeros(3, 3), **{**flash, "seq_len": torch.tensor([3])})
     with pytest.raises(NpuOpError, match="seq_len must be a host"):  # ATB reads the lengths as host data
@@ -725,7 +806,7 @@ def test_fake_rejects_wrong_layouts_elsewhere(npu):
     qb = q.bfloat16()
     with pytest.raises(NpuOpError, match="0 \\(visible\\) / 1 \\(masked\\)"):
         npu._npu_flash_attention(query=qb, key=qb, value=qb, mask=torch.full((3, 3), float("-inf")).bfloat16().triu(1),
-                                 seq_len=torch.tensor([3], dtype=torch.int32), scale_value=1.0, num_heads=2,
+                                 seq_len=_host([3]), scale_value=1.0, num_heads=2,
                                  num_kv_heads=2, out=torch.empty_like(qb))
     with pytest.raises(NpuOpError, match="4-D"):
         npu.npu_rotary_mul(torch.zeros(3, 2, 4), torch.zeros(1, 3, 1, 4), torch.zeros(1, 3, 1, 4))
@@ -733,7 +814,7 @@ def test_fake_rejects_wrong_layouts_elsewhere(npu):
         npu.npu_swiglu(torch.zeros(4, 8)[:, :4])
     with pytest.raises(NpuOpError, match="gamma dtype"):
         npu.npu_rms_norm(torch.zeros(2, 4), torch.ones(4, dtype=torch.float16))
-    splitfuse = _paged_args(query=torch.randn(2, 2, 8), out=torch.empty(2, 2, 8), seq_len=torch.tensor([2], dtype=torch.int32))
+    splitfuse = _paged_args(query=torch.randn(2, 2, 8), out=torch.empty(2, 2, 8), seq_len=_host([2]))
     with pytest.raises(NpuOpError, match=r"mask must be \[num_tokens=2"):
         npu._npu_paged_attention_splitfuse(mask=torch.zeros(1, 20), **splitfuse)
 
@@ -745,3 +826,62 @@ def test_fake_ops_compute_real_values(npu, gen):
     assert npu.npu_rms_norm(x, torch.ones(8))[0].abs().sum() > 0
     assert os.environ.get("ATB_PLUGIN_DEVICE") is None  # the fixture left the environment alone
     assert npu_platform_module.torch_npu() is npu
+
+
+# --------------------------------------------------------------------------------------------
+# the fake's documented rules: dtypes (fp32 only by opt-in), host marks, workspace
+# --------------------------------------------------------------------------------------------
+
+
+def _flash_args(dtype, **overrides):
+    q = torch.zeros(3, 2, 4, dtype=dtype)
+    args = dict(query=q, key=q, value=q, mask=torch.zeros(3, 3, dtype=dtype), seq_len=_host([3]), scale_value=1.0,
+                num_heads=2, num_kv_heads=2, out=torch.empty_like(q))
+    args.update(overrides)
+    return args
+
+
+def test_fake_refuses_fp32_attention_unless_opted_in(fake_npu):
+    npu = fake_npu.module
+    with pytest.raises(NpuOpError, match=r"_npu_flash_attention: query is float32, but the ATB op takes "
+                                         r"float16 / bfloat16 only.*allow_fp32_attention"):
+        npu._npu_flash_attention(**_flash_args(torch.float32))
+    with pytest.raises(NpuOpError, match=r"_npu_paged_attention: query is float32"):
+        npu._npu_paged_attention(**_paged_args())
+    with pytest.raises(NpuOpError, match=r"_npu_reshape_and_cache: key is float32.*float16 / bfloat16 / int8"):
+        npu._npu_reshape_and_cache(key=torch.zeros(1, 2, 4), value=torch.zeros(1, 2, 4),
+                                   key_cache=torch.zeros(2, 16, 2, 4), value_cache=torch.zeros(2, 16, 2, 4),
+                                   slot_indices=torch.tensor([0], dtype=torch.int32))
+    npu._npu_flash_attention(**_flash_args(torch.float16))  # half precision is the contract
+    with fake_npu.allow_fp32_attention():
+        npu._npu_flash_attention(**_flash_args(torch.float32))
+    with pytest.raises(NpuOpError, match="float32"):  # the opt-in ends with the block
+        npu._npu_flash_attention(**_flash_args(torch.float32))
+    npu.npu_rms_norm(torch.ones(2, 4), torch.ones(4))  # aclnn RmsNorm takes fp32: no opt-in needed
+
+
+def test_install_can_opt_in_to_fp32(clean_platform):
+    with fake_torch_npu.install(allow_fp32_attention=True) as fake:
+        fake.module._npu_flash_attention(**_flash_args(torch.float32))
+
+
+def test_fake_requires_host_marked_lengths(npu):
+    unmarked = torch.tensor([3], dtype=torch.int32)
+    with pytest.raises(NpuOpError, match="seq_len must be a host tensor"):
+        npu._npu_flash_attention(**_flash_args(torch.float16, seq_len=unmarked))
+    with pytest.raises(NpuOpError, match="context_lens must be a host tensor"):
+        npu._npu_paged_attention(**_paged_args(context_lens=torch.tensor([20], dtype=torch.int32)))
+    assert npu_kernels.HOST_MARK == fake_torch_npu.HOST_MARK
+    with pytest.raises(RuntimeError, match="host"):
+        npu_kernels.host(torch.zeros(1, dtype=torch.int32, device="meta"))
+
+
+def test_fake_paged_attention_takes_a_keyword_only_workspace(npu):
+    plain = _paged_args()
+    npu._npu_paged_attention(**plain)
+    with_workspace = {**plain, "out": torch.empty_like(plain["out"]), "workspace": torch.empty(64, dtype=torch.uint8)}
+    npu._npu_paged_attention(**with_workspace)
+    torch.testing.assert_close(with_workspace["out"], plain["out"])
+    positional = list(_paged_args().values())
+    with pytest.raises(TypeError):
+        npu._npu_paged_attention(*positional, torch.empty(64, dtype=torch.uint8))

@@ -13,9 +13,11 @@ from dataclasses import dataclass, field
 
 from atb_plugin.engine.scheduler import SchedulerConfig
 from atb_plugin.models import registry
+from atb_plugin.platform import platform_for
+from atb_plugin.platform.base import DTYPES as TORCH_DTYPES
 from atb_plugin.utils import cdiv
 
-DTYPES = ("float32", "float16", "bfloat16")
+DTYPES = ("auto", *TORCH_DTYPES)
 DEVICES = ("auto", "cpu", "cuda", "npu")
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 # When the checkpoint declares no context window (rare: tiny test checkpoints, some converts).
@@ -30,6 +32,18 @@ def _check_int(name: str, value, low: int, high: int | None = None) -> None:
         raise ValueError(f"EngineConfig.{name} = {value}: must be {bound}")
 
 
+def head_size(hf_config: dict) -> int | None:
+    """Attention head size of the language model: ``head_dim``, else ``hidden_size /
+    num_attention_heads`` (top level first, then ``text_config``); None when not declared."""
+    for scope in (hf_config, hf_config.get("text_config") or {}):
+        if isinstance(scope.get("head_dim"), int) and scope["head_dim"] > 0:
+            return scope["head_dim"]
+        heads, hidden = scope.get("num_attention_heads"), scope.get("hidden_size")
+        if isinstance(heads, int) and heads > 0 and isinstance(hidden, int) and hidden > 0:
+            return hidden // heads
+    return None
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs, checked once.
@@ -38,13 +52,18 @@ class EngineConfig:
     declared window; ``kv_cache_blocks`` (including the null block) defaults to what
     ``kv_cache_bytes`` holds, capped at what ``max_num_seqs`` full-length requests need.
     ``shm_instances``: if not empty, the only shared-memory instances the core accepts handles
-    from, whatever a request registers (a deployment can pin its frontends)."""
+    from, whatever a request registers (a deployment can pin its frontends).
+
+    ``device`` ``"auto"`` is ``current_platform()``. ``dtype`` ``"auto"`` and ``block_size`` None
+    are the platform's choice (CPU: float32, 16; CUDA: bfloat16 where supported else float16, 16;
+    NPU: bfloat16 on A2/A3 else float16, 128), and explicit values are checked against the
+    platform's op rules here, at start-up; the resolved values are what the config holds."""
 
     model: str
-    dtype: str = "float32"
+    dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
-    block_size: int = 16
+    block_size: int | None = None
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
     kv_cache_blocks: int | None = None
     max_num_batched_tokens: int = 2048
@@ -63,7 +82,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.dtype = {self.dtype!r}: expected one of {', '.join(DTYPES)}")
         if self.device not in DEVICES:
             raise ValueError(f"EngineConfig.device = {self.device!r}: expected one of {', '.join(DEVICES)}")
-        _check_int("block_size", self.block_size, 1, 1024)
+        if self.block_size is not None:
+            _check_int("block_size", self.block_size, 1, 1024)
         _check_int("kv_cache_bytes", self.kv_cache_bytes, 1)
         if self.kv_cache_blocks is not None:
             _check_int("kv_cache_blocks", self.kv_cache_blocks, 2)  # the null block + one usable
@@ -92,6 +112,10 @@ class EngineConfig:
             set_(self, "max_model_len", declared)
         else:
             _check_int("max_model_len", self.max_model_len, 2, declared)
+        dtype, block_size = platform_for(self.device).check_engine_config(
+            self.dtype, self.block_size, head_size(hf_config))
+        set_(self, "dtype", dtype)
+        set_(self, "block_size", block_size)
         if self.kv_cache_blocks is not None and (self.kv_cache_blocks - 1) * self.block_size < 2:
             raise ValueError(f"EngineConfig.kv_cache_blocks = {self.kv_cache_blocks} holds too few tokens")
         set_(self, "scheduler_config",

@@ -24,7 +24,7 @@ from atb_plugin.engine.model_runner import ModelRunner
 from atb_plugin.engine.request import Request, RequestStatus
 from atb_plugin.engine.scheduler import Scheduler
 from atb_plugin.models import registry
-from atb_plugin.platform import current_platform
+from atb_plugin.platform import platform_for
 from atb_plugin.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16":
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
-        device = current_platform().device() if config.device == "auto" else torch.device(config.device)
+        device = platform_for(config.device).device()
         model_cls = registry.model_class(registry.read_checkpoint_config(config.model))
         self.model = model_cls.from_pretrained(config.model, dtype=_TORCH_DTYPES[config.dtype], device=device)
         self.kv_cache_blocks = config.kv_cache_blocks or self._blocks_for_budget()

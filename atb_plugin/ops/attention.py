@@ -16,7 +16,7 @@ Layers write the new K/V first (``write_kv_cache``), then attend (``paged_attent
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,6 +37,10 @@ class AttentionMetadata:
     # CPU copies for kernels that loop over requests or need host-side lengths (no device sync).
     query_start_loc_cpu: torch.Tensor | None = None
     seq_lens_cpu: torch.Tensor | None = None
+    # What kernels derive from this step's inputs (masks, host length tensors, gather indices),
+    # built lazily by the first layer that needs it and reused by every other layer. Each kernel
+    # owns one key and keeps its own staleness check (an engine may update a metadata in place).
+    step_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if self.query_start_loc_cpu is None:

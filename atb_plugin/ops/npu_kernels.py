@@ -19,9 +19,18 @@ an NZ layout, which is not supported here). ATB's PagedAttention needs ``block_s
 rather than at the first decode.
 
 The lengths ATB reads on the host (``seq_len``, ``context_lens``) come from the metadata's CPU
-copies, so attention needs no device sync (``write_kv_cache``'s test for ``-1`` slots is one);
-per-step derived tensors (masks, gather indices) are built
-once per step and cached on the ``AttentionMetadata`` object, shared by all layers.
+copies and are passed through ``host()``, which checks they are CPU tensors and marks them as host
+data (the simulated NPU cannot tell placement apart and checks the mark). Per-step derived tensors
+(masks, gather indices, host lengths) are built once per step, cached on the ``AttentionMetadata``
+(``AttentionMetadata.step_cache``), and shared by all layers. Reading a device tensor on the host
+goes through ``_to_host()``, which reports the sync (the simulated NPU counts them); such reads are
+cached per step too (on the ``slot_mapping`` / ``cu_seqlens`` tensor every layer receives), so a
+step costs the same number of syncs whatever the number of layers.
+
+Limits (ATB PagedAttention): ``block_size % 16 == 0`` and ``block_size <= 128``; splitfuse also
+``block_size * head_size <= 128 * 128`` and ``head_size <= 256``; SelfAttention (flash) ``head_size
+<= 256``; plain paged decode ``head_size <= 576``. Violations raise ``UnsupportedOnNpu`` (a
+``NotImplementedError`` and a ``ValueError``) when the kernel is used, before any ATB call.
 """
 
 from __future__ import annotations
@@ -31,7 +40,51 @@ import torch
 from atb_plugin.platform.npu import torch_npu
 
 BLOCK_SIZE_MULTIPLE = 16  # ATB PagedAttention: "due to hardware restrictions, block_size % 16 == 0"
-_STEP_CACHE_ATTR = "_npu_kernels_step_cache"
+MAX_BLOCK_SIZE = 128  # ATB PagedAttention (decode and splitfuse): block_size <= 128
+MAX_SPLITFUSE_BLOCK_ELEMS = 128 * 128  # splitfuse: block_size * head_size <= 16384
+MAX_HEAD_SIZE = {  # per ATB op
+    "_npu_flash_attention": 256,
+    "_npu_flash_attention_unpad": 256,
+    "_npu_paged_attention_splitfuse": 256,
+    "_npu_paged_attention": 576,
+}
+HOST_MARK = "_atb_plugin_host_tensor"  # the attribute the simulated NPU checks (fake_torch_npu.HOST_MARK)
+_STEP_CACHE_KEY = "npu_kernels"
+_TENSOR_CACHE_ATTR = "_atb_plugin_npu_host_copy"
+
+
+class UnsupportedOnNpu(NotImplementedError, ValueError):
+    """A shape / size the ATB op cannot run (raised by the kernel before calling it)."""
+
+
+def host(t: torch.Tensor) -> torch.Tensor:
+    """Mark ``t`` as host data for an ATB argument read on the host (``seq_len``,
+    ``context_lens``); it must already be a CPU tensor. Returns ``t``."""
+    if t.device.type != "cpu":
+        raise RuntimeError(f"ATB reads this argument on the host; got a tensor on {t.device}")
+    setattr(t, HOST_MARK, True)
+    return t
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """``t.cpu()`` for a device tensor: a device-to-host sync on a real NPU, reported to the
+    simulated one (``torch_npu.npu.note_host_sync``, absent on a real torch_npu)."""
+    note = getattr(getattr(torch_npu(), "npu", None), "note_host_sync", None)
+    if note is not None:
+        note()
+    return t.cpu()
+
+
+def _host_copy_once(t: torch.Tensor, derive):
+    """``derive(t.cpu())`` computed once per tensor version and kept on ``t`` itself: every layer
+    of a step receives the same ``slot_mapping`` / ``cu_seqlens`` object, so the step pays one
+    device-to-host sync, not one per layer."""
+    key = (t._version, t.data_ptr(), tuple(t.shape))
+    cached = getattr(t, _TENSOR_CACHE_ATTR, None)
+    if cached is None or cached[0] != key:
+        cached = (key, derive(_to_host(t)))
+        setattr(t, _TENSOR_CACHE_ATTR, cached)
+    return cached[1]
 
 
 # --------------------------------------------------------------------------------------------
@@ -39,12 +92,21 @@ _STEP_CACHE_ATTR = "_npu_kernels_step_cache"
 # --------------------------------------------------------------------------------------------
 
 
+def _valid_slots(slots_cpu: torch.Tensor):
+    """(index of the tokens to write or None for all, count)."""
+    valid = slots_cpu >= 0
+    if bool(valid.all()):
+        return None, slots_cpu.numel()
+    return torch.nonzero(valid).flatten(), int(valid.sum())
+
+
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
-        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
-    if slot_mapping.numel() == 0:
+    index, count = _host_copy_once(slot_mapping, _valid_slots)
+    if count == 0:
         return
+    if index is not None:  # -1 slots (padding): ATB does not document skipping them, so drop them
+        index = index.to(slot_mapping.device)
+        key, value, slot_mapping = key[index], value[index], slot_mapping[index]
     torch_npu()._npu_reshape_and_cache(
         key=key.to(key_cache.dtype).contiguous(),
         value=value.to(value_cache.dtype).contiguous(),
@@ -59,20 +121,26 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
 # --------------------------------------------------------------------------------------------
 
 
+def _large_negative(dtype: torch.dtype) -> float:
+    """vllm-ascend's ``finfo(float32).min`` as it lands in ``dtype``: -inf in fp16 (overflow)."""
+    return float("-inf") if dtype == torch.float16 else torch.finfo(torch.float32).min
+
+
 def _prefill_mask(max_len: int, dtype: torch.dtype, device) -> torch.Tensor:
     """``[max_len, max_len]`` causal mask for ``_npu_flash_attention`` (SelfAttention, NORM mask):
-    0/1 (1 = masked) for bfloat16, additive ``finfo(float32).min`` (-inf in fp16) otherwise."""
-    future = torch.ones(max_len, max_len, dtype=torch.bool, device=device).triu(1)
-    value = 1.0 if dtype == torch.bfloat16 else torch.finfo(torch.float32).min
-    return torch.zeros(max_len, max_len, device=device).masked_fill(future, value).to(dtype)
+    0/1 (1 = masked) for bfloat16, additive ``finfo(float32).min`` (-inf in fp16) otherwise.
+    Built directly in ``dtype`` (no float32 intermediate of the same square size)."""
+    value = 1.0 if dtype == torch.bfloat16 else _large_negative(dtype)
+    future = torch.ones(max_len, max_len, dtype=torch.bool, device=device).triu_(1)
+    return torch.zeros(max_len, max_len, dtype=dtype, device=device).masked_fill_(future, value)
 
 
 def _splitfuse_mask(positions: torch.Tensor, max_len: int, dtype: torch.dtype) -> torch.Tensor:
     """``[num_tokens, max_len]`` additive mask for ``_npu_paged_attention_splitfuse``: row t hides
     keys after token t's position; -inf (fp16 / fp32) or -10000 (bf16), as vllm-ascend scales it."""
     future = torch.arange(max_len, device=positions.device)[None, :] > positions[:, None]
-    value = -10000.0 if dtype == torch.bfloat16 else torch.finfo(torch.float32).min
-    return torch.zeros(future.shape, device=positions.device).masked_fill(future, value).to(dtype)
+    value = -10000.0 if dtype == torch.bfloat16 else _large_negative(dtype)
+    return torch.zeros(future.shape, dtype=dtype, device=positions.device).masked_fill_(future, value)
 
 
 # --------------------------------------------------------------------------------------------
@@ -80,12 +148,23 @@ def _splitfuse_mask(positions: torch.Tensor, max_len: int, dtype: torch.dtype) -
 # --------------------------------------------------------------------------------------------
 
 
-def _check_block_size(key_cache) -> None:
-    block_size = key_cache.shape[1]
-    if block_size % BLOCK_SIZE_MULTIPLE:
-        raise ValueError(
+def check_paged_limits(block_size: int, head_size: int, op: str | None = None) -> None:
+    """Raise ``UnsupportedOnNpu`` unless ATB can run paged attention with this KV block size and
+    head size: always ``block_size % 16 == 0`` and ``<= 128`` (the cache outlives the step, and
+    decode will need them); for ``op`` also its own limits (head size; splitfuse
+    ``block_size * head_size <= 16384``)."""
+    if block_size % BLOCK_SIZE_MULTIPLE or block_size > MAX_BLOCK_SIZE:
+        raise UnsupportedOnNpu(
             f"NPU paged attention needs a KV block size that is a multiple of {BLOCK_SIZE_MULTIPLE} "
-            f"(ATB PagedAttention hardware restriction; 128 is recommended), got {block_size}")
+            f"and at most {MAX_BLOCK_SIZE} (ATB PagedAttention; 128 is recommended), got {block_size}")
+    if op is None:
+        return
+    if not 0 < head_size <= MAX_HEAD_SIZE[op]:
+        raise UnsupportedOnNpu(f"{op} supports head sizes up to {MAX_HEAD_SIZE[op]}, got {head_size}")
+    if op == "_npu_paged_attention_splitfuse" and block_size * head_size > MAX_SPLITFUSE_BLOCK_ELEMS:
+        raise UnsupportedOnNpu(
+            f"{op} needs block_size * head_size <= 128 * 128, got {block_size} * {head_size}; "
+            "use a smaller KV block size")
 
 
 class _StepInputs:
@@ -102,8 +181,8 @@ class _StepInputs:
         if not bool(active.all()):
             tables = tables[torch.nonzero(active).flatten().to(tables.device)]
         self.block_tables = tables.to(torch.int32)
-        self.context_lens = seq_lens[active].to(torch.int32).contiguous()  # host int32, as ATB reads it
-        self.query_lens = query_lens[active].to(torch.int32).contiguous()  # host int32
+        self.context_lens = host(seq_lens[active].to(torch.int32).contiguous())  # host int32, as ATB reads it
+        self.query_lens = host(query_lens[active].to(torch.int32).contiguous())  # host int32
         self.max_seq_len = int(self.context_lens.max()) if self.context_lens.numel() else 0
         # Absolute position of each new token: request r's j-th sits at seq_len[r] - q_len[r] + j.
         request = torch.repeat_interleave(torch.arange(query_lens.numel()), query_lens)
@@ -135,26 +214,33 @@ class _StepInputs:
 
 
 def _step_inputs(metadata, device) -> _StepInputs:
-    """The step's ``_StepInputs``, stored on the metadata. Keyed by a fingerprint of what they
-    derive from (host lengths, the block table's storage and version counter), so a metadata
-    object updated in place for a later step is derived afresh."""
-    tables = metadata.block_tables
-    fingerprint = (tuple(metadata.query_start_loc_cpu.tolist()), tuple(metadata.seq_lens_cpu.tolist()),
+    """The step's ``_StepInputs``, kept in ``metadata.step_cache``. Keyed by a fingerprint of what
+    they derive from (the host length tensors' identity and version, the block table's storage and
+    version counter; no device reads), so a metadata object updated in place for a later step is
+    derived afresh."""
+    tables, qsl, seq = metadata.block_tables, metadata.query_start_loc_cpu, metadata.seq_lens_cpu
+    fingerprint = (id(qsl), qsl._version, qsl.data_ptr(), id(seq), seq._version, seq.data_ptr(),
                    tables.data_ptr(), tables._version, tuple(tables.shape), str(device))
-    cached = getattr(metadata, _STEP_CACHE_ATTR, None)
+    cached = metadata.step_cache.get(_STEP_CACHE_KEY)
     if cached is None or cached[0] != fingerprint:
         cached = (fingerprint, _StepInputs(metadata, device))
-        setattr(metadata, _STEP_CACHE_ATTR, cached)
+        metadata.step_cache[_STEP_CACHE_KEY] = cached
     return cached[1]
 
 
 def paged_attention(query, key_cache, value_cache, metadata, scale) -> torch.Tensor:
-    _check_block_size(key_cache)
+    num_heads, (block_size, num_kv_heads, head_dim) = query.shape[1], key_cache.shape[1:]
+    if metadata.is_decode_only:
+        op = "_npu_paged_attention"
+    elif metadata.is_prefill_only:
+        op = "_npu_flash_attention"
+    else:
+        op = "_npu_paged_attention_splitfuse"
+    check_paged_limits(block_size, head_dim, op)
     out = torch.empty_like(query)
     if query.shape[0] == 0:
         return out
     query = query.contiguous()
-    num_heads, (block_size, num_kv_heads, head_dim) = query.shape[1], key_cache.shape[1:]
     step = _step_inputs(metadata, query.device)
     npu = torch_npu()
     if metadata.is_decode_only:
@@ -184,17 +270,36 @@ def paged_attention(query, key_cache, value_cache, metadata, scale) -> torch.Ten
 # --------------------------------------------------------------------------------------------
 
 
+class _Segments:
+    """Host int32 lengths of the non-empty segments of ``cu_seqlens``, and the causal masks built
+    for them (per dtype / device): derived once per ``cu_seqlens`` tensor, shared by all layers."""
+
+    def __init__(self, cu_cpu: torch.Tensor):
+        lengths = (cu_cpu[1:] - cu_cpu[:-1]).to(torch.int32)
+        self.lengths = host(lengths[lengths > 0].contiguous())
+        self._masks = {}
+
+    def causal_mask(self, dtype, device) -> torch.Tensor:
+        key = (dtype, str(device))
+        if key not in self._masks:
+            self._masks[key] = _prefill_mask(int(self.lengths.max()), dtype, device)
+        return self._masks[key]
+
+
 def varlen_attention(query, key, value, cu_seqlens, scale, causal=False) -> torch.Tensor:
     out = torch.empty_like(query)
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device="cpu", dtype=torch.int32)
-    if bool((lengths == 0).any()):
-        lengths = lengths[lengths > 0]
+    op = "_npu_flash_attention" if causal else "_npu_flash_attention_unpad"
+    if not 0 < query.shape[-1] <= MAX_HEAD_SIZE[op]:
+        raise UnsupportedOnNpu(f"{op} supports head sizes up to {MAX_HEAD_SIZE[op]}, got {query.shape[-1]}")
+    # One host read per cu_seqlens tensor (shared by every layer of the encoder), not per layer.
+    segments = _host_copy_once(cu_seqlens, _Segments)
+    lengths = segments.lengths
     if lengths.numel() == 0:
         return out
     query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     npu = torch_npu()
     if causal:
-        mask = _prefill_mask(int(lengths.max()), query.dtype, query.device)
+        mask = segments.causal_mask(query.dtype, query.device)
         npu._npu_flash_attention(
             query=query, key=key, value=value, mask=mask, seq_len=lengths, scale_value=float(scale),
             num_heads=query.shape[1], num_kv_heads=key.shape[1], out=out)

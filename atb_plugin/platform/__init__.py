@@ -4,6 +4,10 @@ CUDA, else CPU; ``ATB_PLUGIN_DEVICE=npu|cuda|cpu`` forces one (an unavailable on
 The choice is made once per process and cached; ``use_platform(name)`` switches it for a block
 (tests run the NPU path beside the CPU path) and ``reset_current_platform()`` forgets it so the
 next ``current_platform()`` detects again (after ``ATB_PLUGIN_DEVICE`` or torch_npu changed).
+
+Each platform also says which engine configurations its kernels run (``Platform.check_engine_config``:
+the dtype ``"auto"`` stands for, the default KV block size, the op rules); ``EngineConfig`` asks the
+platform its ``device`` names (``platform_for``) once, at construction.
 """
 
 from __future__ import annotations
@@ -51,6 +55,12 @@ def _require(name: str) -> Platform:
     return platform
 
 
+def platform_for(device: str) -> Platform:
+    """The platform an ``EngineConfig.device`` names: ``"auto"`` is ``current_platform()``; a named
+    one must be available here (RuntimeError naming why not)."""
+    return current_platform() if device == "auto" else _require(device)
+
+
 def current_platform() -> Platform:
     global _current
     if _current is None:
@@ -79,4 +89,5 @@ def use_platform(name: str):
         _current = previous
 
 
-__all__ = ["DEVICE_ENV", "PLATFORMS", "Platform", "current_platform", "reset_current_platform", "use_platform"]
+__all__ = ["DEVICE_ENV", "PLATFORMS", "Platform", "current_platform", "platform_for", "reset_current_platform",
+           "use_platform"]

@@ -1,4 +1,5 @@
-"""CPU: plain torch kernels, gloo for torch.distributed. Always available."""
+"""CPU: plain torch kernels, gloo for torch.distributed. Always available; ``dtype="auto"`` is
+float32, the default KV block size 16, and any block size >= 1 runs."""
 
 from __future__ import annotations
 

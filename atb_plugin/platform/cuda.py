@@ -1,4 +1,5 @@
-"""CUDA: the same plain torch kernels as CPU (SDPA), nccl for torch.distributed."""
+"""CUDA: the same plain torch kernels as CPU (SDPA), nccl for torch.distributed; ``dtype="auto"``
+is bfloat16 where the GPU has it, else float16."""
 
 from __future__ import annotations
 
@@ -19,3 +20,6 @@ class CudaPlatform(Platform):
 
     def is_available(self) -> bool:
         return torch.cuda.is_available()
+
+    def default_dtype(self) -> str:
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"

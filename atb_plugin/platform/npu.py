@@ -1,4 +1,4 @@
-"""Ascend NPU: ATB-backed torch_npu kernels, hccl for torch.distributed.
+"""Ascend NPU: torch_npu kernels (ATB or fused-infer-attention), hccl for torch.distributed.
 
 The only module that imports ``torch_npu`` (lazily: it cannot even import without CANN). Others,
 ``atb_plugin.ops.npu_kernels`` included, reach it through ``torch_npu()``.
@@ -6,18 +6,57 @@ The only module that imports ``torch_npu`` (lazily: it cannot even import withou
 A simulated NPU (``atb_plugin.testing.fake_torch_npu``) carries ``FAKE_DEVICE = "cpu"``: it has no
 device memory, so ``device()`` returns that device instead of ``npu:i``. A real torch_npu has no
 such attribute.
+
+What the platform allows (checked at start-up by ``check_engine_config``, from
+``torch_npu.npu.get_device_name()``):
+
+- chips: Atlas A2 (``Ascend910B*``) and A3 (``Ascend910_93*``) run the fused-infer-attention
+  kernel set (``atb_plugin.ops.npu_fia_kernels``) by default, other chips the ATB set
+  (``atb_plugin.ops.npu_kernels``); ``ATB_PLUGIN_NPU_KERNELS=atb|fia`` picks one. Ascend 310P
+  (Atlas 300I inference cards) is refused: its attention ops need the NZ KV-cache layout, which is
+  not implemented;
+- dtype: the attention ops take float16 / bfloat16 only; ``auto`` is bfloat16 on A2/A3, float16
+  on chips without bfloat16 (310B, the first-generation 910); float32 is refused;
+- KV block size: 128 by default; the ATB set takes multiples of 16 up to 128 with
+  ``block_size * head_size <= 128 * 128`` (its split-fuse chunked-prefill attention), the FIA set
+  multiples of 128 up to 512;
+- libraries: the ops the kernel set calls exist on torch_npu, and the ATB ones load (CANN's NNAL
+  package, ``source .../nnal/atb/set_env.sh``).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
+import threading
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 from atb_plugin.platform.base import Platform
+
+KERNELS_ENV = "ATB_PLUGIN_NPU_KERNELS"
+KERNEL_SETS = {"atb": "atb_plugin.ops.npu_kernels", "fia": "atb_plugin.ops.npu_fia_kernels"}
+# torch_npu functions each kernel set calls; a kernel module may declare its own ``TORCH_NPU_OPS``.
+KERNEL_SET_OPS = {
+    "atb": ("_npu_reshape_and_cache", "_npu_paged_attention", "_npu_paged_attention_splitfuse",
+            "_npu_flash_attention", "_npu_flash_attention_unpad", "npu_rms_norm", "npu_rotary_mul",
+            "npu_swiglu"),
+    "fia": ("npu_scatter_pa_kv_cache", "npu_fused_infer_attention_score", "_npu_flash_attention",
+            "_npu_flash_attention_unpad", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu"),
+}
+BF16_CHIP_PREFIXES = ("Ascend910B", "Ascend910_93")  # Atlas A2, Atlas A3
+UNSUPPORTED_CHIP_PREFIXES = ("Ascend310P",)
+# KV block sizes per kernel set: (multiple of, at most). ATB PagedAttention: "due to hardware
+# restrictions, block_size % 16 == 0", at most 128; FIA page attention with more than one new token:
+# a multiple of 128 in [128, 512] (torch_npu docs).
+BLOCK_SIZE_RULES = {"atb": (16, 128), "fia": (128, 512)}
+DEFAULT_BLOCK_SIZE = 128
+SPLITFUSE_MAX_BLOCK_ELEMENTS = 128 * 128  # ATB split-fuse attention: block_size * head_size
+ATB_INSTALL_HINT = ("install CANN's ATB library (the NNAL package) matching this CANN / torch_npu and source "
+                    "its environment (source /usr/local/Ascend/nnal/atb/set_env.sh) before starting")
 
 
 def torch_npu() -> ModuleType:
@@ -42,13 +81,83 @@ def unavailable_reason() -> str | None:
     return None
 
 
+def chip_name() -> str:
+    """``torch_npu.npu.get_device_name()``: ``Ascend910B4``, ``Ascend910_9392``, ``Ascend310P3``..."""
+    return str(torch_npu().npu.get_device_name())
+
+
+def supports_bf16(name: str) -> bool:
+    return name.startswith(BF16_CHIP_PREFIXES)
+
+
+def default_kernel_set(name: str) -> str:
+    return "fia" if name.startswith(BF16_CHIP_PREFIXES) else "atb"
+
+
+def kernel_set(name: str | None = None) -> str:
+    """``ATB_PLUGIN_NPU_KERNELS`` when set (``atb`` or ``fia``), else the chip's default."""
+    chosen = os.environ.get(KERNELS_ENV, "").strip().lower()
+    if chosen:
+        if chosen not in KERNEL_SETS:
+            raise ValueError(f"{KERNELS_ENV}={chosen!r}: expected one of {', '.join(KERNEL_SETS)} "
+                             "(atb: ATB PagedAttention ops; fia: npu_fused_infer_attention_score)")
+        return chosen
+    return default_kernel_set(chip_name() if name is None else name)
+
+
+def _load_atb_library() -> None:
+    """Load torch_npu's ATB op library (``torch.ops.atb``) now instead of at the first call: a
+    missing or mismatched NNAL raises here (OSError from torch_npu, naming libatb.so)."""
+    try:
+        torch.ops.atb._npu_paged_attention  # noqa: B018 - registered already?
+        return
+    except Exception:  # noqa: BLE001 - not registered yet
+        pass
+    try:
+        atb_ops = importlib.import_module("torch_npu.op_plugin.atb._atb_ops")
+    except ImportError:
+        atb_ops = None
+    register = getattr(atb_ops, "_register_atb_extensions", None)
+    if register is not None:
+        register()
+    else:  # a torch_npu that loads ATB some other way: at least libatb.so must load
+        import ctypes
+
+        ctypes.CDLL("libatb.so")
+
+
+def missing_ops_reason(module: ModuleType, ops: tuple[str, ...], kernels: str) -> str | None:
+    """Why ``module`` (a torch_npu) cannot run the kernel set ``kernels``, or None."""
+    version = getattr(module, "__version__", "?")
+    missing = [op for op in ops if not callable(getattr(module, op, None))]
+    if missing:
+        if any(op.startswith("_npu_") for op in missing):  # the ATB ops (torch_npu's op_plugin/atb)
+            fix = f"use a torch_npu with CANN's ATB ops (pip install .[npu]) and {ATB_INSTALL_HINT}"
+        else:
+            fix = (f"use a newer torch_npu and CANN (pip install .[npu]) or another kernel set "
+                   f"({KERNELS_ENV}={'atb' if kernels == 'fia' else 'fia'})")
+        return f"torch_npu {version} lacks {', '.join(missing)}, which the {kernels!r} NPU kernel set calls; {fix}"
+    if getattr(module, "FAKE_DEVICE", None) is not None or not any(op.startswith("_npu_") for op in ops):
+        return None  # the simulation computes its ops itself; the set uses no ATB op
+    try:
+        _load_atb_library()
+    except Exception as exc:  # noqa: BLE001 - whatever the loader raises, name it
+        return (f"torch_npu {version} cannot load the ATB op library (torch.ops.atb: "
+                f"{type(exc).__name__}: {exc}); {ATB_INSTALL_HINT}")
+    return None
+
+
+_kernels_lock = threading.Lock()
+_kernels_cache: tuple[tuple, str] | None = None  # (env value, torch_npu, its get_device_name) -> module name
+
+
 @dataclass(frozen=True)
 class NpuPlatform(Platform):
     name: str = "npu"
     device_type: str = "npu"
     dist_backend: str = "hccl"
     visible_devices_env: str | None = "ASCEND_RT_VISIBLE_DEVICES"
-    kernels_module: str = "atb_plugin.ops.npu_kernels"
+    kernels_module: str = KERNEL_SETS["atb"]
 
     def is_available(self) -> bool:
         return unavailable_reason() is None
@@ -62,3 +171,98 @@ class NpuPlatform(Platform):
         if fake_device is not None:
             return torch.device(fake_device)
         return torch.device(self.device_type, index)
+
+    # --- kernels -----------------------------------------------------------------------------------
+
+    def chip_name(self) -> str:
+        return chip_name()
+
+    def kernel_set(self) -> str:
+        """``atb`` or ``fia`` (``ATB_PLUGIN_NPU_KERNELS``, else ``fia`` on A2/A3, ``atb`` elsewhere)."""
+        return kernel_set()
+
+    def kernels_module_name(self) -> str:
+        # Asked for on every op: the answer is cached per (env value, torch_npu, chip query).
+        global _kernels_cache
+        module = torch_npu()
+        key = (os.environ.get(KERNELS_ENV), id(module), getattr(module.npu, "get_device_name", None))
+        cached = _kernels_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        name = KERNEL_SETS[kernel_set()]
+        with _kernels_lock:
+            _kernels_cache = (key, name)
+        return name
+
+    # --- engine configuration -------------------------------------------------------------------
+
+    def check_environment(self) -> None:
+        reason = unavailable_reason()
+        if reason is not None:
+            raise RuntimeError(f"no usable NPU: {reason}")
+        name = chip_name()
+        if name.startswith(UNSUPPORTED_CHIP_PREFIXES):
+            raise RuntimeError(
+                f"{name} (Ascend 310P, Atlas 300I inference cards) is not supported yet: its attention ops "
+                "need the NZ (FRACTAL_NZ) KV-cache layout and float16, which atb-plugin does not implement; "
+                "run on an Atlas A2 (Ascend910B) or A3 (Ascend910_93) card")
+        chosen = kernel_set(name)
+        try:
+            kernels = importlib.import_module(KERNEL_SETS[chosen])
+        except ImportError as exc:
+            raise RuntimeError(f"the {chosen!r} NPU kernel set ({KERNEL_SETS[chosen]}) does not import "
+                               f"({type(exc).__name__}: {exc}); set {KERNELS_ENV}=atb or fia") from exc
+        ops = tuple(getattr(kernels, "TORCH_NPU_OPS", KERNEL_SET_OPS[chosen]))
+        reason = missing_ops_reason(torch_npu(), ops, chosen)
+        if reason is not None:
+            raise RuntimeError(reason)
+
+    def check_engine_config(self, dtype: str, block_size: int | None,
+                            head_size: int | None = None) -> tuple[str, int]:
+        dtype, block_size = super().check_engine_config(dtype, block_size, head_size)
+        # A kernel module may state its own block-size rule (npu_fia_kernels does): ask it too, so
+        # a rule here that drifted from the kernels' still fails at start-up.
+        check = getattr(self.kernels, "check_block_size", None)
+        if callable(check):
+            try:
+                check(block_size)
+            except ValueError as exc:
+                raise ValueError(f"EngineConfig.block_size = {block_size}: {exc}") from None
+        return dtype, block_size
+
+    def default_dtype(self) -> str:
+        return "bfloat16" if supports_bf16(chip_name()) else "float16"
+
+    def check_dtype(self, dtype: str) -> None:
+        if dtype == "float32":
+            raise ValueError("EngineConfig.dtype = 'float32' is not supported on the NPU: use --dtype bfloat16 "
+                             "or float16 (the ATB attention ops take fp16/bf16 only); --dtype auto picks "
+                             "the chip's best")
+        if dtype == "bfloat16" and not supports_bf16(name := chip_name()):
+            raise ValueError(f"EngineConfig.dtype = 'bfloat16': {name} has no bfloat16 (only Atlas A2/A3, "
+                             "Ascend910B / Ascend910_93, do): use --dtype float16 (or auto)")
+
+    def _block_size_rule(self, head_size: int | None) -> tuple[int, int, str]:
+        """(multiple of, at most, the rule in words) for the selected kernel set."""
+        chosen = kernel_set()
+        multiple, limit = BLOCK_SIZE_RULES[chosen]
+        ops = "ATB PagedAttention" if chosen == "atb" else "npu_fused_infer_attention_score page attention"
+        why = f"a multiple of {multiple} in [{multiple}, {limit}] ({chosen!r} kernel set: {ops}"
+        if head_size and chosen == "atb":
+            splitfuse = SPLITFUSE_MAX_BLOCK_ELEMENTS // head_size // multiple * multiple
+            if splitfuse < limit:
+                limit = max(multiple, splitfuse)
+                why = (f"a multiple of {multiple} in [{multiple}, {limit}] ({chosen!r} kernel set: ATB split-fuse "
+                       f"attention needs block_size * head_size <= {SPLITFUSE_MAX_BLOCK_ELEMENTS}; head_size is "
+                       f"{head_size}")
+        return multiple, limit, why + ")"
+
+    def default_block_size(self, head_size: int | None = None) -> int:
+        multiple, limit, _ = self._block_size_rule(head_size)
+        return max(multiple, min(DEFAULT_BLOCK_SIZE, limit))
+
+    def check_block_size(self, block_size: int, head_size: int | None = None) -> None:
+        multiple, limit, why = self._block_size_rule(head_size)
+        if block_size % multiple or not multiple <= block_size <= limit:
+            raise ValueError(f"EngineConfig.block_size = {block_size}: the NPU's paged-attention ops need {why}; "
+                             f"the default is {self.default_block_size(head_size)}")

@@ -45,11 +45,15 @@ def build_parser() -> argparse.ArgumentParser:
     add("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     add("--port", type=int, default=1025, help="port (MindIE's default)")
     add("--device", default="auto", choices=DEVICES, help="auto: NPU if torch_npu finds one, else CUDA, else CPU")
-    add("--dtype", default="float32", choices=DTYPES)
+    add("--dtype", default="auto", choices=DTYPES,
+        help="auto: the platform's choice (CPU float32; CUDA bfloat16 where supported, else float16; NPU "
+             "bfloat16 on Atlas A2/A3, float16 on chips without bfloat16; float32 is refused on NPU)")
     add("--max-model-len", type=int, help="prompt + output tokens per request (default: the checkpoint's)")
     add("--max-num-seqs", type=int, default=64, help="requests running at once")
     add("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step (chunked prefill)")
-    add("--block-size", type=int, default=16, help="tokens per KV block")
+    add("--block-size", type=int, default=None,
+        help="tokens per KV block (default: the platform's, 16 on CPU/CUDA, 128 on NPU, where it must be "
+             "a multiple of 16 and at most 128)")
     add("--kv-cache-memory", type=_size, default=DEFAULT_KV_CACHE_BYTES, help="bytes for the KV cache (512M, 2G)")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     add("--limit-mm-per-prompt", type=int, help="images per prompt (default: the family's limit)")
@@ -170,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = parse_config(argv)
-    except ValueError as error:
+    except (ValueError, RuntimeError) as error:  # bad flags, or a platform that cannot run them
         print(f"atb-plugin serve: {error}", file=sys.stderr)
         return 2
     signal.signal(signal.SIGPIPE, signal.SIG_DFL) if hasattr(signal, "SIGPIPE") else None

@@ -38,14 +38,33 @@ the rename alone, torch 2.13 raises from ``torch.accelerator.is_available()`` an
 ``torch.accelerator.current_accelerator()`` without ``check_available`` names ``npu``, as it names
 ``cuda`` on a CUDA build without a GPU.
 
-Dtypes. ATB's attention ops accept float16 / bfloat16; the fake also accepts float32 (treated like
-float16, with additive masks) so tests can compare the NPU path with the CPU path at 1e-5. The mask
-conventions differ by dtype exactly where the real ones do (see ``_npu_flash_attention``).
+Dtypes. ATB's attention ops (``_npu_flash_attention``, ``_npu_flash_attention_unpad``,
+``_npu_paged_attention``, ``_npu_paged_attention_splitfuse``) and ``_npu_reshape_and_cache`` take
+float16 / bfloat16 (the cache op also int8, as the quantised caches do); the fake refuses float32
+there, naming the op and the rule, as the real ops do. A test that is about something other than
+precision may opt in: ``install(allow_fp32_attention=True)`` or, for a while,
+``with handle.allow_fp32_attention(): ...``; fp32 is then treated like float16 (additive masks).
+The mask conventions differ by dtype exactly where the real ones do (see ``_npu_flash_attention``).
+
+Host tensors. The simulated NPU's tensors all live on the CPU, so placement cannot tell a host
+tensor from a device one. Length tensors the real ops read on the host (``seq_len``,
+``context_lens``) must therefore carry the host mark, ``setattr(t, HOST_MARK, True)``, which
+``atb_plugin.ops.npu_kernels.host()`` sets after checking the tensor is on the CPU; the fake
+refuses unmarked ones ("must be a host tensor").
+
+Host syncs. ``torch_npu.npu.host_syncs`` counts the device-to-host copies the kernels report
+through ``npu.note_host_sync()`` (``npu_kernels`` calls it wherever it reads a device tensor on
+the host), so tests can bound them per step.
+
+Schemas. Every op's Python signature follows the real wheel's schema, recorded in
+``atb_plugin/testing/npu_schemas.txt`` (``tests/test_npu_schemas.py`` checks it).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import contextvars
 import functools
 import importlib.machinery
 import sys
@@ -59,11 +78,19 @@ from atb_plugin.utils import cdiv
 
 FAKE_DEVICE = "cpu"
 
-_ATTN_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_CACHE_DTYPES = _ATTN_DTYPES + (torch.int8,)
-_MAX_ATTN_HEAD_SIZE = 256  # SelfAttention / PagedAttention (with masks, splitfuse): head_size in (0, 256]
-_MAX_PAGED_HEAD_SIZE = 576  # plain PagedAttention decode: (0, 576], block_size <= 128 beyond 256
+HOST_MARK = "_atb_plugin_host_tensor"  # set by npu_kernels.host(): "this tensor is host data"
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
+_ELEMENTWISE_DTYPES = _HALF_DTYPES + (torch.float32,)  # aclnn RmsNorm / RotaryMul / SwiGlu take fp32 too
+_CACHE_DTYPES = _HALF_DTYPES + (torch.int8,)  # ReshapeAndCache: float16 / bfloat16 / int8
+_MAX_ATTN_HEAD_SIZE = 256  # SelfAttention / PagedAttention with masks (splitfuse): head_size in (0, 256]
+_MAX_PAGED_HEAD_SIZE = 576  # plain PagedAttention decode: head_size in (0, 576]
 _BLOCK_SIZE_MULTIPLE = 16  # PagedAttention: "due to hardware restrictions, block_size % 16 == 0"
+_MAX_BLOCK_SIZE = 128  # PagedAttention (decode and splitfuse): block_size <= 128
+_MAX_SPLITFUSE_BLOCK_ELEMS = 128 * 128  # splitfuse: block_size * head_size <= 16384
+
+# Whether float32 is let through the ATB attention / cache ops (set per call from the module).
+_allow_fp32 = contextvars.ContextVar("atb_plugin_fake_npu_allow_fp32", default=False)
 
 
 class NpuOpError(RuntimeError):
@@ -75,13 +102,30 @@ def _require(condition: bool, op: str, message: str) -> None:
         raise NpuOpError(f"{op}: {message}")
 
 
+def _check_dtype(op: str, name: str, dtype: torch.dtype, allowed=_HALF_DTYPES) -> None:
+    """The ATB attention / cache dtype rule, with the tests' explicit float32 opt-in."""
+    if dtype == torch.float32 and _allow_fp32.get():
+        return
+    if dtype == torch.float32:
+        raise NpuOpError(
+            f"{op}: {name} is float32, but the ATB op takes float16 / bfloat16"
+            f"{' / int8' if torch.int8 in allowed else ''} only; a test that means to run fp32 on the "
+            "simulated NPU must opt in with fake_torch_npu.install(allow_fp32_attention=True) or "
+            "`with handle.allow_fp32_attention():`")
+    _require(dtype in allowed, op, f"{name} dtype {dtype} not supported (takes {', '.join(map(str, allowed))})")
+
+
 def _host_lengths(t, op: str, name: str, count: int | None = None) -> list[int]:
     """A host-side int32 1-D length tensor (ATB reads it as host data: passing a device tensor
-    crashes the real op). Returns its values."""
+    crashes the real op). On the simulated NPU every tensor is on the CPU, so the caller must also
+    have marked it as host data (``HOST_MARK``, set by ``npu_kernels.host()``). Returns its values."""
     _require(isinstance(t, torch.Tensor), op, f"{name} must be a tensor, got {type(t).__name__}")
     _require(t.device.type == "cpu", op, f"{name} must be a host (CPU) tensor, got {t.device}")
     _require(t.dtype == torch.int32, op, f"{name} must be int32, got {t.dtype}")
     _require(t.dim() == 1, op, f"{name} must be 1-D, got shape {tuple(t.shape)}")
+    _require(getattr(t, HOST_MARK, False), op,
+             f"{name} must be a host tensor: ATB reads it on the host, and this one was not marked as host "
+             "data (pass it through atb_plugin.ops.npu_kernels.host(), which checks it is a CPU tensor)")
     if count is not None:
         _require(t.numel() == count, op, f"{name} has {t.numel()} entries, expected {count}")
     return t.tolist()
@@ -89,7 +133,7 @@ def _host_lengths(t, op: str, name: str, count: int | None = None) -> list[int]:
 
 def _check_heads(op: str, query, num_heads: int, num_kv_heads: int, kv_heads_actual: int, head_size_max: int):
     _require(query.dim() == 3, op, f"query must be [num_tokens, num_heads, head_size], got {tuple(query.shape)}")
-    _require(query.dtype in _ATTN_DTYPES, op, f"query dtype {query.dtype} not supported")
+    _check_dtype(op, "query", query.dtype)
     _require(query.shape[1] == num_heads, op, f"num_heads={num_heads} but query has {query.shape[1]} heads")
     _require(kv_heads_actual == num_kv_heads, op,
              f"num_kv_heads={num_kv_heads} but key/value carry {kv_heads_actual} heads")
@@ -116,7 +160,7 @@ def _attend(q, k, v, scale: float, bias=None):
     return torch.einsum("hqk,khd->qhd", scores.softmax(dim=-1), v)
 
 
-def _check_paged_cache(op: str, key_cache, value_cache, query, block_size_max: int | None, head_size_max: int):
+def _check_paged_cache(op: str, key_cache, value_cache, query, splitfuse: bool, head_size_max: int):
     for name, cache in (("key_cache", key_cache), ("value_cache", value_cache)):
         _require(cache.dim() == 4, op,
                  f"{name} must be ND [num_blocks, block_size, num_kv_heads, head_size], got {tuple(cache.shape)}")
@@ -128,11 +172,10 @@ def _check_paged_cache(op: str, key_cache, value_cache, query, block_size_max: i
     block_size = key_cache.shape[1]
     _require(block_size % _BLOCK_SIZE_MULTIPLE == 0, op,
              f"block_size must be a multiple of {_BLOCK_SIZE_MULTIPLE} (hardware restriction), got {block_size}")
-    if block_size_max is not None:
-        _require(block_size <= block_size_max, op, f"block_size must be <= {block_size_max}, got {block_size}")
-        _require(block_size * query.shape[2] <= 128 * 128, op, "block_size * head_size must be <= 128 * 128")
-    if query.shape[2] > _MAX_ATTN_HEAD_SIZE:
-        _require(block_size <= 128, op, "head_size > 256 needs block_size <= 128")
+    _require(block_size <= _MAX_BLOCK_SIZE, op, f"block_size must be <= {_MAX_BLOCK_SIZE}, got {block_size}")
+    if splitfuse:
+        _require(block_size * query.shape[2] <= _MAX_SPLITFUSE_BLOCK_ELEMS, op,
+                 f"block_size * head_size must be <= 128 * 128, got {block_size} * {query.shape[2]}")
     _require(query.shape[2] <= head_size_max, op, f"head_size {query.shape[2]} outside (0, {head_size_max}]")
 
 
@@ -185,7 +228,8 @@ def _npu_reshape_and_cache(key, value, key_cache, value_cache, slot_indices):
              f"value {tuple(value.shape)} does not fit value_cache {tuple(value_cache.shape)}")
     _require(key_cache.shape[:2] == value_cache.shape[:2], op, "key_cache and value_cache disagree on blocks")
     dtypes = {key.dtype, value.dtype, key_cache.dtype, value_cache.dtype}
-    _require(len(dtypes) == 1 and key.dtype in _CACHE_DTYPES, op, f"key/value/caches must share one dtype, got {dtypes}")
+    _require(len(dtypes) == 1, op, f"key/value/caches must share one dtype, got {dtypes}")
+    _check_dtype(op, "key", key.dtype, _CACHE_DTYPES)
     _require(isinstance(slot_indices, torch.Tensor) and slot_indices.dtype == torch.int32, op,
              "slot_indices must be an int32 tensor")
     _require(slot_indices.dim() == 1 and slot_indices.numel() == key.shape[0], op,
@@ -275,10 +319,12 @@ def _npu_flash_attention_unpad(query, key, value, seq_len, scale_value, num_head
 
 
 def _npu_paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value, block_table,
-                         context_lens, out):
+                         context_lens, out, *, workspace=None):
     """``_npu_paged_attention(Tensor query, Tensor key_cache, Tensor value_cache, int num_kv_heads,
-    int num_heads, float scale_value, Tensor block_table, Tensor context_lens, Tensor(a!) out) -> ()``
-    — ATB PagedAttentionOperation, maskType UNDEFINED (decode).
+    int num_heads, float scale_value, Tensor block_table, Tensor context_lens, Tensor(a!) out,
+    *, Tensor? workspace=None) -> ()`` — ATB PagedAttentionOperation, maskType UNDEFINED (decode).
+    ``workspace`` (from ``_npu_paged_attention_get_workspace``, for graph capture) is accepted and
+    unused: the simulation needs no scratch memory.
 
     One query token per sequence: ``query`` ``[batch, num_heads, head_size]``. Sequence b's keys and
     values are its first ``context_lens[b]`` cached tokens (host int32 ``[batch]``: computed + this
@@ -286,17 +332,19 @@ def _npu_paged_attention(query, key_cache, value_cache, num_kv_heads, num_heads,
     ``block_table[b]`` (int32 ``[batch, max_num_blocks_per_seq]``, physical block ids in
     ``[0, num_blocks)``; logical token t sits in block ``block_table[b][t // block_size]`` at offset
     ``t % block_size``) in the ND caches ``[num_blocks, block_size, num_kv_heads, head_size]``.
-    No mask: the token sees its whole context. ``block_size % 16 == 0`` (hardware restriction).
+    No mask: the token sees its whole context. ``block_size % 16 == 0`` (hardware restriction)
+    and ``block_size <= 128``.
     Writes ``softmax(scale_value * q·kᵀ) · v`` into ``out``.
     """
     op = "_npu_paged_attention"
     _check_heads(op, query, num_heads, num_kv_heads, key_cache.shape[2] if key_cache.dim() == 4 else -1,
                  _MAX_PAGED_HEAD_SIZE)
-    _check_paged_cache(op, key_cache, value_cache, query, None, _MAX_PAGED_HEAD_SIZE)
+    _check_paged_cache(op, key_cache, value_cache, query, False, _MAX_PAGED_HEAD_SIZE)
     contexts = _host_lengths(context_lens, op, "context_lens", count=query.shape[0])
     _require(min(contexts, default=1) > 0, op, "every context_lens entry must be positive")
     _check_block_table(op, block_table, query.shape[0], key_cache.shape[0], key_cache.shape[1], max(contexts, default=0))
     _check_out(op, out, query)
+    _require(workspace is None or isinstance(workspace, torch.Tensor), op, "workspace must be a tensor or None")
     for b, context_len in enumerate(contexts):
         k = _gather_context(key_cache, block_table[b], context_len)
         v = _gather_context(value_cache, block_table[b], context_len)
@@ -325,7 +373,7 @@ def _npu_paged_attention_splitfuse(query, key_cache, value_cache, block_table, c
     op = "_npu_paged_attention_splitfuse"
     _check_heads(op, query, num_heads, num_kv_heads, key_cache.shape[2] if key_cache.dim() == 4 else -1,
                  _MAX_ATTN_HEAD_SIZE)
-    _check_paged_cache(op, key_cache, value_cache, query, 128, _MAX_ATTN_HEAD_SIZE)
+    _check_paged_cache(op, key_cache, value_cache, query, True, _MAX_ATTN_HEAD_SIZE)
     query_lens = _host_lengths(seq_len, op, "seq_len")
     contexts = _host_lengths(context_lens, op, "context_lens", count=len(query_lens))
     _require(sum(query_lens) == query.shape[0], op,
@@ -353,28 +401,31 @@ def _npu_paged_attention_splitfuse(query, key_cache, value_cache, block_table, c
 # --------------------------------------------------------------------------------------------
 
 
-def npu_rms_norm(self, gamma, epsilon=1e-6):
-    """``npu_rms_norm(Tensor self, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)``.
+def npu_rms_norm(input, gamma, epsilon=1e-06):  # noqa: A002 - torch_npu's Python argument name
+    """``npu_rms_norm(Tensor input, Tensor gamma, float epsilon=1e-06) -> (Tensor, Tensor)`` (the
+    yaml schema says ``self``; the Python binding, what callers bind to, says ``input``).
 
-    ``y = self * rstd * gamma`` with ``rstd = 1 / sqrt(mean(self², over gamma's trailing dims) +
-    epsilon)``, computed in float32, ``y`` cast to ``self``'s dtype. Returns ``(y, rstd)``;
-    ``rstd`` is float32 shaped like ``self`` with gamma's dims reduced to 1. ``self`` and ``gamma``
-    share a dtype (float16 / bfloat16 / float32); ``gamma`` matches ``self``'s trailing dims.
+    ``y = input * rstd * gamma`` with ``rstd = 1 / sqrt(mean(input², over gamma's trailing dims) +
+    epsilon)``, computed in float32, ``y`` cast to ``input``'s dtype. Returns ``(y, rstd)``;
+    ``rstd`` is float32 shaped like ``input`` with gamma's dims reduced to 1. ``input`` and
+    ``gamma`` share a dtype (float16 / bfloat16 / float32); ``gamma`` matches ``input``'s trailing dims.
     """
     op = "npu_rms_norm"
-    _require(self.dtype in _ATTN_DTYPES, op, f"dtype {self.dtype} not supported")
-    _require(gamma.dtype == self.dtype, op, f"gamma dtype {gamma.dtype} != self dtype {self.dtype}")
-    _require(1 <= self.dim() <= 8 and 1 <= gamma.dim() <= self.dim(), op, "self must be 1-8 dims, gamma <= self")
-    _require(self.shape[self.dim() - gamma.dim():] == gamma.shape, op,
-             f"gamma {tuple(gamma.shape)} must match the trailing dims of self {tuple(self.shape)}")
-    dims = tuple(range(self.dim() - gamma.dim(), self.dim()))
-    x = self.float()
+    _require(input.dtype in _ELEMENTWISE_DTYPES, op, f"dtype {input.dtype} not supported")
+    _require(gamma.dtype == input.dtype, op, f"gamma dtype {gamma.dtype} != input dtype {input.dtype}")
+    _require(1 <= input.dim() <= 8 and 1 <= gamma.dim() <= input.dim(), op, "input must be 1-8 dims, gamma <= input")
+    _require(input.shape[input.dim() - gamma.dim():] == gamma.shape, op,
+             f"gamma {tuple(gamma.shape)} must match the trailing dims of input {tuple(input.shape)}")
+    dims = tuple(range(input.dim() - gamma.dim(), input.dim()))
+    x = input.float()
     rstd = torch.rsqrt(x.pow(2).mean(dim=dims, keepdim=True) + epsilon)
-    return (x * rstd * gamma.float()).to(self.dtype), rstd
+    return (x * rstd * gamma.float()).to(input.dtype), rstd
 
 
-def npu_rotary_mul(input, r1, r2, rotary_mode="half"):  # noqa: A002 - torch_npu's argument name
-    """``npu_rotary_mul(Tensor input, Tensor r1, Tensor r2, str rotary_mode='half') -> Tensor``.
+def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):  # noqa: A002 - torch_npu's argument name
+    """``npu_rotary_mul(Tensor input, Tensor r1, Tensor r2, str rotary_mode='half',
+    Tensor? rotate=None) -> Tensor``. ``rotate`` (an explicit rotation matrix, for layouts the two
+    modes do not cover) is not simulated: the fake refuses a non-None one rather than ignore it.
 
     ``r1 * input + r2 * rotate(input)``; ``half``: ``rotate(x) = cat(-x2, x1)`` of the two halves of
     the last dim; ``interleave``: pairs ``(x[2i], x[2i+1]) -> (-x[2i+1], x[2i])``. All three are
@@ -382,9 +433,10 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half"):  # noqa: A002 - torch_npu
     D is even. Returns a new tensor shaped like ``input``.
     """
     op = "npu_rotary_mul"
+    _require(rotate is None, op, "rotate is not simulated by the fake (pass None)")
     for name, t in (("input", input), ("r1", r1), ("r2", r2)):
         _require(t.dim() == 4, op, f"{name} must be 4-D, got {tuple(t.shape)}")
-        _require(t.dtype == input.dtype and t.dtype in _ATTN_DTYPES, op, f"{name} dtype {t.dtype} mismatch")
+        _require(t.dtype == input.dtype and t.dtype in _ELEMENTWISE_DTYPES, op, f"{name} dtype {t.dtype} mismatch")
     _require(r1.shape == r2.shape, op, "r1 and r2 shapes differ")
     _require(all(a == b or a == 1 for a, b in zip(r1.shape, input.shape)), op,
              f"r1 {tuple(r1.shape)} does not broadcast to input {tuple(input.shape)}")
@@ -404,7 +456,7 @@ def npu_swiglu(input, dim=-1):  # noqa: A002 - torch_npu's argument name
     B (second) along ``dim``; returns ``silu(A) * B = A * sigmoid(A) * B`` in ``input``'s dtype.
     ``input`` must be contiguous and non-empty with an even size along ``dim``."""
     op = "npu_swiglu"
-    _require(input.dtype in _ATTN_DTYPES, op, f"dtype {input.dtype} not supported")
+    _require(input.dtype in _ELEMENTWISE_DTYPES, op, f"dtype {input.dtype} not supported")
     _require(input.is_contiguous(), op, "input must be contiguous")
     _require(input.numel() > 0 and input.shape[dim] % 2 == 0, op, f"size along dim {dim} must be even and non-zero")
     a, b = input.float().chunk(2, dim=dim)
@@ -434,9 +486,16 @@ _active: "FakeTorchNpu | None" = None
 class _NpuRuntime:
     """``torch_npu.npu`` (also reached as ``torch.npu``): the runtime queries the platform needs."""
 
-    def __init__(self, device_count: int):
+    def __init__(self, device_count: int, chip: str = "Ascend910B3"):
         self._count = device_count
+        self._chip = chip
         self._current = 0
+        self.host_syncs = 0  # device-to-host copies reported by the kernels (note_host_sync)
+
+    def note_host_sync(self) -> None:
+        """Simulation only (a real torch_npu has no such hook): the kernels call it wherever they
+        copy a device tensor to the host, which on a real NPU waits for the device."""
+        self.host_syncs += 1
 
     def is_available(self) -> bool:
         return self._count > 0
@@ -459,7 +518,7 @@ class _NpuRuntime:
         """CPU work is synchronous: nothing to wait for."""
 
     def get_device_name(self, device=None) -> str:
-        return "fake Ascend NPU (simulated on CPU)"
+        return self._chip
 
 
 class _TorchNpuProxy(types.ModuleType):
@@ -544,6 +603,22 @@ class FakeTorchNpu:
         self.module = module
         self.installed = True
 
+    @property
+    def host_syncs(self) -> int:
+        """Device-to-host syncs the kernels reported so far (``torch_npu.npu.host_syncs``)."""
+        return self.module.npu.host_syncs
+
+    @contextlib.contextmanager
+    def allow_fp32_attention(self, allow: bool = True):
+        """Let float32 through the ATB attention / cache ops inside the block (the real ones refuse
+        it; for tests about something other than precision)."""
+        previous = self.module.allow_fp32_attention
+        self.module.allow_fp32_attention = allow
+        try:
+            yield self
+        finally:
+            self.module.allow_fp32_attention = previous
+
     def uninstall(self) -> None:
         global _active
         with _lock:
@@ -579,28 +654,44 @@ def _counting(module: types.ModuleType, fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         module.calls[fn.__name__] += 1
-        return fn(*args, **kwargs)
+        token = _allow_fp32.set(bool(module.allow_fp32_attention))
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _allow_fp32.reset(token)
 
     return wrapper
 
 
-def build_module(device_count: int = 1) -> types.ModuleType:
-    """A fresh ``torch_npu`` module object (not installed)."""
+# The chip the fake reports by default: an Atlas A2 (910B), what current deployments run, so the
+# platform picks bf16 and the fused-infer-attention kernel set as it would there.
+DEFAULT_CHIP = "Ascend910B3"
+
+
+def build_module(device_count: int = 1, *, allow_fp32_attention: bool = False,
+                 chip: str = DEFAULT_CHIP) -> types.ModuleType:
+    """A fresh ``torch_npu`` module object (not installed). ``allow_fp32_attention``: let float32
+    through the ATB attention / cache ops (the real ones refuse it). ``chip``: what
+    ``torch_npu.npu.get_device_name()`` reports (e.g. "Ascend910B3", "Ascend310P3")."""
+    from atb_plugin.testing import fake_fia_ops  # imports this module: not at the top
     module = types.ModuleType("torch_npu", __doc__)
     module.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
     module.__version__ = "0.0.0+fake"
     module.FAKE_DEVICE = FAKE_DEVICE
     module.NpuOpError = NpuOpError
     module.calls = collections.Counter()
-    module.npu = _NpuRuntime(device_count)
-    for fn in OPS:
+    module.allow_fp32_attention = allow_fp32_attention
+    module.HOST_MARK = HOST_MARK
+    module.npu = _NpuRuntime(device_count, chip)
+    for fn in OPS + fake_fia_ops.OPS:
         setattr(module, fn.__name__, _counting(module, fn))
     return module
 
 
-def install(device_count: int = 1) -> FakeTorchNpu:
+def install(device_count: int = 1, *, allow_fp32_attention: bool = False, chip: str = DEFAULT_CHIP) -> FakeTorchNpu:
     """Install a fake as ``sys.modules["torch_npu"]`` reporting ``device_count`` devices; returns the
-    handle (a context manager). Refuses when a real torch_npu (or another fake) is loaded."""
+    handle (a context manager). Refuses when a real torch_npu (or another fake) is loaded.
+    ``allow_fp32_attention=True``: explicit opt-in to float32 in the ATB attention / cache ops."""
     global _active
     with _lock:
         present = sys.modules.get("torch_npu")
@@ -608,7 +699,7 @@ def install(device_count: int = 1) -> FakeTorchNpu:
             what = "another fake torch_npu" if getattr(present, "FAKE_DEVICE", None) else "a real torch_npu"
             raise RuntimeError(f"cannot install the fake torch_npu: {what} is already loaded")
         proxy = _npu_proxy()
-        handle = FakeTorchNpu(build_module(device_count))
+        handle = FakeTorchNpu(build_module(device_count, allow_fp32_attention=allow_fp32_attention, chip=chip))
         sys.modules["torch_npu"] = handle.module
         proxy.runtime = handle.module.npu
         _active = handle
@@ -620,6 +711,6 @@ def installed() -> FakeTorchNpu | None:
     return _active
 
 
-__all__ = ["FAKE_DEVICE", "FakeTorchNpu", "NpuOpError", "OPS", "build_module", "install", "installed"] + [
+__all__ = ["FAKE_DEVICE", "HOST_MARK", "FakeTorchNpu", "NpuOpError", "OPS", "build_module", "install", "installed"] + [
     fn.__name__ for fn in OPS
 ]

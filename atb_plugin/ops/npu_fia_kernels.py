@@ -1,0 +1,168 @@
+"""NPU kernels, FIA flavour: the same interface as ``npu_kernels`` (and ``torch_kernels``), with
+the paged KV path on the aclnn ops vllm-ascend uses on Atlas A2/A3 with CANN 8.3+:
+
+- ``write_kv_cache``: ``torch_npu.npu_scatter_pa_kv_cache`` with ``cache_mode="Norm"`` (our ND
+  cache ``(num_blocks, block_size, num_kv_heads, head_dim)``; the op's default ``'PA_NZ'`` wants
+  FRACTAL_NZ caches). ``-1`` slots are dropped first, as in ``npu_kernels``.
+- ``paged_attention``: one ``torch_npu.npu_fused_infer_attention_score`` call per layer and step,
+  whatever the batch holds (prefill, chunked prefill, decode, or a mix): ``input_layout="TND"``,
+  the caches viewed (no copy) as ``(num_blocks, block_size, num_kv_heads * head_dim)``,
+  ``block_table``, cumulative ``actual_seq_lengths`` (query ends), per-request
+  ``actual_seq_lengths_kv`` (``seq_lens``), ``sparse_mode=3`` (causal triangle anchored at the
+  bottom right: request r's j-th new token sees cached tokens ``0 .. seq_len - q_len + j``) with
+  the fixed 2048x2048 compressed causal mask.
+- ``varlen_attention``, ``rms_norm``, ``apply_rotary``, ``silu_and_mul``: ``npu_kernels``'s
+  (ATB flash attention for vision towers, aclnn elementwise ops).
+
+Block size: the op's PFA branch (any request with more than one new token) takes page-attention
+block sizes that are multiples of 128 in [128, 512] (torch_npu docs: "block_size最小为128, 最大为512,
+且要求是128的倍数"); ``paged_attention`` refuses others up front (``check_block_size``), at the
+first step, not at the first prefill that happens to reach the op. Dtypes: float16 / bfloat16
+(the op has no float32).
+
+Host data: the length lists (``SymInt[]`` arguments) come from the metadata's CPU copies and are
+built once per step, cached on the ``AttentionMetadata`` object with the device block table, and
+shared by every layer; the compressed mask is built once per device (module-level cache).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from atb_plugin.ops import npu_kernels as _atb
+from atb_plugin.platform.npu import torch_npu
+
+# Delegated unchanged (same names, same signatures).
+varlen_attention = _atb.varlen_attention
+rms_norm = _atb.rms_norm
+apply_rotary = _atb.apply_rotary
+silu_and_mul = _atb.silu_and_mul
+
+# torch_npu functions this set calls (the platform checks they exist). The vision towers'
+# varlen attention is still ATB's (_npu_flash_attention(_unpad)): serving a VL model on this set
+# needs the ATB library too.
+TORCH_NPU_OPS = ("npu_scatter_pa_kv_cache", "npu_fused_infer_attention_score", "npu_rms_norm", "npu_rotary_mul",
+                 "npu_swiglu", "_npu_flash_attention", "_npu_flash_attention_unpad")
+
+BLOCK_SIZE_MULTIPLE = 128  # FIA page attention with Q_S > 1: multiple of 128 ...
+MAX_BLOCK_SIZE = 512  # ... at most 512
+MASK_SIZE = 2048  # sparse_mode 2/3/4: the compressed mask is always 2048 x 2048
+SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3
+_DTYPES = (torch.float16, torch.bfloat16)
+_STEP_CACHE_ATTR = "_npu_fia_kernels_step_cache"
+
+_masks: dict[str, torch.Tensor] = {}
+_masks_lock = threading.Lock()
+
+
+def check_block_size(block_size: int) -> None:
+    """Raise ValueError unless ``block_size`` is one FIA's page attention takes for prefill."""
+    if block_size % BLOCK_SIZE_MULTIPLE or not 0 < block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(
+            f"the FIA NPU kernels (npu_fused_infer_attention_score page attention) need a KV block size "
+            f"that is a multiple of {BLOCK_SIZE_MULTIPLE} in [{BLOCK_SIZE_MULTIPLE}, {MAX_BLOCK_SIZE}] "
+            f"(128 recommended), got {block_size}")
+
+
+def causal_mask(device) -> torch.Tensor:
+    """The compressed causal mask for ``sparse_mode=3``: ``(2048, 2048)`` int8, 1 (masked) strictly
+    above the diagonal (vllm-ascend's ``triu(ones(2048, 2048), diagonal=1).to(int8)``). Built once
+    per device; its dtype does not follow the query's (the op takes bool / int8 / uint8 masks)."""
+    key = str(torch.device(device))
+    mask = _masks.get(key)
+    if mask is None:
+        with _masks_lock:
+            mask = _masks.get(key)
+            if mask is None:
+                mask = torch.ones(MASK_SIZE, MASK_SIZE, dtype=torch.int8, device=device).triu_(1)
+                _masks[key] = mask
+    return mask
+
+
+# --------------------------------------------------------------------------------------------
+# KV cache
+# --------------------------------------------------------------------------------------------
+
+
+def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
+    valid = slot_mapping >= 0
+    if not bool(valid.all()):
+        key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
+    if slot_mapping.numel() == 0:
+        return
+    torch_npu().npu_scatter_pa_kv_cache(
+        key.to(key_cache.dtype).contiguous(),
+        value.to(value_cache.dtype).contiguous(),
+        key_cache,
+        value_cache,
+        slot_mapping.contiguous(),
+        cache_mode="Norm",
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# paged attention
+# --------------------------------------------------------------------------------------------
+
+
+class _StepInputs:
+    """One step's FIA arguments derived from the metadata's host copies, shared by all layers.
+    Requests without new tokens are left out (they own no query rows)."""
+
+    def __init__(self, metadata, device):
+        query_lens = metadata.query_lens_cpu.to(torch.int64)
+        active = query_lens > 0
+        self.all_active = bool(active.all())
+        ends = metadata.query_start_loc_cpu[1:].to(torch.int64)
+        self.actual_seq_lengths = ends[active].tolist()  # cumulative query ends (TND)
+        self.actual_seq_lengths_kv = metadata.seq_lens_cpu.to(torch.int64)[active].tolist()  # per request
+        tables = metadata.block_tables
+        if not self.all_active:
+            tables = tables[torch.nonzero(active).flatten().to(tables.device)]
+        self.block_table = tables.to(device=device, dtype=torch.int32).contiguous()
+
+
+def _step_inputs(metadata, device) -> _StepInputs:
+    """The step's ``_StepInputs``, cached on the metadata under a fingerprint of what they derive
+    from (host lengths, block table storage and version), like ``npu_kernels``."""
+    tables = metadata.block_tables
+    fingerprint = (tuple(metadata.query_start_loc_cpu.tolist()), tuple(metadata.seq_lens_cpu.tolist()),
+                   tables.data_ptr(), tables._version, tuple(tables.shape), str(device))
+    cached = getattr(metadata, _STEP_CACHE_ATTR, None)
+    if cached is None or cached[0] != fingerprint:
+        cached = (fingerprint, _StepInputs(metadata, device))
+        setattr(metadata, _STEP_CACHE_ATTR, cached)
+    return cached[1]
+
+
+def paged_attention(query, key_cache, value_cache, metadata, scale) -> torch.Tensor:
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    check_block_size(block_size)
+    if query.dtype not in _DTYPES:
+        raise ValueError(f"the FIA NPU kernels run float16 / bfloat16 attention, got {query.dtype} "
+                         "(load the model in half precision, or use ATB_PLUGIN_NPU_KERNELS=atb)")
+    if query.shape[0] == 0:
+        return torch.empty_like(query)
+    step = _step_inputs(metadata, query.device)
+    out, _ = torch_npu().npu_fused_infer_attention_score(
+        query.contiguous(),
+        key_cache.view(num_blocks, block_size, num_kv_heads * head_dim),
+        value_cache.view(num_blocks, block_size, num_kv_heads * head_dim),
+        atten_mask=causal_mask(query.device),
+        actual_seq_lengths=step.actual_seq_lengths,
+        actual_seq_lengths_kv=step.actual_seq_lengths_kv,
+        block_table=step.block_table,
+        num_heads=query.shape[1],
+        scale=float(scale),
+        input_layout="TND",
+        num_key_value_heads=num_kv_heads,
+        sparse_mode=SPARSE_MODE_RIGHT_DOWN_CAUSAL,
+        block_size=block_size,
+    )
+    return out
+
+
+__all__ = ["BLOCK_SIZE_MULTIPLE", "MASK_SIZE", "MAX_BLOCK_SIZE", "TORCH_NPU_OPS", "apply_rotary", "causal_mask", "check_block_size",
+           "paged_attention", "rms_norm", "silu_and_mul", "varlen_attention", "write_kv_cache"]
