@@ -53,3 +53,42 @@ def test_npu_defaults_are_bf16_and_match_the_cpu_path(family, kernel_set, cpu_an
     gap = first_cpu.top_logprobs[0] - first_cpu.top_logprobs[1]
     if gap > 2 * BF16_LOGPROB_TOL:  # a clear winner must win on the NPU too
         assert npu.token_ids[0] == cpu.token_ids[0]
+
+
+# fp16 keeps 11 significant bits (8x finer than bf16): the same argument gives 0.05 (measured
+# diffs are reported by the test on failure).
+LOGPROB_TOL = {"bfloat16": BF16_LOGPROB_TOL, "float16": 0.05}
+
+
+@pytest.fixture(scope="module")
+def image_dir(tmp_path_factory):
+    from tests.helpers import write_test_images
+
+    directory = tmp_path_factory.mktemp("npu-images")
+    write_test_images(directory, sizes=((60, 90),))
+    return directory
+
+
+def image_chat(directory) -> list[dict]:
+    return [{"role": "user", "content": [{"image": str(directory / "image0.png")}, {"text": "What is this?"}]}]
+
+
+@pytest.mark.parametrize("dtype, kernel_set", [("bfloat16", "fia"), ("float16", "atb")])
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava", "qwen_vl"])
+def test_image_chat_on_the_npu_matches_the_cpu_path(family, dtype, kernel_set, image_dir, monkeypatch):
+    """The vision tower (ATB varlen attention) and the merge run in half precision on the NPU."""
+    from input_builders.media import MediaConfig
+
+    media = MediaConfig(allowed_local_media_paths=(str(image_dir),))
+    with LLM(tiny_checkpoint(family), block_size=16, media_config=media) as llm:
+        cpu = llm.chat(image_chat(image_dir), PARAMS)[0].outputs[0]
+    monkeypatch.setenv("ATB_PLUGIN_NPU_KERNELS", kernel_set)
+    with fake_torch_npu.install() as fake, use_platform("npu"):
+        with LLM(tiny_checkpoint(family), media_config=media, dtype="auto" if dtype == "bfloat16" else dtype) as llm:
+            assert llm.engine.config.dtype == dtype
+            npu = llm.chat(image_chat(image_dir), PARAMS)[0].outputs[0]
+        assert fake.module.calls["_npu_flash_attention_unpad"] > 0  # the vision tower ran on the NPU path
+    cpu_top = dict(zip(cpu.logprobs[0].top_token_ids, cpu.logprobs[0].top_logprobs))
+    npu_top = dict(zip(npu.logprobs[0].top_token_ids, npu.logprobs[0].top_logprobs))
+    diffs = {t: abs(cpu_top[t] - npu_top[t]) for t in set(cpu_top) & set(npu_top)}
+    assert diffs and max(diffs.values()) <= LOGPROB_TOL[dtype], diffs
