@@ -56,3 +56,31 @@ def store():
 def images(tmp_path):
     """Two PNG files of different sizes and aspect ratios."""
     return write_test_images(tmp_path)
+
+
+@pytest.fixture
+def clean_platform(monkeypatch):
+    """No forced device, no cached platform choice, before and after."""
+    from atb_plugin.platform import reset_current_platform
+
+    monkeypatch.delenv("ATB_PLUGIN_DEVICE", raising=False)
+    reset_current_platform()
+    yield
+    reset_current_platform()
+
+
+@pytest.fixture
+def fake_npu(clean_platform):
+    """The simulated NPU (fake torch_npu, an A2 chip by default) installed for one test."""
+    import sys
+
+    from atb_plugin.platform import reset_current_platform
+    from atb_plugin.testing import fake_torch_npu
+
+    handle = fake_torch_npu.install()
+    try:
+        yield handle
+    finally:
+        handle.uninstall()
+        reset_current_platform()
+    assert "torch_npu" not in sys.modules

@@ -38,7 +38,6 @@ import contextlib
 import dataclasses
 import inspect
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -47,7 +46,7 @@ import torch.nn.functional as F
 
 from atb_plugin import ops
 from atb_plugin.ops import AttentionMetadata, npu_fia_kernels, npu_kernels
-from atb_plugin.platform import PLATFORMS, reset_current_platform, use_platform
+from atb_plugin.platform import PLATFORMS, use_platform
 from atb_plugin.testing import fake_fia_ops, fake_torch_npu
 from atb_plugin.testing.fake_torch_npu import NpuOpError
 from atb_plugin.testing.tiny import tiny_checkpoint
@@ -100,28 +99,6 @@ def on_kernels(kernels_module):
             os.environ.pop(KERNELS_ENV, None)
         else:
             os.environ[KERNELS_ENV] = previous_env
-
-
-def _register_fia_ops(module) -> None:
-    """Put the FIA fakes on the installed fake module, counted like its own ops (no-op once
-    ``fake_torch_npu`` registers them itself)."""
-    for fn in fake_fia_ops.OPS:
-        if not hasattr(module, fn.__name__):
-            setattr(module, fn.__name__, fake_torch_npu._counting(module, fn))
-
-
-@pytest.fixture
-def fake_npu(monkeypatch):
-    monkeypatch.delenv("ATB_PLUGIN_DEVICE", raising=False)
-    reset_current_platform()
-    handle = fake_torch_npu.install()
-    try:
-        _register_fia_ops(handle.module)
-        yield handle
-    finally:
-        handle.uninstall()
-        reset_current_platform()
-    assert "torch_npu" not in sys.modules
 
 
 @pytest.fixture

@@ -64,26 +64,6 @@ def atb_kernel_set(monkeypatch):
 
 
 @pytest.fixture
-def clean_platform(monkeypatch):
-    """No forced device, no cached choice, before and after."""
-    monkeypatch.delenv("ATB_PLUGIN_DEVICE", raising=False)
-    reset_current_platform()
-    yield
-    reset_current_platform()
-
-
-@pytest.fixture
-def fake_npu(clean_platform):
-    handle = fake_torch_npu.install()
-    try:
-        yield handle
-    finally:
-        handle.uninstall()
-        reset_current_platform()
-    assert "torch_npu" not in sys.modules
-
-
-@pytest.fixture
 def fake_npu_fp32(fake_npu):
     """The fake with float32 let through the ATB attention ops: for tests about something other
     than precision (the real ops take fp16 / bf16 only)."""
