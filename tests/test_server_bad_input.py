@@ -371,5 +371,6 @@ def test_nothing_is_harmed_after_the_matrix(server, media, before):
     assert values["vllm:num_requests_running"] == 0
     assert values["vllm:num_requests_waiting"] == 0
     assert values["atb_plugin:tokenizer_queue_depth"] == 0  # no job left waiting for ever
+    assert values["atb_plugin:shm_leased_segments"] == 0  # every lease ended with its request
     # The same two images as before: cached segments reused, nothing new left behind by the matrix.
     assert values["atb_plugin:shm_live_segments"] == before.segments

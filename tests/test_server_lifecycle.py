@@ -96,6 +96,8 @@ def test_a_client_disconnect_mid_stream_aborts_the_request(server):
     wait_until(lambda: metric(server, "vllm:request_success_total", finished_reason="abort") == aborted_before + 1,
                what="the abort to be counted")
     wait_until(lambda: metric(server, "vllm:num_requests_running") == 0, what="the engine to drop the request")
+    wait_until(lambda: metric(server, "atb_plugin:shm_leased_segments") == 0, what="the image's lease to end")
+    assert metric(server, "atb_plugin:shm_live_segments") == 1  # still cached for a resend
     # Still serving; then a clean stop unlinks the cached image segment.
     assert server.post("/v1/chat/completions", image_chat(seed=5, max_tokens=2)).status_code == 200
     assert server.stop() == 0

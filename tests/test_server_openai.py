@@ -143,7 +143,8 @@ def test_metrics_use_vllm_names_and_count_requests(server, client):
                  "vllm:generation_tokens_total", "vllm:request_success_total",
                  "vllm:time_to_first_token_seconds_bucket", "vllm:inter_token_latency_seconds_bucket",
                  "vllm:e2e_request_latency_seconds_bucket", "vllm:request_queue_time_seconds_bucket",
-                 "atb_plugin:shm_live_segments", "atb_plugin:shm_live_bytes", "atb_plugin:tokenizer_queue_depth"):
+                 "atb_plugin:shm_live_segments", "atb_plugin:shm_live_bytes", "atb_plugin:shm_leased_segments",
+                 "atb_plugin:tokenizer_queue_depth"):
         assert name in samples, name
     assert sum(s.value for s in samples["vllm:generation_tokens_total"]) >= 3
     by_reason = {s.labels["finished_reason"]: s.value for s in samples["vllm:request_success_total"]}

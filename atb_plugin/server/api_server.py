@@ -361,7 +361,7 @@ def build_app(config: ServerConfig) -> FastAPI:
         if service.started:
             try:
                 stats = await asyncio.wait_for(service.pool.stats(), 2.0)
-                service.metrics.set_shm(stats["segments"], stats["bytes"])
+                service.metrics.set_shm(stats["segments"], stats["bytes"], stats["leased_segments"])
             except asyncio.TimeoutError:
                 pass
             service.metrics.set_tokenizer_queue_depth(service.pool.queue_depth)

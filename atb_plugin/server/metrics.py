@@ -97,6 +97,8 @@ class ServerMetrics:
         self.shm_live_segments = gauge("atb_plugin:shm_live_segments", "Shared-memory segments alive in this instance.")
         self.shm_live_bytes = gauge("atb_plugin:shm_live_bytes",
                                     "Bytes held by this instance's live shared-memory segments.")
+        self.shm_leased_segments = gauge(
+            "atb_plugin:shm_leased_segments", "Live segments leased to running requests (the rest are cache).")
         self.tokenizer_queue_depth = gauge(
             "atb_plugin:tokenizer_queue_depth", "Requests waiting for or in the tokenizer workers.")
 
@@ -115,9 +117,10 @@ class ServerMetrics:
         if hits:
             self.prefix_cache_hits.inc(hits)
 
-    def set_shm(self, segments: int, nbytes: int) -> None:
+    def set_shm(self, segments: int, nbytes: int, leased_segments: int = 0) -> None:
         self.shm_live_segments.set(segments)
         self.shm_live_bytes.set(nbytes)
+        self.shm_leased_segments.set(leased_segments)
 
     def set_tokenizer_queue_depth(self, n: int) -> None:
         self.tokenizer_queue_depth.set(n)

@@ -297,7 +297,7 @@ class TokenizerPool:
             worker.jobs.send(msgspec.msgpack.encode({"op": "release", "request_id": request_id}))
 
     async def stats(self) -> dict:
-        totals = {"segments": 0, "bytes": 0}
+        totals = {"segments": 0, "bytes": 0, "leased_segments": 0}
         for worker in list(self._workers):
             if worker is None or worker.instance_id is None:
                 continue
@@ -307,6 +307,7 @@ class TokenizerPool:
                 continue
             totals["segments"] += stats["segments"]
             totals["bytes"] += stats["leased_bytes"] + stats["cached_bytes"]
+            totals["leased_segments"] += stats["leased_segments"]
         return totals
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
