@@ -6,13 +6,12 @@ first use, so picking a router (``routers.get_router``) only reads ``config.json
 
 from __future__ import annotations
 
-import importlib
 import json
 import threading
 from functools import cached_property
 from pathlib import Path
 
-from atb_plugin.models.registry import declared_max_model_len, model_class_path
+from atb_plugin.models.registry import config_value, declared_max_model_len, import_model_class, model_class_path
 from input_builders.base import InputBuilder
 from input_builders.media import MediaConfig
 from shm import ShmStore
@@ -86,9 +85,8 @@ class BaseRouter:
 
     @cached_property
     def model_cls(self) -> type:
-        module_name, _, class_name = self.model_cls_path.partition(":")
         try:
-            return getattr(importlib.import_module(module_name), class_name)
+            return import_model_class(self.model_cls_path)
         except (ImportError, AttributeError) as error:
             raise NotImplementedError(
                 f"{type(self).__name__}: the model class {self.model_cls_path} is not available yet"
@@ -143,9 +141,10 @@ class BaseRouter:
 
     def config_value(self, key: str):
         """A value from config.json, top level first, then text_config (transformers 5 nests)."""
-        for scope in (self.raw_config, self.raw_config.get("text_config") or {}):
-            if key in scope:
-                return scope[key]
+        missing = object()
+        value = config_value(self.raw_config, key, missing)
+        if value is not missing:
+            return value
         raise ValueError(f"{self.model_dir / 'config.json'} has no {key!r}; is this a {type(self).__name__} checkpoint?")
 
     # -- convenience -----------------------------------------------------------------------------

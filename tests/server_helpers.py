@@ -16,7 +16,6 @@ import httpx
 import numpy as np
 from PIL import Image
 
-from shm.segment import list_segment_names
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,10 +110,6 @@ class ServerProcess:
                 self.process.wait(10)
         self._log.close()
         return self.process.returncode
-
-
-def segments_of_instance_prefix(prefixes) -> list[str]:
-    return [n for n in list_segment_names() if any(n.startswith("psm_" + p) for p in prefixes)]
 
 
 def data_url(height: int = 64, width: int = 96, seed: int = 0, fmt: str = "PNG") -> str:

@@ -15,7 +15,6 @@ from atb_plugin.engine.scheduler import SchedulerConfig
 from atb_plugin.models import registry
 from atb_plugin.platform import platform_for
 from atb_plugin.platform.base import DTYPES as TORCH_DTYPES
-from atb_plugin.utils import cdiv
 
 DTYPES = ("auto", *TORCH_DTYPES)
 DEVICES = ("auto", "cpu", "cuda", "npu")
@@ -72,6 +71,7 @@ class EngineConfig:
     shm_instances: tuple[str, ...] = ()
     # Resolved from config.json in __post_init__:
     model_type: str = field(init=False)
+    model_cls_path: str = field(init=False)  # "module:Class", what the engine core loads
     vocab_size: int = field(init=False)
     scheduler_config: SchedulerConfig = field(init=False)
 
@@ -94,14 +94,15 @@ class EngineConfig:
         set_(self, "shm_instances", tuple(self.shm_instances))
 
         hf_config = registry.read_checkpoint_config(self.model)
-        registry.model_class_path(hf_config)  # unsupported model_type: fail now, naming the choices
+        # An unsupported model_type fails here, naming the choices.
+        set_(self, "model_cls_path", registry.model_class_path(hf_config))
         set_(self, "model_type", registry.registry_key(hf_config))
         if self.model_type in registry.EMBEDDING_ONLY:
-            cls = registry.model_class_path(hf_config).partition(":")[2]
+            cls = self.model_cls_path.partition(":")[2]
             raise ValueError(
                 f"{self.model} is an embedding model ({self.model_type}: {cls}); it produces embeddings, not "
                 "text, so the generation engine (LLM, the chat/completions server) cannot run it. Load it with "
-                f"{registry.model_class_path(hf_config).replace(':', '.')}.from_pretrained(dir) and call it on "
+                f"{self.model_cls_path.replace(':', '.')}.from_pretrained(dir) and call it on "
                 "token ids; serving embedding models is not supported yet")
         vocab_size = registry.config_value(hf_config, "vocab_size")
         if not isinstance(vocab_size, int) or vocab_size < 1:
@@ -121,13 +122,9 @@ class EngineConfig:
         set_(self, "scheduler_config",
              SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len))
 
-    @property
-    def max_blocks_per_seq(self) -> int:
-        return cdiv(self.max_model_len, self.block_size)
-
     def replace(self, **changes) -> "EngineConfig":
-        init = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
-        return EngineConfig(**{**init, **changes})
+        """A copy with ``changes`` (re-validated; resolved dtype / block size carried over)."""
+        return dataclasses.replace(self, **changes)
 
     def describe(self) -> str:
         """One ``name = value`` line per field, for the start-up log."""

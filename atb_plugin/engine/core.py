@@ -36,7 +36,7 @@ class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         device = platform_for(config.device).device()
-        model_cls = registry.model_class(registry.read_checkpoint_config(config.model))
+        model_cls = registry.import_model_class(config.model_cls_path)  # config.json was read once, by the config
         self.model = model_cls.from_pretrained(config.model, dtype=_TORCH_DTYPES[config.dtype], device=device)
         self.kv_cache_blocks = config.kv_cache_blocks or self._blocks_for_budget()
         self.kv_cache_manager = KVCacheManager(self.kv_cache_blocks, config.block_size, config.enable_prefix_caching)

@@ -76,6 +76,7 @@ def model_class_path(config: dict) -> str:
     return MODEL_CLASSES[key]
 
 
-def model_class(config: dict) -> type:
-    module_name, _, class_name = model_class_path(config).partition(":")
+def import_model_class(path: str) -> type:
+    """The class a ``"module:Class"`` path names (imported now)."""
+    module_name, _, class_name = path.partition(":")
     return getattr(importlib.import_module(module_name), class_name)

@@ -167,7 +167,7 @@ class GuardMiddleware:
                 raise APIError(413, f"the request body has {length} bytes; the limit is {limit} "
                                     "(--max-request-body-bytes)")
         except APIError as error:
-            return await _send_error(error, send)
+            return await error_json(error)(scope, receive, send)
         received = 0
 
         async def counting_receive():
@@ -180,14 +180,6 @@ class GuardMiddleware:
             return message
 
         await self.app(scope, counting_receive, send)
-
-
-async def _send_error(error: APIError, send) -> None:
-    body = json.dumps(error.body()).encode()
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
-    headers += [(k.lower().encode(), v.encode()) for k, v in error.headers().items()]
-    await send({"type": "http.response.start", "status": error.status, "headers": headers})
-    await send({"type": "http.response.body", "body": body})
 
 
 def error_json(error: APIError) -> JSONResponse:
@@ -255,12 +247,19 @@ def build_app(config: ServerConfig) -> FastAPI:
                 raise APIError(400, "the body holds an unpaired UTF-16 surrogate escape (such as \\ud800), "
                                     "which is not a character") from None
         try:
-            return model_cls.model_validate(data)
+            req = model_cls.model_validate(data)
         except pydantic.ValidationError as error:
             message, param = protocol.format_validation_error(error)
             raise APIError(400, message, param=param) from None
         except ValueError as error:
             raise APIError(400, str(error), param=getattr(error, "param", None)) from None
+        check_model(req.model)
+        return req
+
+    async def admit(raw: Request, model_cls, prefix: str):
+        """Every route that runs a request: the parsed body, the engine (or 503/429), an id."""
+        req = await parse(raw, model_cls)
+        return req, ready_engine(), new_request_id(raw, prefix)
 
     def check_model(name: str | None) -> None:
         if name is not None and name not in (config.served_model_name, config.engine.model):
@@ -287,16 +286,15 @@ def build_app(config: ServerConfig) -> FastAPI:
     def sampling_params(req, num_prompt_tokens: int):
         max_model_len = config.engine.max_model_len
         try:
-            explicit = req.requested_max_tokens if req._max_tokens_explicit() else None
-            protocol.check_context_length(num_prompt_tokens, max_model_len, explicit,
+            protocol.check_context_length(num_prompt_tokens, max_model_len, req.requested_max_tokens,
                                           max_input_tokens=config.max_input_tokens,
-                                          max_tokens_param=req._max_tokens_param())
+                                          max_tokens_param=req.max_tokens_param)
             params = req.to_sampling_params(max_model_len - num_prompt_tokens, service.generation_config)
         except ValueError as error:
             raise APIError(400, str(error), param=getattr(error, "param", None)) from None
         capacity = service.max_tokens_per_request
         if num_prompt_tokens + (params.max_tokens or 0) > capacity:
-            if req._max_tokens_explicit():
+            if req.requested_max_tokens is not None:
                 raise APIError(400, f"the prompt ({num_prompt_tokens} tokens) plus max_tokens ({params.max_tokens}) "
                                     f"exceeds the {capacity} tokens the KV cache can hold for one request "
                                     "(--kv-cache-memory / --max-model-len); lower max_tokens", param="max_tokens")
@@ -312,7 +310,6 @@ def build_app(config: ServerConfig) -> FastAPI:
         generator = engine.generate(request_id, ids, params, worker, instance)
         if stream:
             return generator
-        final: RequestOutput | None = None
         consume = asyncio.ensure_future(_last(generator))
         try:
             while not consume.done():
@@ -323,17 +320,13 @@ def build_app(config: ServerConfig) -> FastAPI:
                         await consume
                     # Nobody reads this answer; the request is already aborted in the core.
                     raise APIError(400, "the client disconnected before the answer was ready")
-            final = consume.result()
+            return consume.result()
         finally:
-            if not consume.done():
-                consume.cancel()
-        return final
+            consume.cancel()  # a no-op once done; stops the consumer if this handler was cancelled
 
     def usage(output: RequestOutput) -> protocol.UsageInfo:
-        prompt, completion = len(output.prompt_token_ids), len(output.outputs[0].token_ids)
-        return protocol.UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                                  prompt_tokens_details=protocol.PromptTokenUsageInfo(
-                                      cached_tokens=output.num_cached_tokens) if output.num_cached_tokens else None)
+        return protocol.UsageInfo.from_counts(len(output.prompt_token_ids), len(output.outputs[0].token_ids),
+                                              output.num_cached_tokens or None)
 
     token_text = lambda token_id: service.tokenizer.decode([token_id])  # noqa: E731
 
@@ -402,23 +395,16 @@ def build_app(config: ServerConfig) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
-        req = await parse(raw, protocol.ChatCompletionRequest)
-        check_model(req.model)
-        engine = ready_engine()
-        request_id = new_request_id(raw, "chatcmpl")
-        worker, instance, ids = await prepare(
-            engine, "chat", request_id, messages=req.to_conversation(),
-            add_generation_prompt=getattr(req, "add_generation_prompt", True),
-            chat_template_kwargs=getattr(req, "chat_template_kwargs", None))
+        req, engine, request_id = await admit(raw, protocol.ChatCompletionRequest, "chatcmpl")
+        worker, instance, ids = await prepare(engine, "chat", request_id, messages=req.to_conversation(),
+                                              add_generation_prompt=req.add_generation_prompt,
+                                              chat_template_kwargs=req.chat_template_kwargs)
         dialect = ChatDialect(request_id, config.served_model_name, token_text)
         return await respond(raw, req, engine, dialect, request_id, ids, worker, instance)
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
-        req = await parse(raw, protocol.CompletionRequest)
-        check_model(req.model)
-        engine = ready_engine()
-        request_id = new_request_id(raw, "cmpl")
+        req, engine, request_id = await admit(raw, protocol.CompletionRequest, "cmpl")
         if isinstance(req.prompt, list):
             try:
                 ids = validate_client_token_ids(req.prompt, config.engine.vocab_size)
@@ -433,10 +419,7 @@ def build_app(config: ServerConfig) -> FastAPI:
 
     @app.post("/tokenize")
     async def tokenize(raw: Request):
-        req = await parse(raw, protocol.TokenizeRequest)
-        check_model(req.model)
-        engine = ready_engine()
-        request_id = new_request_id(raw, "tokenize")
+        req, engine, request_id = await admit(raw, protocol.TokenizeRequest, "tokenize")
         if req.is_chat:
             _, _, ids = await prepare(engine, "chat", request_id, messages=req.to_conversation(),
                                       add_generation_prompt=req.add_generation_prompt,
@@ -451,7 +434,6 @@ def build_app(config: ServerConfig) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(raw: Request):
         req = await parse(raw, protocol.DetokenizeRequest)
-        check_model(req.model)
         try:
             ids = validate_client_token_ids(req.tokens, config.engine.vocab_size) if req.tokens else []
         except ValueError as error:

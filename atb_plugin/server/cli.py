@@ -177,7 +177,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, RuntimeError) as error:  # bad flags, or a platform that cannot run them
         print(f"atb-plugin serve: {error}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGPIPE, signal.SIG_DFL) if hasattr(signal, "SIGPIPE") else None
     return serve(config)
 
 
