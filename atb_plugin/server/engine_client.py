@@ -11,9 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import multiprocessing
-import os
-import tempfile
-import uuid
 from collections.abc import Callable
 
 import msgspec
@@ -22,6 +19,7 @@ import zmq.asyncio
 
 from atb_plugin.engine.config import EngineConfig
 from atb_plugin.engine.messages import EngineCoreOutputs, EngineCoreRequest, decode_outputs, encode
+from atb_plugin.server import processes
 from atb_plugin.server.engine_process import ABORT, ADD, FAILED, OUT, READY, STOP, run_engine_core
 
 logger = logging.getLogger(__name__)
@@ -41,8 +39,7 @@ class EngineClient:
         self.info: dict = {}
         self.alive = False
         self._stopping = False
-        base = os.path.join(tempfile.gettempdir(), f"atb-plugin-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        self._addresses = (f"ipc://{base}-in", f"ipc://{base}-out")
+        self._addresses = (processes.ipc_address("in"), processes.ipc_address("out"))
         self._context = zmq.asyncio.Context()
         self._inbox = self._context.socket(zmq.PUSH)  # to the core
         self._outbox = self._context.socket(zmq.PULL)  # from the core
@@ -51,30 +48,19 @@ class EngineClient:
     async def start(self, timeout_s: float = 600.0) -> None:
         self._inbox.bind(self._addresses[0])
         self._outbox.bind(self._addresses[1])
-        context = multiprocessing.get_context("spawn")
-        self.process = context.Process(target=run_engine_core, name="atb-engine-core", daemon=True,
-                                       args=(self.config, *self._addresses, logging.getLogger().level or logging.INFO))
-        self.process.start()
-        logger.info("engine core pid %d", self.process.pid)
-        loop = asyncio.get_running_loop()
-        died = loop.create_future()
-        loop.add_reader(self.process.sentinel, lambda: died.done() or died.set_result(None))
-        receive = asyncio.ensure_future(self._outbox.recv_multipart())
-        done, _ = await asyncio.wait({receive, died}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        loop.remove_reader(self.process.sentinel)
-        if receive not in done:
-            receive.cancel()
-            self.process.join(1)
+        self.process = processes.spawn(run_engine_core, "atb-engine-core", self.config, *self._addresses)
+        message = await processes.wait_started(self.process, self._outbox.recv_multipart(), timeout_s)
+        if message is None:
             raise EngineStartError(f"the engine core did not start (exit code {self.process.exitcode}); "
                                    "see its log above")
-        kind, *payload = receive.result()
+        kind, *payload = message
         if kind == FAILED:
             self.process.join(10)
             raise EngineStartError("the engine core failed to start:\n" + payload[0].decode(errors="replace"))
         assert kind == READY, kind
         self.info = msgspec.msgpack.decode(payload[0])
         self.alive = True
-        loop.add_reader(self.process.sentinel, self._process_ended)
+        processes.on_exit(self.process, self._process_ended)
         self._reader = asyncio.ensure_future(self._read_outputs())
 
     async def _read_outputs(self) -> None:
@@ -87,9 +73,6 @@ class EngineClient:
                     logger.exception("processing engine outputs failed")
 
     def _process_ended(self) -> None:
-        loop = asyncio.get_running_loop()
-        loop.remove_reader(self.process.sentinel)
-        self.process.join(1)  # the sentinel fired: it has ended, reap it for its exit code
         self.alive = False
         if not self._stopping:
             logger.error("the engine-core process died (exit code %s)", self.process.exitcode)
@@ -105,10 +88,7 @@ class EngineClient:
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stopping = True
         if self.process is not None and self.process.is_alive():
-            try:
-                self.process.sentinel and asyncio.get_running_loop().remove_reader(self.process.sentinel)
-            except (ValueError, OSError):
-                pass
+            processes.stop_watching(self.process)
             await self._inbox.send_multipart([STOP])
             await asyncio.to_thread(self.process.join, timeout_s)
             if self.process.is_alive():
@@ -120,8 +100,4 @@ class EngineClient:
         self._inbox.close(linger=0)
         self._outbox.close(linger=0)
         self._context.term()
-        for address in self._addresses:
-            try:
-                os.unlink(address[len("ipc://"):])
-            except OSError:
-                pass
+        processes.unlink_ipc(self._addresses)

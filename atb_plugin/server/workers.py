@@ -23,9 +23,7 @@ import logging
 import multiprocessing
 import os
 import signal
-import tempfile
 import traceback
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -33,6 +31,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from atb_plugin.server import processes
 from atb_plugin.server.errors import APIError
 
 logger = logging.getLogger(__name__)
@@ -163,11 +162,9 @@ class TokenizerPool:
         self.shm_budget_bytes = shm_budget_bytes
         self.shm_help = shm_help
         self.on_worker_death = on_worker_death
-        base = os.path.join(tempfile.gettempdir(), f"atb-plugin-{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        self._base = base
         self._context = zmq.asyncio.Context()
         self._results = self._context.socket(zmq.PULL)
-        self._results_address = f"ipc://{base}-results"
+        self._results_address = processes.ipc_address("results")
         self._workers: list[_Worker | None] = [None] * num_workers
         self._futures: dict[int, tuple[asyncio.Future, int]] = {}
         self._ready: dict[int, asyncio.Future] = {}
@@ -189,27 +186,19 @@ class TokenizerPool:
         await asyncio.gather(*(self._spawn(i, timeout_s) for i in range(self.num_workers)))
 
     async def _spawn(self, index: int, timeout_s: float = 300.0) -> None:
-        address = f"ipc://{self._base}-w{index}-{uuid.uuid4().hex[:4]}"
+        address = processes.ipc_address(f"w{index}")
         jobs = self._context.socket(zmq.PUSH)
         jobs.bind(address)
-        process = multiprocessing.get_context("spawn").Process(
-            target=run_tokenizer_worker, name=f"atb-tokenizer-{index}", daemon=True,
-            args=(index, self.settings, address, self._results_address, logging.getLogger().level or logging.INFO))
-        process.start()
-        logger.info("tokenizer worker %d pid %d", index, process.pid)
+        ready = self._ready[index] = asyncio.get_running_loop().create_future()
+        process = processes.spawn(run_tokenizer_worker, f"atb-tokenizer-worker-{index}", index, self.settings,
+                                  address, self._results_address)
         worker = _Worker(index, process, jobs, address)
         self._workers[index] = worker
-        loop = asyncio.get_running_loop()
-        ready = self._ready[index] = loop.create_future()
-        died = loop.create_future()
-        loop.add_reader(process.sentinel, lambda: died.done() or died.set_result(None))
-        done, _ = await asyncio.wait({ready, died}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
-        loop.remove_reader(process.sentinel)
-        if ready not in done:
+        worker.instance_id = await processes.wait_started(process, ready, timeout_s)
+        if worker.instance_id is None:
             raise RuntimeError(f"tokenizer worker {index} did not start (exit code {process.exitcode})")
-        worker.instance_id = ready.result()
         logger.info("tokenizer worker %d ready, shm instance %s", index, worker.instance_id)
-        loop.add_reader(process.sentinel, lambda: self._worker_ended(worker))
+        processes.on_exit(process, lambda: self._worker_ended(worker))
 
     async def _read_results(self) -> None:
         while True:
@@ -230,8 +219,6 @@ class TokenizerPool:
                 future.set_result(message)
 
     def _worker_ended(self, worker: _Worker) -> None:
-        asyncio.get_running_loop().remove_reader(worker.process.sentinel)
-        worker.process.join(1)  # the sentinel fired: it has ended, reap it for its exit code
         if self._stopping:
             return
         logger.error("tokenizer worker %d died (exit code %s); replacing it", worker.index, worker.process.exitcode)
@@ -312,14 +299,10 @@ class TokenizerPool:
 
     async def shutdown(self, timeout_s: float = 10.0) -> None:
         self._stopping = True
-        loop = asyncio.get_running_loop()
         for worker in self._workers:
             if worker is None:
                 continue
-            try:
-                loop.remove_reader(worker.process.sentinel)
-            except (ValueError, OSError):
-                pass
+            processes.stop_watching(worker.process)
             if worker.process.is_alive():
                 await worker.jobs.send(msgspec.msgpack.encode({"op": "stop"}))
         for worker in self._workers:
@@ -334,8 +317,4 @@ class TokenizerPool:
             self._reader.cancel()
         self._results.close(linger=0)
         self._context.term()
-        for path in [self._results_address] + [w.address for w in self._workers if w is not None]:
-            try:
-                os.unlink(path[len("ipc://"):])
-            except OSError:
-                pass
+        processes.unlink_ipc([self._results_address] + [w.address for w in self._workers if w is not None])
