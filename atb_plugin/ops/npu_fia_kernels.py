@@ -40,11 +40,9 @@ rms_norm = _atb.rms_norm
 apply_rotary = _atb.apply_rotary
 silu_and_mul = _atb.silu_and_mul
 
-# torch_npu functions this set calls (the platform checks they exist). The vision towers'
-# varlen attention is still ATB's (_npu_flash_attention(_unpad)): serving a VL model on this set
-# needs the ATB library too.
-TORCH_NPU_OPS = ("npu_scatter_pa_kv_cache", "npu_fused_infer_attention_score", "npu_rms_norm", "npu_rotary_mul",
-                 "npu_swiglu", "_npu_flash_attention", "_npu_flash_attention_unpad")
+# The torch_npu functions this set calls are listed in atb_plugin.platform.npu.KERNEL_SET_OPS (the
+# platform checks they exist at start-up). The vision towers' varlen attention is still ATB's
+# (_npu_flash_attention(_unpad)): serving a VL model on this set needs the ATB library too.
 
 BLOCK_SIZE_MULTIPLE = 128  # FIA page attention with Q_S > 1: multiple of 128 ...
 MAX_BLOCK_SIZE = 512  # ... at most 512
@@ -164,5 +162,5 @@ def paged_attention(query, key_cache, value_cache, metadata, scale) -> torch.Ten
     return out
 
 
-__all__ = ["BLOCK_SIZE_MULTIPLE", "MASK_SIZE", "MAX_BLOCK_SIZE", "TORCH_NPU_OPS", "apply_rotary", "causal_mask", "check_block_size",
+__all__ = ["BLOCK_SIZE_MULTIPLE", "MASK_SIZE", "MAX_BLOCK_SIZE", "apply_rotary", "causal_mask", "check_block_size",
            "paged_attention", "rms_norm", "silu_and_mul", "varlen_attention", "write_kv_cache"]

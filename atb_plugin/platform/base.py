@@ -31,7 +31,14 @@ class Platform:
 
     @property
     def kernels(self) -> ModuleType:
-        return importlib.import_module(self.kernels_module_name())
+        # Read on every op call: keep the module, re-import only when the chosen name changes
+        # (the NPU's kernel set can be switched by ATB_PLUGIN_NPU_KERNELS, e.g. between tests).
+        name = self.kernels_module_name()
+        module = self.__dict__.get("_kernels")
+        if module is None or module.__name__ != name:
+            module = importlib.import_module(name)
+            object.__setattr__(self, "_kernels", module)  # a cache, not state: frozen otherwise
+        return module
 
     def kernels_module_name(self) -> str:
         return self.kernels_module

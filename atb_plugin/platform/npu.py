@@ -39,7 +39,7 @@ from atb_plugin.platform.base import Platform
 
 KERNELS_ENV = "ATB_PLUGIN_NPU_KERNELS"
 KERNEL_SETS = {"atb": "atb_plugin.ops.npu_kernels", "fia": "atb_plugin.ops.npu_fia_kernels"}
-# torch_npu functions each kernel set calls; a kernel module may declare its own ``TORCH_NPU_OPS``.
+# torch_npu functions each kernel set calls (checked at start-up: a missing one is a clear error).
 KERNEL_SET_OPS = {
     "atb": ("_npu_reshape_and_cache", "_npu_paged_attention", "_npu_paged_attention_splitfuse",
             "_npu_flash_attention", "_npu_flash_attention_unpad", "npu_rms_norm", "npu_rotary_mul",
@@ -49,12 +49,10 @@ KERNEL_SET_OPS = {
 }
 BF16_CHIP_PREFIXES = ("Ascend910B", "Ascend910_93")  # Atlas A2, Atlas A3
 UNSUPPORTED_CHIP_PREFIXES = ("Ascend310P",)
-# KV block sizes per kernel set: (multiple of, at most). ATB PagedAttention: "due to hardware
-# restrictions, block_size % 16 == 0", at most 128; FIA page attention with more than one new token:
-# a multiple of 128 in [128, 512] (torch_npu docs).
-BLOCK_SIZE_RULES = {"atb": (16, 128), "fia": (128, 512)}
+# KV block-size rules live with the kernels that need them (each kernel module's
+# BLOCK_SIZE_MULTIPLE / MAX_BLOCK_SIZE, and npu_kernels' MAX_SPLITFUSE_BLOCK_ELEMS): the start-up
+# check reads them there, so it cannot drift from what the kernels enforce.
 DEFAULT_BLOCK_SIZE = 128
-SPLITFUSE_MAX_BLOCK_ELEMENTS = 128 * 128  # ATB split-fuse attention: block_size * head_size
 ATB_INSTALL_HINT = ("install CANN's ATB library (the NNAL package) matching this CANN / torch_npu and source "
                     "its environment (source /usr/local/Ascend/nnal/atb/set_env.sh) before starting")
 
@@ -212,23 +210,11 @@ class NpuPlatform(Platform):
         except ImportError as exc:
             raise RuntimeError(f"the {chosen!r} NPU kernel set ({KERNEL_SETS[chosen]}) does not import "
                                f"({type(exc).__name__}: {exc}); set {KERNELS_ENV}=atb or fia") from exc
-        ops = tuple(getattr(kernels, "TORCH_NPU_OPS", KERNEL_SET_OPS[chosen]))
-        reason = missing_ops_reason(torch_npu(), ops, chosen)
+        del kernels  # imported only to prove it imports
+        reason = missing_ops_reason(torch_npu(), KERNEL_SET_OPS[chosen], chosen)
         if reason is not None:
             raise RuntimeError(reason)
 
-    def check_engine_config(self, dtype: str, block_size: int | None,
-                            head_size: int | None = None) -> tuple[str, int]:
-        dtype, block_size = super().check_engine_config(dtype, block_size, head_size)
-        # A kernel module may state its own block-size rule (npu_fia_kernels does): ask it too, so
-        # a rule here that drifted from the kernels' still fails at start-up.
-        check = getattr(self.kernels, "check_block_size", None)
-        if callable(check):
-            try:
-                check(block_size)
-            except ValueError as exc:
-                raise ValueError(f"EngineConfig.block_size = {block_size}: {exc}") from None
-        return dtype, block_size
 
     def default_dtype(self) -> str:
         return "bfloat16" if supports_bf16(chip_name()) else "float16"
@@ -245,15 +231,17 @@ class NpuPlatform(Platform):
     def _block_size_rule(self, head_size: int | None) -> tuple[int, int, str]:
         """(multiple of, at most, the rule in words) for the selected kernel set."""
         chosen = kernel_set()
-        multiple, limit = BLOCK_SIZE_RULES[chosen]
+        kernels = importlib.import_module(KERNEL_SETS[chosen])
+        multiple, limit = kernels.BLOCK_SIZE_MULTIPLE, kernels.MAX_BLOCK_SIZE
         ops = "ATB PagedAttention" if chosen == "atb" else "npu_fused_infer_attention_score page attention"
         why = f"a multiple of {multiple} in [{multiple}, {limit}] ({chosen!r} kernel set: {ops}"
-        if head_size and chosen == "atb":
-            splitfuse = SPLITFUSE_MAX_BLOCK_ELEMENTS // head_size // multiple * multiple
+        max_elements = getattr(kernels, "MAX_SPLITFUSE_BLOCK_ELEMS", None)
+        if head_size and max_elements:
+            splitfuse = max_elements // head_size // multiple * multiple
             if splitfuse < limit:
                 limit = max(multiple, splitfuse)
                 why = (f"a multiple of {multiple} in [{multiple}, {limit}] ({chosen!r} kernel set: ATB split-fuse "
-                       f"attention needs block_size * head_size <= {SPLITFUSE_MAX_BLOCK_ELEMENTS}; head_size is "
+                       f"attention needs block_size * head_size <= {max_elements}; head_size is "
                        f"{head_size}")
         return multiple, limit, why + ")"
 
