@@ -39,7 +39,6 @@ class _RequestState:
     media: MultimodalPrompt | None = None
     mrope_positions: torch.Tensor | None = None  # (3, num_prompt_tokens)
     rope_delta: int = 0
-    generator: torch.Generator | None = None
 
 
 class ModelRunner:
@@ -79,7 +78,6 @@ class ModelRunner:
             state.mrope_positions, state.rope_delta = self.model.get_mrope_positions(torch.tensor(prompt), grids)
         if request.request_id not in self.generators:
             self.generators[request.request_id] = make_generator(request.sampling_params.seed, device=self.device)
-        state.generator = self.generators[request.request_id]
         self.input_batch.add_request(request.request_id, prompt + request.output_token_ids,
                                      request.num_computed_tokens, block_ids)
         self.states[request.request_id] = state
@@ -137,7 +135,7 @@ class ModelRunner:
             sampled = self.sampler.sample(
                 logits,
                 [s.request.sampling_params for s in states],
-                [s.generator for s in states],
+                [self.generators[s.request.request_id] for s in states],
                 [s.request.num_output_tokens for s in states],
                 [s.request.eos_token_ids for s in states],
             )

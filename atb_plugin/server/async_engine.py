@@ -35,11 +35,9 @@ class _Tracked:
     queue: asyncio.Queue
     worker: int
     arrival: float
-    prompt_tokens: int
     first_token: float | None = None
     last_token: float | None = None
     itls: list = field(default_factory=list)
-    num_output_tokens: int = 0
 
 
 class EngineDeadError(APIError):
@@ -81,7 +79,7 @@ class AsyncEngine:
         queue: asyncio.Queue = asyncio.Queue()
         instances = (instance_id,) if instance_id else ()
         message = EngineCoreRequest(request_id, list(prompt_token_ids), params, self.eos_token_ids, instances)
-        self._tracked[request_id] = _Tracked(queue, worker, time.monotonic(), len(prompt_token_ids))
+        self._tracked[request_id] = _Tracked(queue, worker, time.monotonic())
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
         try:
             self.engine_client.add_request(message)
@@ -134,7 +132,6 @@ class AsyncEngine:
             self.engine_client.abort(processed.to_abort)
         for request_output in processed.request_outputs:
             queues[request_output.request_id].put_nowait(request_output)
-        self.metrics.set_tokenizer_queue_depth(self.pool.queue_depth)
 
     def _on_finish(self, output: RequestOutput) -> None:
         """Exactly once per request, whatever ended it: release its lease, record its metrics."""
@@ -142,18 +139,15 @@ class AsyncEngine:
         if tracked is None:
             return
         self.pool.release(tracked.worker, output.request_id)
-        now = time.monotonic()
         completion = output.outputs[0]
-        reason = completion.finish_reason or "abort"
+        num_prompt, num_output = len(output.prompt_token_ids), len(completion.token_ids)
+        ttft = None if tracked.first_token is None else tracked.first_token - tracked.arrival
         self.metrics.record_finished(
-            prompt_tokens=tracked.prompt_tokens, generation_tokens=len(completion.token_ids),
-            finish_reason=reason,
-            ttft=None if tracked.first_token is None else tracked.first_token - tracked.arrival,
-            itls=tracked.itls, e2e=now - tracked.arrival, queue_time=output.queue_time)
+            prompt_tokens=num_prompt, generation_tokens=num_output, finish_reason=completion.finish_reason,
+            ttft=ttft, itls=tracked.itls, e2e=time.monotonic() - tracked.arrival, queue_time=output.queue_time)
         logger.info("request %s: %d prompt + %d output tokens, TTFT %s, finish %s%s", output.request_id,
-                    tracked.prompt_tokens, len(completion.token_ids),
-                    "-" if tracked.first_token is None else f"{tracked.first_token - tracked.arrival:.3f}s",
-                    reason, f" ({output.error})" if output.error else "")
+                    num_prompt, num_output, "-" if ttft is None else f"{ttft:.3f}s", completion.finish_reason,
+                    f" ({output.error})" if output.error else "")
 
     def on_engine_death(self, exit_code) -> None:
         self.dead_reason = f"the engine-core process exited with code {exit_code}"

@@ -176,10 +176,6 @@ class TokenizerPool:
     def queue_depth(self) -> int:
         return len(self._futures)
 
-    def instance_id(self, index: int) -> str | None:
-        worker = self._workers[index]
-        return worker.instance_id if worker else None
-
     async def start(self, timeout_s: float = 300.0) -> None:
         self._results.bind(self._results_address)
         self._reader = asyncio.ensure_future(self._read_results())
