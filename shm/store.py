@@ -90,7 +90,7 @@ class ShmStoreConfig:
             raise ValueError(f"capacity_bytes must be > 0 or None, got {self.capacity_bytes}")
 
 
-def _shm_space() -> tuple[int, int] | None:
+def shm_space() -> tuple[int, int] | None:
     """(free, total) bytes of the filesystem holding the segments, None if it cannot be measured."""
     try:
         stat = os.statvfs(_segment.SHM_DIR)
@@ -109,7 +109,7 @@ def resolve_cache_bytes(cache_bytes: int | None) -> tuple[int, str]:
     """
     if cache_bytes is not None:
         return cache_bytes, "cache_bytes"
-    space = _shm_space()
+    space = shm_space()
     if space is None:
         return AUTO_CACHE_MAX_BYTES, f"{_segment.SHM_DIR}'s size unknown"
     total = space[1]
@@ -321,7 +321,9 @@ class ShmStore:
                     raise
                 with self._lock:
                     self._check_open()
-                    victims = self._evict_bytes_locked(size)
+                    # Free at least ``size`` bytes of cache, oldest first.
+                    target = self._cached_bytes - size
+                    victims = self._evict_locked(lambda: self._cached_bytes > target)
                     if not victims:
                         message = self._full_message_locked(size, cause)
                 if not victims:
@@ -343,7 +345,7 @@ class ShmStore:
         in_flight = self._owned_bytes - leased - self._cached_bytes - (size if cause is not None else 0)
         held = (f"{leased} bytes leased to running requests and {self._cached_bytes} bytes cached"
                 + (f", {in_flight} bytes being written" if in_flight > 0 else ""))
-        space = _shm_space()
+        space = shm_space()
         room = (f"{shm_dir}'s free space is unknown" if space is None
                 else f"{shm_dir} has {space[0]} of {space[1]} bytes free")
         if cause is not None:
@@ -399,15 +401,6 @@ class ShmStore:
                 raise ShmStoreFullError(self._full_message_locked(size))
             victims = self._evict_locked(lambda: self._owned_bytes + size > capacity)
         self._owned_bytes += size
-        return victims
-
-    def _evict_bytes_locked(self, nbytes: int) -> list[str]:
-        """Evict the least recently used cached segments until at least ``nbytes`` are freed."""
-        victims, freed = [], 0
-        while self._cached and freed < nbytes:
-            segment = self._evict_oldest_locked()
-            victims.append(segment.handle.name)
-            freed += segment.size
         return victims
 
     def _evict_locked(self, over_budget) -> list[str]:

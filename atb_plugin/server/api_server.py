@@ -14,7 +14,6 @@ import contextlib
 import json
 import logging
 import re
-import shutil
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -34,6 +33,8 @@ from atb_plugin.server.engine_client import EngineClient
 from atb_plugin.server.errors import APIError
 from atb_plugin.server.metrics import ServerMetrics
 from atb_plugin.server.workers import TokenizerPool, WorkerSettings
+from shm.segment import SHM_DIR
+from shm.store import shm_space
 
 logger = logging.getLogger("atb_plugin.server")
 VERSION = "0.1.0"
@@ -118,19 +119,19 @@ class Service:
 
 
 def log_shm_capacity(config: ServerConfig) -> None:
-    try:
-        usage = shutil.disk_usage("/dev/shm")
-    except OSError:
-        logger.warning("/dev/shm is missing: images cannot be served")
+    space = shm_space()
+    if space is None:
+        logger.warning("%s cannot be measured (missing?): images cannot be served", SHM_DIR)
         return
+    free, total = space
     images = config.limit_mm_per_prompt if config.limit_mm_per_prompt is not None else 4
     needed = images * config.engine.max_num_seqs * _TYPICAL_IMAGE_BYTES
-    logger.info("/dev/shm: %.0f MiB, %.0f MiB free", usage.total / 2**20, usage.free / 2**20)
-    if usage.free < needed:
+    logger.info("%s: %.0f MiB, %.0f MiB free", SHM_DIR, total / 2**20, free / 2**20)
+    if free < needed:
         logger.warning("/dev/shm has %.0f MiB free; %d images x %d sequences need about %.0f MiB: requests with "
                        "images may get 503. In Docker, pass --shm-size (e.g. --shm-size=2g); or lower "
                        "--limit-mm-per-prompt / --max-num-seqs, or cap use with --shm-budget-bytes",
-                       usage.free / 2**20, images, config.engine.max_num_seqs, needed / 2**20)
+                       free / 2**20, images, config.engine.max_num_seqs, needed / 2**20)
 
 
 # -- middleware ------------------------------------------------------------------------------------
