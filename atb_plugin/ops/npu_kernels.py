@@ -189,28 +189,27 @@ class _StepInputs:
         offset = torch.arange(int(query_lens.sum())) - metadata.query_start_loc_cpu[:-1].to(torch.int64)[request]
         self.positions = ((seq_lens - query_lens)[request] + offset).to(device)
         self.request = request.to(device)
-        self._metadata, self._masks = metadata, {}
+        self._metadata, self._derived = metadata, {}
+
+    def _once(self, key, make):
+        """``make()`` on the first layer that asks this step, the same tensor for every later one."""
+        if key not in self._derived:
+            self._derived[key] = make()
+        return self._derived[key]
 
     def prefill_mask(self, dtype, device) -> torch.Tensor:
-        key = ("prefill", dtype)
-        if key not in self._masks:
-            self._masks[key] = _prefill_mask(self.max_seq_len, dtype, device)
-        return self._masks[key]
+        return self._once(("prefill", dtype), lambda: _prefill_mask(self.max_seq_len, dtype, device))
 
     def splitfuse_mask(self, dtype) -> torch.Tensor:
-        key = ("splitfuse", dtype)
-        if key not in self._masks:
-            self._masks[key] = _splitfuse_mask(self.positions, self.max_seq_len, dtype)
-        return self._masks[key]
+        return self._once(("splitfuse", dtype), lambda: _splitfuse_mask(self.positions, self.max_seq_len, dtype))
 
     def new_token_slots(self, block_size: int) -> torch.Tensor:
         """Cache slot of every new token, via the block tables (what the CPU path reads)."""
-        key = ("slots", block_size)
-        if key not in self._masks:
+        def slots():
             tables = self._metadata.block_tables.to(self.positions.device).long()
             blocks = tables[self.request, self.positions // block_size]
-            self._masks[key] = blocks * block_size + self.positions % block_size
-        return self._masks[key]
+            return blocks * block_size + self.positions % block_size
+        return self._once(("slots", block_size), slots)
 
 
 def _step_inputs(metadata, device) -> _StepInputs:
