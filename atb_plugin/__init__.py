@@ -1,9 +1,9 @@
 """atb-plugin device side and service: platform, ops, models, multimodal, engine, server.
 
-``from atb_plugin import LLM, SamplingParams`` is the offline API (imported lazily, so
+``from atb_plugin import LLM, SamplingParams, PoolingParams`` is the offline API (imported lazily, so
 ``import atb_plugin.testing.tiny`` and friends stay light)."""
 
-__all__ = ["LLM", "SamplingParams"]
+__all__ = ["LLM", "SamplingParams", "PoolingParams"]
 
 
 def __getattr__(name):
@@ -15,4 +15,8 @@ def __getattr__(name):
         from atb_plugin.engine.sampling_params import SamplingParams
 
         return SamplingParams
+    if name == "PoolingParams":
+        from atb_plugin.pooling.params import PoolingParams
+
+        return PoolingParams
     raise AttributeError(f"module 'atb_plugin' has no attribute {name!r}")

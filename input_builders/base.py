@@ -65,12 +65,15 @@ class InputBuilder:
     - bad input raises a ``ValueError`` subclass (``InputBuilderError`` or ``MediaError``) whose
       message names the limit and how to fix the input.
 
-    Text-only families use this class as is. Multimodal families set ``max_images_per_prompt``,
-    are given ``image_token_id`` (the anchor, from the model config) and an ``ImagePreprocessor``,
-    and implement ``num_media_tokens`` and ``media_block`` (and ``grid_thw`` where blocks vary).
+    Text-only families use this class as is. Multimodal families set ``model_type`` (whose model
+    class declares how many images a prompt may carry), are given ``image_token_id`` (the anchor,
+    from the model config) and an ``ImagePreprocessor``, and implement ``num_media_tokens`` and
+    ``media_block`` (and ``grid_thw`` where blocks vary). ``max_images_per_prompt`` (the engine's
+    ``limit_mm_per_prompt``) may lower the family's limit, not raise it.
     """
 
     max_images_per_prompt: int = 0  # 0: the family takes no images
+    model_type: str | None = None  # a multimodal family's key in atb_plugin.models.registry
 
     def __init__(
         self,
@@ -88,15 +91,32 @@ class InputBuilder:
         self.preprocessor = preprocessor
         self.media_config = media_config or MediaConfig()
         self.max_length = max_length
+        family_limit = self.family_max_images()
         if max_images_per_prompt is not None:
-            if max_images_per_prompt < 0:
-                raise ValueError(f"max_images_per_prompt must be >= 0, got {max_images_per_prompt}")
+            if not 0 <= max_images_per_prompt <= family_limit:
+                raise ValueError(f"max_images_per_prompt = {max_images_per_prompt}: {type(self).__name__} takes "
+                                 f"0 to {family_limit} images per prompt")
             self.max_images_per_prompt = max_images_per_prompt
+        else:
+            self.max_images_per_prompt = family_limit
         # The anchor: the one token the template renders per image (from the model config).
         self.image_anchor_id = image_token_id
         self.image_anchor = None if image_token_id is None else tokenizer.convert_ids_to_tokens(image_token_id)
         if self.max_images_per_prompt and image_token_id is None:
             raise ValueError(f"{type(self).__name__} takes images but got no image_token_id")
+
+    @classmethod
+    def family_max_images(cls) -> int:
+        """The family's own limit, as its model class declares it (``supported_mm_limits``): one
+        declaration for this builder and the engine's ``limit_mm_per_prompt``. The class is imported
+        here, when a builder is made (torch is loaded by then, with the tokenizer), not when a
+        router is picked."""
+        if cls.model_type is None:
+            return cls.max_images_per_prompt
+        from atb_plugin.models import registry
+        from atb_plugin.multimodal.profiling import supported_mm_limit
+
+        return supported_mm_limit(registry.import_model_class(registry.MODEL_CLASSES[cls.model_type]))
 
     # -- public (MindIE's signatures) -------------------------------------------------------------
 

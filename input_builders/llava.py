@@ -14,7 +14,7 @@ METADATA_SLOTS = 2  # NAME, SHAPE
 
 
 class LlavaInputBuilder(InputBuilder):
-    max_images_per_prompt = 4
+    model_type = "llava"  # its model class declares the images per prompt
 
     def __init__(self, tokenizer, *, image_size: int, patch_size: int, feature_select_strategy: str,
                  preprocessor: ClipPreprocessor, **kwargs):

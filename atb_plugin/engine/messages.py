@@ -1,8 +1,8 @@
 """The typed messages between a frontend and the engine core (in one process or over IPC).
 
     frontend ── EngineCoreRequest ──►  EngineCore  ── EngineCoreOutputs ──► frontend
-               (ids only: no text,                  (new token ids, finish reason,
-                no images, no tokenizer)             logprobs, error; scheduler stats)
+               (ids only: no text,                  (new token ids or a pooled tensor,
+                no images, no tokenizer)             finish reason, logprobs, error; stats)
 
 They are plain dataclasses: the offline ``LLM`` passes them by reference, the server encodes them
 with msgspec's MessagePack (``encode`` / ``decode_*`` below), which decodes straight into these
@@ -16,10 +16,12 @@ import time
 from dataclasses import dataclass, field
 
 import msgspec
+import numpy as np
 
 from atb_plugin.engine.sampling_params import SamplingParams
+from atb_plugin.pooling.params import PoolingParams
 
-__all__ = ["LogprobsEntry", "EngineCoreRequest", "EngineCoreOutput", "SchedulerStats", "EngineCoreOutputs",
+__all__ = ["LogprobsEntry", "PooledData", "EngineCoreRequest", "EngineCoreOutput", "SchedulerStats", "EngineCoreOutputs",
            "encode", "decode_request", "decode_outputs"]
 
 
@@ -46,32 +48,67 @@ class LogprobsEntry:
 
 
 @dataclass
+class PooledData:
+    """A pooled result as it crosses the process boundary: float32 little-endian bytes and a
+    shape (``(D,)`` per sequence, ``(n_tokens, D)`` per token). Bytes, not a list of floats: a
+    384-float embedding is 1.5 KiB either way, but bytes cost no per-float encode/decode, and
+    base64 output (``encoding_format="base64"``) is these very bytes."""
+
+    shape: list[int]
+    data: bytes
+
+    def __post_init__(self):
+        if int(np.prod(self.shape, dtype=np.int64)) * 4 != len(self.data):
+            raise ValueError(f"pooled data of {len(self.data)} bytes does not match shape {self.shape}")
+
+    @classmethod
+    def from_array(cls, array) -> "PooledData":
+        array = np.ascontiguousarray(array, dtype="<f4")
+        return cls(list(array.shape), array.tobytes())
+
+    def to_array(self) -> np.ndarray:
+        return np.frombuffer(self.data, dtype="<f4").reshape(self.shape)
+
+
+@dataclass
 class EngineCoreRequest:
     """One request as the core sees it. ``prompt_token_ids`` may hold negative media-handle slots
     (written by the frontend's input builder); the core reads only segments of the
     ``shm_instances`` registered here. ``eos_token_ids`` come from the frontend (generation
-    config, tokenizer, family rules), so the core needs no tokenizer."""
+    config, tokenizer, family rules), so the core needs no tokenizer.
+
+    Exactly one of ``sampling_params`` (generate) and ``pooling_params`` (pooling models) is set.
+    ``token_type_start``: for a sentence pair on a cross-encoder, the index of the first token of
+    the second sentence (its tokens have token type 1; vLLM sends the same "compressed" form)."""
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
     eos_token_ids: tuple[int, ...] = ()
     shm_instances: tuple[str, ...] = ()
     arrival_time: float = field(default_factory=time.monotonic)  # CLOCK_MONOTONIC: one clock for all processes
+    pooling_params: PoolingParams | None = None
+    token_type_start: int | None = None
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:
             raise ValueError(f"request_id must be a non-empty string, got {self.request_id!r}")
+        if (self.sampling_params is None) == (self.pooling_params is None):
+            raise ValueError("a request has either sampling_params (generate) or pooling_params, not both or none")
+        if self.token_type_start is not None and not 0 < self.token_type_start < len(self.prompt_token_ids):
+            raise ValueError(f"token_type_start {self.token_type_start} is outside the prompt "
+                             f"({len(self.prompt_token_ids)} tokens)")
         self.eos_token_ids = tuple(self.eos_token_ids)
         self.shm_instances = tuple(self.shm_instances)
 
 
 @dataclass
 class EngineCoreOutput:
-    """What one step did for one request: the tokens it appended (one per step today), and
-    ``finish_reason`` ("stop", "length", "abort", "error") once it ended, with ``error`` saying
-    why for "error". ``queue_time`` (seconds from arrival to first scheduling) rides on the first
-    output of a request."""
+    """What one step did for one request: the tokens it appended (one per step today), or for a
+    pooling request its ``pooled`` result (then it is finished, "stop"), and ``finish_reason``
+    ("stop", "length", "abort", "error") once it ended, with ``error`` saying why for "error".
+    ``queue_time`` (seconds from arrival to first scheduling) rides on the first output of a
+    request."""
 
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
@@ -80,6 +117,7 @@ class EngineCoreOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     queue_time: float | None = None
+    pooled: PooledData | None = None
 
     @property
     def finished(self) -> bool:

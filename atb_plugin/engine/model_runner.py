@@ -5,6 +5,7 @@
                     ──► embeddings (text + image features of the chunk's media blocks)
                     ──► model forward over the paged KV cache ──► logits of sampling requests
                     ──► sampler ──► one token per sampling request
+                    (pooling runner: hidden states ──► DispatchPooler ──► one result per request)
 
 A request whose media block is bad fails alone (``RunnerOutput.failed``); the rest of the
 batch runs.
@@ -18,12 +19,14 @@ import torch
 
 from atb_plugin.engine.config import EngineConfig
 from atb_plugin.engine.input_batch import InputBatch
+from atb_plugin.engine.messages import PooledData
 from atb_plugin.engine.prepare_inputs import prepare_inputs
 from atb_plugin.engine.request import Request
 from atb_plugin.engine.sampler import Sampler, make_generator
 from atb_plugin.engine.scheduler import SchedulerOutput
-from atb_plugin.models.interfaces import SupportsMedia, SupportsMRoPE
+from atb_plugin.models.interfaces import SupportsMedia, SupportsMRoPE, SupportsTokenTypes
 from atb_plugin.multimodal import MediaBlockError, MultimodalPrompt
+from atb_plugin.pooling.poolers import DispatchPooler, PoolingBatch
 
 
 @dataclass
@@ -31,6 +34,7 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, object] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why
+    pooled: dict[str, PooledData] = field(default_factory=dict)
 
 
 @dataclass
@@ -44,9 +48,11 @@ class _RequestState:
 class ModelRunner:
     """Contract: ``execute(scheduler_output)`` runs one step and returns a ``RunnerOutput``;
     it keeps per-request device state (batch row, media features, M-RoPE positions, sampling
-    generator) from a request's first scheduling until the scheduler reports it finished."""
+    generator) from a request's first scheduling until the scheduler reports it finished.
+    With a ``pooler`` (the pooling runner) its requests' hidden states are pooled instead of
+    sampled."""
 
-    def __init__(self, model, config: EngineConfig, num_blocks: int):
+    def __init__(self, model, config: EngineConfig, num_blocks: int, pooler: DispatchPooler | None = None):
         self.model = model
         self.config = config
         self.device = next(model.parameters()).device
@@ -56,6 +62,8 @@ class ModelRunner:
         self.sampler = Sampler()
         self.layout = model.media_layout if isinstance(model, SupportsMedia) else None
         self.uses_mrope = isinstance(model, SupportsMRoPE)
+        self.pooler = pooler
+        self.uses_token_types = isinstance(model, SupportsTokenTypes)
         self.states: dict[str, _RequestState] = {}
         # Per request, made once and advanced only by its own sampling, kept across preemption:
         # a seeded request draws the same stream whatever its batch and however often it is
@@ -76,7 +84,7 @@ class ModelRunner:
         if self.uses_mrope:
             grids = [block.grid_thw for block in state.media.blocks] if state.media else []
             state.mrope_positions, state.rope_delta = self.model.get_mrope_positions(torch.tensor(prompt), grids)
-        if request.request_id not in self.generators:
+        if request.request_id not in self.generators and not request.is_pooling:
             self.generators[request.request_id] = make_generator(request.sampling_params.seed, device=self.device)
         self.input_batch.add_request(request.request_id, prompt + request.output_token_ids,
                                      request.num_computed_tokens, block_ids)
@@ -125,10 +133,17 @@ class ModelRunner:
         spans = self._spans(request_ids, counts)
         positions = self._mrope_positions(spans) if self.uses_mrope else prepared.positions
         inputs_embeds = self._embeddings(prepared.input_ids, spans)
-        hidden = self.model(prepared.input_ids, positions, self.kv_caches, prepared.attn_metadata,
-                            inputs_embeds=inputs_embeds)
+        if self.uses_token_types:
+            hidden = self.model.forward_with_token_types(prepared.input_ids, positions, self.kv_caches,
+                                                         prepared.attn_metadata, self._token_types(spans, prepared))
+        else:
+            hidden = self.model(prepared.input_ids, positions, self.kv_caches, prepared.attn_metadata,
+                                inputs_embeds=inputs_embeds)
 
-        sampling = [i for i, samples in enumerate(prepared.samples) if samples]
+        pooling = [i for i, (state, *_) in enumerate(spans) if state.request.is_pooling]
+        if pooling:
+            self._pool(hidden, prepared, spans, pooling, result)
+        sampling = [i for i, samples in enumerate(prepared.samples) if samples and not spans[i][0].request.is_pooling]
         if sampling:
             logits = self.model.compute_logits(hidden[prepared.logits_indices[sampling]])
             states = [self.states[request_ids[i]] for i in sampling]
@@ -145,6 +160,26 @@ class ModelRunner:
                 result.logprobs[request_id] = logprobs
                 self.input_batch.append_token(request_id, token)
         return result
+
+    def _pool(self, hidden, prepared, spans, indices: list[int], result: RunnerOutput) -> None:
+        """Pool the hidden states of the step's pooling requests (each ran its whole prompt)."""
+        if self.pooler is None:
+            raise RuntimeError("a pooling request reached a runner without a pooler")
+        qsl = prepared.attn_metadata.query_start_loc.to(torch.long)
+        index = torch.as_tensor(indices, dtype=torch.long, device=qsl.device)
+        batch = PoolingBatch(qsl[index], (qsl[1:] - qsl[:-1])[index],
+                             [spans[i][0].request.pooling_params for i in indices], prepared.input_ids)
+        for i, value in zip(indices, self.pooler(hidden, batch)):
+            result.pooled[spans[i][0].request.request_id] = PooledData.from_array(value.detach().cpu().numpy())
+
+    def _token_types(self, spans, prepared) -> torch.Tensor:
+        """``(T,)`` token types: 1 from each pair's ``token_type_start`` to its end, else 0."""
+        types = torch.zeros_like(prepared.input_ids)
+        for state, offset, start, end in spans:
+            boundary = state.request.token_type_start
+            if boundary is not None and boundary < end:
+                types[offset + max(boundary - start, 0):offset + end - start] = 1
+        return types
 
     def _spans(self, request_ids, counts) -> list[tuple[_RequestState, int, int, int]]:
         """(state, offset in the batch, first position, last position + 1) per request."""

@@ -4,6 +4,9 @@
                            ──► RequestOutput (cumulative text + this step's delta)
                            ──► finished? on_finish(final RequestOutput)  (releases its shm lease)
 
+A pooling request (``PoolingParams``) has no text: its one output carries the pooled tensor
+(``PoolingRequestOutput``).
+
 A stop string is text, so the core cannot see it: when the detokenizer finds one, the request is
 finished here ("stop") and its id is returned in ``ProcessedOutputs.to_abort`` for the caller to
 abort in the core. ``on_finish`` runs exactly once per request, whatever ended it (finish,
@@ -18,6 +21,8 @@ from dataclasses import dataclass, field
 from atb_plugin.engine.detokenizer import IncrementalDetokenizer
 from atb_plugin.engine.messages import EngineCoreOutput, LogprobsEntry
 from atb_plugin.engine.sampling_params import SamplingParams
+from atb_plugin.pooling.outputs import PoolingOutput, PoolingRequestOutput
+from atb_plugin.pooling.params import PoolingParams
 
 __all__ = ["CompletionOutput", "RequestOutput", "ProcessedOutputs", "OutputProcessor"]
 
@@ -66,15 +71,25 @@ class _RequestState:
     queue_time: float | None = None
 
 
+@dataclass
+class _PoolingState:
+    request_id: str
+    prompt_token_ids: list[int]
+
+
 class OutputProcessor:
-    def __init__(self, tokenizer, on_finish: Callable[[RequestOutput], None] | None = None):
+    def __init__(self, tokenizer, on_finish: Callable[[RequestOutput | PoolingRequestOutput], None] | None = None):
         self.tokenizer = tokenizer
         self.on_finish = on_finish
-        self._states: dict[str, _RequestState] = {}
+        self._states: dict[str, _RequestState | _PoolingState] = {}
 
-    def add_request(self, request_id: str, prompt, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def add_request(self, request_id: str, prompt, prompt_token_ids: list[int],
+                    params: SamplingParams | PoolingParams) -> None:
         if request_id in self._states:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(params, PoolingParams):
+            self._states[request_id] = _PoolingState(request_id, list(prompt_token_ids))
+            return
         detokenizer = IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params)
         self._states[request_id] = _RequestState(request_id, prompt, list(prompt_token_ids), params, detokenizer)
 
@@ -91,6 +106,10 @@ class OutputProcessor:
             state = self._states.get(out.request_id)
             if state is None:
                 continue  # aborted here while the core was still stepping it
+            if isinstance(state, _PoolingState):
+                results.append(self._finish_pooling(state, out.pooled.to_array() if out.pooled else None,
+                                                    out.finish_reason or "stop", out.error, out.queue_time))
+                continue
             text_ids = out.new_token_ids
             if out.finish_reason == "stop" and not state.params.include_stop_str_in_output:
                 # The core stops with "stop" only at an EOS or stop_token_ids token: like vLLM,
@@ -118,7 +137,18 @@ class OutputProcessor:
         state = self._states.get(request_id)
         if state is None:
             return None
+        if isinstance(state, _PoolingState):
+            return self._finish_pooling(state, None, reason, error)
         return self._make_output(state, "", [], [] if state.params.logprobs is not None else None, reason, error)
+
+    def _finish_pooling(self, state: _PoolingState, data, finish_reason: str, error: str | None,
+                        queue_time: float | None = None) -> PoolingRequestOutput:
+        del self._states[state.request_id]
+        output = PoolingRequestOutput(state.request_id, state.prompt_token_ids, PoolingOutput(data), True, error,
+                                      finish_reason, queue_time)
+        if self.on_finish is not None:
+            self.on_finish(output)
+        return output
 
     def _make_output(self, state: _RequestState, delta: str, new_ids: list[int], delta_logprobs,
                      finish_reason: str | None, error: str | None) -> RequestOutput:

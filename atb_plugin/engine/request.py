@@ -1,4 +1,4 @@
-"""``Request``: one generation request as the engine tracks it."""
+"""``Request``: one request (generation or pooling) as the engine tracks it."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from atb_plugin.engine.sampling_params import SamplingParams
+from atb_plugin.pooling.params import PoolingParams
 
 
 class RequestStatus(enum.Enum):
@@ -31,7 +32,7 @@ class Request:
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None  # None for a pooling request
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
@@ -40,6 +41,8 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()  # the frontend's (the core has no tokenizer)
     shm_instances: tuple[str, ...] = ()  # shared-memory instances this request may read from
     first_scheduled_time: float | None = None
+    pooling_params: PoolingParams | None = None
+    token_type_start: int | None = None  # cross-encoder pairs: first token of segment B
 
     def __post_init__(self):
         if not self.prompt_token_ids:
@@ -50,7 +53,13 @@ class Request:
     def from_engine_core_request(cls, message) -> "Request":
         return cls(message.request_id, list(message.prompt_token_ids), message.sampling_params,
                    arrival_time=message.arrival_time, eos_token_ids=tuple(message.eos_token_ids),
-                   shm_instances=tuple(message.shm_instances))
+                   shm_instances=tuple(message.shm_instances), pooling_params=message.pooling_params,
+                   token_type_start=message.token_type_start)
+
+    @property
+    def is_pooling(self) -> bool:
+        """Prefill only: its whole prompt runs in one step, the step's pooled output ends it."""
+        return self.pooling_params is not None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -7,6 +7,10 @@ blocks last. When a running request cannot get a block, the most recently admitt
 request is preempted by recompute: its blocks are freed and it goes back to the FRONT of the
 waiting queue, so it is the next to resume (no starvation: the oldest request is never the
 victim while a younger one runs).
+
+Pooling requests are prefill only: each is scheduled whole (never chunked: a pooler needs every
+hidden state of the prompt in one step) or waits, and the step's pooled result finishes it, so
+its KV blocks live for that one step.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 
 from atb_plugin.engine.kv_cache_manager import KVCacheManager
-from atb_plugin.engine.messages import EngineCoreOutput, SchedulerStats
+from atb_plugin.engine.messages import EngineCoreOutput, PooledData, SchedulerStats
 from atb_plugin.engine.request import Request, RequestStatus
 from atb_plugin.utils import cdiv
 
@@ -64,13 +68,19 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
-        if request.num_prompt_tokens >= self.config.max_model_len:
+        if request.is_pooling:
+            if request.num_prompt_tokens > self.config.max_model_len:
+                raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens; max_model_len is "
+                                 f"{self.config.max_model_len}")
+            longest = request.num_prompt_tokens
+        elif request.num_prompt_tokens >= self.config.max_model_len:
             raise ValueError(
                 f"the prompt has {request.num_prompt_tokens} tokens; max_model_len is "
                 f"{self.config.max_model_len}, leaving no room for output"
             )
-        max_tokens = request.sampling_params.max_tokens or self.config.max_model_len
-        longest = min(request.num_prompt_tokens + max_tokens, self.config.max_model_len)
+        else:
+            max_tokens = request.sampling_params.max_tokens or self.config.max_model_len
+            longest = min(request.num_prompt_tokens + max_tokens, self.config.max_model_len)
         blocks_needed = cdiv(longest, self.kv_cache_manager.block_size)
         if blocks_needed > self.kv_cache_manager.num_blocks - 1:
             # Alone in the cache it could still not finish: it would preempt itself forever.
@@ -140,6 +150,8 @@ class Scheduler:
             request = self.waiting[0]
             computed_block_ids, num_cached = self.kv_cache_manager.get_computed_blocks(request)
             num_new = self._num_new_tokens(request, budget, num_cached)
+            if request.is_pooling and num_new < request.num_tokens - num_cached:
+                break  # a pooling prompt runs whole: it waits for a step with room for all of it
             blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_block_ids)
             if blocks is None:
                 break
@@ -161,11 +173,13 @@ class Scheduler:
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
                            logprobs: dict[str, object] | None = None,
-                           failed: dict[str, str] | None = None) -> list[EngineCoreOutput]:
+                           failed: dict[str, str] | None = None,
+                           pooled: dict[str, PooledData] | None = None) -> list[EngineCoreOutput]:
         """Advance the step's requests: append each sampled token, decide each request's finish
         (``check_stop``) and free a finished request's blocks, all here, so a status is written
-        once. ``failed`` requests (e.g. a bad media block) end with "error". Returns one
-        ``EngineCoreOutput`` per request that produced a token or ended this step."""
+        once. ``failed`` requests (e.g. a bad media block) end with "error"; a pooling request
+        with its ``pooled`` result ends with "stop". Returns one ``EngineCoreOutput`` per request
+        that produced a token or a result, or ended, this step."""
         outputs: list[EngineCoreOutput] = []
         for request_id, why in (failed or {}).items():
             if self.finish(request_id, RequestStatus.FINISHED_ERROR) is not None:
@@ -176,6 +190,15 @@ class Scheduler:
             if request is None:
                 continue  # finished (failed, aborted) during the step
             request.num_computed_tokens += num_tokens
+            if request.is_pooling:
+                result = (pooled or {}).get(request_id)
+                if result is None:
+                    raise RuntimeError(f"pooling request {request_id} ran its whole prompt but got no pooled output")
+                out = EngineCoreOutput(request_id, pooled=result, finish_reason=RequestStatus.FINISHED_STOPPED.value,
+                                       queue_time=self._queue_time(request))
+                self.finish(request_id, RequestStatus.FINISHED_STOPPED)
+                outputs.append(out)
+                continue
             token = sampled.get(request_id)
             if token is None:
                 request.check()
@@ -185,8 +208,8 @@ class Scheduler:
             entry = (logprobs or {}).get(request_id)
             out = EngineCoreOutput(request_id, [token], [entry] if entry is not None else None,
                                    num_cached_tokens=request.num_cached_tokens)
-            if request.num_output_tokens == 1 and request.first_scheduled_time is not None:
-                out.queue_time = max(0.0, request.first_scheduled_time - request.arrival_time)
+            if request.num_output_tokens == 1:
+                out.queue_time = self._queue_time(request)
             status = check_stop(request, request.eos_token_ids, self.config.max_model_len)
             if status is not None:
                 self.finish(request_id, status)  # the one place a finished status is written
@@ -209,6 +232,12 @@ class Scheduler:
         remaining = request.num_tokens - num_computed
         room = self.config.max_model_len - num_computed
         return max(0, min(remaining, budget, room))
+
+    @staticmethod
+    def _queue_time(request: Request) -> float | None:
+        if request.first_scheduled_time is None:
+            return None
+        return max(0.0, request.first_scheduled_time - request.arrival_time)
 
     def _preempt(self, request: Request) -> None:
         self.num_preemptions += 1

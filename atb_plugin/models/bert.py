@@ -17,6 +17,12 @@ one fused projection, filled from the three separate ones::
 
 The legacy ``embeddings.position_ids`` buffer (transformers 4.x checkpoints) is accepted and
 ignored. A checkpoint without ``pooler.*`` loads too: the model then has no pooler.
+
+Served by the engine (``runner="pooling"``) as ``BertEmbeddingModel`` (``BertModel``
+checkpoints: embed / token_embed) or ``BertForSequenceClassification`` (cross-encoders:
+classify / score / token_classify, ``classifier(tanh(pooler(h[CLS])))``). Both take the engine's
+model contract: a pooling step holds whole prompts, so its ``query_start_loc`` is ``cu_seqlens``,
+and they keep no KV cache.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ from atb_plugin import ops
 from atb_plugin.models.base import PretrainedModel
 from atb_plugin.models.clip import activation
 from atb_plugin.models.weights import IGNORE
+from atb_plugin.pooling.adapters import classification_poolers, num_labels
+from atb_plugin.pooling.config import CONVERT_TASKS, PoolerConfig
+from atb_plugin.pooling.poolers import DispatchPooler, embedding_pooler
 
 _QKV = {"query": ("qkv", 0), "key": ("qkv", 1), "value": ("qkv", 2)}
 _BUFFERS = {"embeddings.position_ids"}  # known checkpoint tensors that are not parameters
@@ -48,6 +57,7 @@ class BertConfig:
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
     position_embedding_type: str = "absolute"
+    num_labels: int = 2  # cross-encoders (BertForSequenceClassification) only
 
     def __post_init__(self):
         if self.hidden_size % self.num_attention_heads:
@@ -60,7 +70,9 @@ class BertConfig:
     @classmethod
     def from_hf(cls, config: dict) -> "BertConfig":
         """From config.json (missing keys take transformers' BertConfig defaults)."""
-        return cls(**{key: config[key] for key in cls.__dataclass_fields__ if key in config})
+        fields = {key: config[key] for key in cls.__dataclass_fields__ if key in config}
+        fields["num_labels"] = num_labels(config)
+        return cls(**fields)
 
     @property
     def head_dim(self) -> int:
@@ -215,3 +227,40 @@ class BertModel(PretrainedModel):
             self.pooler = None  # the checkpoint has none (e.g. saved with add_pooling_layer=False)
             self.__dict__.pop("_fused", None)
         return loaded
+
+
+class BertEmbeddingModel(BertModel):
+    """A ``BertModel`` checkpoint served as an embedding model (sentence-transformers style)."""
+
+    default_pooling_type = "CLS"
+
+    def forward_with_token_types(self, input_ids, positions, kv_caches, attn_metadata, token_type_ids):
+        # A pooling step is never chunked: each request's tokens are one whole sequence.
+        return BertModel.forward(self, input_ids, attn_metadata.query_start_loc, token_type_ids)
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata, inputs_embeds=None):
+        return self.forward_with_token_types(input_ids, positions, kv_caches, attn_metadata, None)
+
+    def make_kv_caches(self, num_blocks: int, block_size: int, dtype=None, device=None) -> list:
+        return []  # bidirectional encoder over whole prompts: nothing to cache
+
+    def build_pooler(self, pooler_config: PoolerConfig) -> DispatchPooler:
+        return DispatchPooler({"embed": embedding_pooler(pooler_config),
+                               "token_embed": embedding_pooler(pooler_config, token_level=True)})
+
+
+class BertForSequenceClassification(BertEmbeddingModel):
+    """A cross-encoder (``BertForSequenceClassification`` checkpoints): ``classifier`` on BERT's
+    pooler output of the [CLS] token; one label gives a relevance score."""
+
+    def __init__(self, config: BertConfig):
+        super().__init__(config)
+        self.classifier = nn.Linear(config.hidden_size, config.num_labels)
+
+    def _classify(self, first_tokens: torch.Tensor) -> torch.Tensor:
+        if self.pooler is None:
+            raise ValueError("a BertForSequenceClassification checkpoint needs its pooler (pooler.dense.*)")
+        return self.classifier(self.pooler(first_tokens))
+
+    def build_pooler(self, pooler_config: PoolerConfig) -> DispatchPooler:
+        return classification_poolers(pooler_config, self._classify, CONVERT_TASKS["classify"])

@@ -8,9 +8,12 @@ have it. These add to the generative models' base contract (``decoder.DecoderFor
 
 Which family has what::
 
-    Qwen2, Llama, BERT             neither
+    Qwen2, Llama                   none of them
     LLaVA, Qwen-VL                 SupportsMedia
     Qwen2-VL, Qwen2.5-VL           SupportsMedia, SupportsMRoPE
+    pooling models                 SupportsPooling (BERT also SupportsTokenTypes): native ones
+                                   (BERT, Qwen2ForRewardModel) and generative classes adapted
+                                   by ``atb_plugin.pooling.adapters``
 
 ``isinstance`` against a protocol checks that the members exist, not their signatures. On
 Python < 3.12 it reads ``media_layout`` to do so: keep that property cheap and free of side
@@ -26,10 +29,12 @@ if TYPE_CHECKING:
     import torch
 
     from atb_plugin.multimodal import MediaLayout
+    from atb_plugin.pooling.config import PoolerConfig
+    from atb_plugin.pooling.poolers import DispatchPooler
 
 GridTHW = tuple[int, int, int]  # an image's patch grid (temporal, height, width)
 
-__all__ = ["GridTHW", "SupportsMRoPE", "SupportsMedia"]
+__all__ = ["GridTHW", "SupportsMRoPE", "SupportsMedia", "SupportsPooling", "SupportsTokenTypes"]
 
 
 @runtime_checkable
@@ -76,3 +81,30 @@ class SupportsMRoPE(Protocol):
     def get_mrope_positions(self, token_ids: torch.Tensor, grid_thws: Sequence[GridTHW]) -> tuple[torch.Tensor, int]: ...
 
     def decode_positions(self, num_computed: int, num_new: int, rope_delta: int) -> torch.Tensor: ...
+
+
+@runtime_checkable
+class SupportsPooling(Protocol):
+    """A model whose outputs are pooled hidden states (embeddings, class scores, rewards), not
+    tokens: the engine runs it with ``runner="pooling"``.
+
+    - ``build_pooler(pooler_config)`` -> the ``DispatchPooler`` for the tasks this model serves
+      (its keys are the tasks); the model's hidden states from ``forward`` are its input.
+    - ``compute_logits`` may refuse (no LM head). A class attribute ``default_pooling_type``
+      names the pooling used when the checkpoint's files do not say.
+
+    Methods only, so ``issubclass(cls, SupportsPooling)`` works on classes too."""
+
+    def build_pooler(self, pooler_config: PoolerConfig) -> DispatchPooler: ...
+
+
+@runtime_checkable
+class SupportsTokenTypes(Protocol):
+    """An encoder with segment (token type) embeddings, e.g. a BERT cross-encoder scoring a pair
+    ``[CLS] a [SEP] b [SEP]`` whose ``b`` part has token type 1.
+
+    - ``forward_with_token_types(input_ids, positions, kv_caches, attn_metadata, token_type_ids)``:
+      ``forward`` with a ``(T,)`` token-type row (0 or 1 per token)."""
+
+    def forward_with_token_types(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches,
+                                 attn_metadata, token_type_ids: torch.Tensor) -> torch.Tensor: ...

@@ -24,6 +24,7 @@ Checkpoint names accepted, published llava-hf layout and transformers 5's::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 from torch import nn
@@ -32,6 +33,7 @@ from atb_plugin.models.base import MultimodalModel
 from atb_plugin.models.clip import CLIPVisionConfig, CLIPVisionModel, activation
 from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM
 from atb_plugin.models.weights import IGNORE, OLD_ROTARY_BUFFER, STACKED_QKV_GATE_UP
+from atb_plugin.multimodal.profiling import MultimodalProcessingInfo
 
 # transformers' LlamaConfig defaults: llava-hf's published text_config lists only what differs
 # from them (llava-1.5-7b-hf gives no hidden_size, no num_hidden_layers ...).
@@ -138,6 +140,19 @@ class LlavaForConditionalGeneration(MultimodalModel):
 
         return MediaLayout(placeholder_id=self.config.image_token_id, num_metadata_slots=2,
                            tokens_per_block=self.config.tokens_per_image, merge_size=1)
+
+    # Images one prompt may carry: the input builder's limit and the most EngineConfig's
+    # limit_mm_per_prompt may be (one declaration, read by both).
+    supported_mm_limits = MappingProxyType({"image": 4})
+
+    def get_processing_info(self, model_dir) -> MultimodalProcessingInfo:
+        """Every image is cropped to ``image_size`` square: one size, a fixed feature count
+        (``model_dir`` is unused: nothing in the preprocessor config changes it)."""
+        side = self.config.vision.image_size
+        return MultimodalProcessingInfo(
+            modality="image", max_items_per_prompt=self.supported_mm_limits["image"],
+            max_tokens_per_item=self.config.tokens_per_image, max_item_size=(side, side),
+            pixel_shape=(1, self.config.vision.num_channels, side, side))
 
     # -- vision ----------------------------------------------------------------------------------
 

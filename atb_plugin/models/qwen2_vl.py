@@ -32,8 +32,12 @@ The model is a ``base.MultimodalModel``: the tower is ``visual.*``, the Qwen2 de
 
 from __future__ import annotations
 
+import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -44,9 +48,16 @@ from atb_plugin.models.base import MultimodalModel
 from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM, DecoderModel, RMSNorm
 from atb_plugin.models.weights import IGNORE, STACKED_QKV_GATE_UP
 from atb_plugin.multimodal import MediaLayout
+from atb_plugin.multimodal.profiling import MultimodalProcessingInfo
 from atb_plugin.utils import cdiv
 
 GridTHW = tuple[int, int, int]
+
+# transformers' Qwen2VLImageProcessor default, which the input builder's preprocessor
+# (input_builders.preprocess.Qwen2VLPreprocessor) also uses when preprocessor_config.json says
+# nothing; tests/test_memory_profiling.py checks the two agree.
+DEFAULT_MAX_PIXELS = 28 * 28 * 1280
+MAX_ASPECT_RATIO = 200  # smart_resize refuses longer images (input_builders.preprocess)
 
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -381,6 +392,20 @@ def decode_positions(num_computed: int, num_new: int, rope_delta: int) -> torch.
 # ------------------------------------------------------------------------------------------------
 # the model
 
+
+def max_pixels(model_dir) -> int:
+    """``max_pixels`` of the checkpoint's image processor: top-level ``max_pixels``, else
+    ``size.longest_edge`` (a pixel count for this family), else ``size.max_pixels`` (transformers'
+    precedence, as the input builder reads it); the default without the file or the keys."""
+    path = Path(model_dir) / "preprocessor_config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    size = config.get("size") or {}
+    for value in (config.get("max_pixels"), size.get("longest_edge"), size.get("max_pixels")):
+        if value is not None:
+            return int(value)
+    return DEFAULT_MAX_PIXELS
+
+
 _V5_PREFIXES = (("model.language_model.", "model."), ("model.visual.", "visual."))
 
 
@@ -435,6 +460,30 @@ class Qwen2VLForConditionalGeneration(MultimodalModel):
         )
 
     # -- multimodal (interfaces.SupportsMedia, SupportsMRoPE) -------------------------------------
+
+    # Images one prompt may carry: the input builder's limit and the most EngineConfig's
+    # limit_mm_per_prompt may be (one declaration, read by both).
+    supported_mm_limits = MappingProxyType({"image": 16})
+
+    def get_processing_info(self, model_dir) -> MultimodalProcessingInfo:
+        """The largest image: ``max_pixels`` (preprocessor_config.json, read with the builder's
+        precedence) cut into merge windows of ``patch x merge`` pixels; the most windows an image of
+        at most ``max_pixels`` can have, squarest first (smart_resize leaves sides that are
+        multiples of the window alone)."""
+        vision = self.config.vision
+        factor = vision.patch_size * vision.spatial_merge_size
+        windows = max_pixels(model_dir) // factor**2
+        if windows < 1:
+            raise ValueError(f"{model_dir}/preprocessor_config.json: max_pixels is smaller than one "
+                             f"{factor}x{factor} merge window")
+        rows, cols = max(((a, windows // a) for a in range(1, math.isqrt(windows) + 1)
+                          if windows // a <= MAX_ASPECT_RATIO * a), key=lambda rc: (rc[0] * rc[1], rc[0]))
+        merge = vision.spatial_merge_size
+        grid = (1, rows * merge, cols * merge)
+        return MultimodalProcessingInfo(
+            modality="image", max_items_per_prompt=self.supported_mm_limits["image"],
+            max_tokens_per_item=rows * cols, max_item_size=(rows * factor, cols * factor),
+            pixel_shape=(math.prod(grid), vision.patch_dim), grid_thw=grid)
 
     @property
     def media_layout(self) -> MediaLayout:

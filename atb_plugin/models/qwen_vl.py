@@ -44,6 +44,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
@@ -53,6 +54,7 @@ from atb_plugin import ops
 from atb_plugin.models.base import MultimodalModel
 from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM
 from atb_plugin.models.weights import IGNORE, STACKED_QKV_GATE_UP
+from atb_plugin.multimodal.profiling import MultimodalProcessingInfo
 from atb_plugin.utils import cdiv
 
 NUM_QUERIES = 256  # Qwen-VL's resampler: one query per image slot between <img> and </img>
@@ -383,6 +385,19 @@ class QwenVLForCausalLM(MultimodalModel):
         # <img> = image_start_id, </img> = +1, <imgpad> = +2 (the public tokenizer's layout).
         return MediaLayout(placeholder_id=self.config.vision.image_start_id + 2, num_metadata_slots=2,
                            tokens_per_block=self.config.vision.num_queries, merge_size=1)
+
+    # Images one prompt may carry: the input builder's limit and the most EngineConfig's
+    # limit_mm_per_prompt may be (one declaration, read by both).
+    supported_mm_limits = MappingProxyType({"image": 16})
+
+    def get_processing_info(self, model_dir) -> MultimodalProcessingInfo:
+        """Every image is resized to ``image_size`` square and gives one row per resampler query
+        (``model_dir`` is unused: the size is in config.json's ``visual``)."""
+        side = self.config.vision.image_size
+        return MultimodalProcessingInfo(
+            modality="image", max_items_per_prompt=self.supported_mm_limits["image"],
+            max_tokens_per_item=self.config.vision.num_queries, max_item_size=(side, side),
+            pixel_shape=(1, 3, side, side))
 
     def get_multimodal_embeddings(self, pixel_values: torch.Tensor, grid_thw=None) -> torch.Tensor:
         """``(1, 3, H, W)`` (or ``(3, H, W)``) -> ``(256, hidden)``: the rows of the image's block in

@@ -22,9 +22,14 @@ MODEL_CLASSES: dict[str, str] = {
 }
 
 
-# Families that produce embeddings, not tokens: the generation engine refuses them with a message
-# saying what they are (until pooling models are served).
-EMBEDDING_ONLY = {"bert"}
+# Native pooling models, by architecture name (config.json's ``architectures[0]``): served as they
+# are with ``runner="pooling"``. Any other architecture of a family above is its generative class,
+# which ``atb_plugin.pooling.adapters`` converts when the runner is "pooling".
+POOLING_CLASSES: dict[str, str] = {
+    "BertModel": "atb_plugin.models.bert:BertEmbeddingModel",
+    "BertForSequenceClassification": "atb_plugin.models.bert:BertForSequenceClassification",
+    "Qwen2ForRewardModel": "atb_plugin.models.qwen2:Qwen2ForRewardModel",
+}
 
 
 def read_checkpoint_config(model_dir) -> dict:
@@ -68,12 +73,24 @@ def declared_max_model_len(config: dict) -> int | None:
     return None
 
 
-def model_class_path(config: dict) -> str:
+def model_class_path(config: dict, runner: str = "generate") -> str:
+    """The class serving a checkpoint: with ``runner="pooling"`` a native pooling class of its
+    architecture if there is one, else its family's class (generative; adapted by the engine)."""
+    if runner == "pooling" and architecture(config) in POOLING_CLASSES:
+        return POOLING_CLASSES[architecture(config)]
     key = registry_key(config)
     if key not in MODEL_CLASSES:
         raise ValueError(f"unsupported model_type {config.get('model_type')!r}; supported: "
                          f"{', '.join(sorted(MODEL_CLASSES))}")
     return MODEL_CLASSES[key]
+
+
+def architecture(config: dict) -> str:
+    """``architectures[0]`` of config.json; without one, the family's registered class name."""
+    names = config.get("architectures")
+    if isinstance(names, list) and names and isinstance(names[0], str):
+        return names[0]
+    return MODEL_CLASSES.get(registry_key(config), ":").partition(":")[2]
 
 
 def import_model_class(path: str) -> type:

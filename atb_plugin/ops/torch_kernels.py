@@ -25,11 +25,13 @@ def _gather_request_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: 
 
 def _sdpa(query, key, value, scale, mask):
     """(q_len, H, D) x (k_len, Hkv, D) with GQA; mask (q_len, k_len) bool or None."""
+    # 4-D (1, H, L, D): on CPU, 3-D inputs fall back to SDPA's unfused math path (~1.4x slower
+    # for BERT-sized heads, measured with benchmarks/bench_embed.py's profile).
     out = F.scaled_dot_product_attention(
-        query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1), attn_mask=mask, scale=scale,
-        enable_gqa=query.shape[1] != key.shape[1],
+        query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None], attn_mask=mask,
+        scale=scale, enable_gqa=query.shape[1] != key.shape[1],
     )
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def _batched_decode(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale):

@@ -4,12 +4,36 @@ configurations (dtype, KV block size) its kernels can run."""
 from __future__ import annotations
 
 import importlib
+import resource
 from dataclasses import dataclass
 from types import ModuleType
 
 import torch
 
 DTYPES = ("float32", "float16", "bfloat16")
+
+
+def host_memory() -> tuple[int, int]:
+    """``(resident bytes now, peak resident bytes)`` of this process: VmRSS / VmHWM from
+    /proc/self/status; where there is no /proc, both are getrusage's peak (Linux: KiB)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as file:
+            fields = dict(line.split(":", 1) for line in file if line.startswith(("VmRSS", "VmHWM")))
+        return int(fields["VmRSS"].split()[0]) << 10, int(fields["VmHWM"].split()[0]) << 10
+    except (OSError, KeyError, ValueError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss << 10
+        return peak, peak
+
+
+def reset_host_peak() -> bool:
+    """Restart VmHWM at the current VmRSS (Linux >= 4.0: "5" to /proc/self/clear_refs). False where
+    that is refused: the peak then includes whatever came before (an over-estimate, never under)."""
+    try:
+        with open("/proc/self/clear_refs", "w", encoding="ascii") as file:
+            file.write("5")
+        return True
+    except OSError:
+        return False
 
 
 @dataclass(frozen=True)
@@ -85,3 +109,23 @@ class Platform:
             block_size = self.default_block_size(head_size)
         self.check_block_size(block_size, head_size)
         return dtype, block_size
+
+    # --- memory (the start-up profile, atb_plugin.multimodal.profiling, sizes the KV cache) ------
+
+    def total_memory(self) -> int | None:
+        """Bytes of device memory the KV cache is sized from; None where there is none (CPU, the
+        simulated NPU): there the KV budget is explicit (``EngineConfig.kv_cache_bytes``)."""
+        return None
+
+    def reset_peak_memory(self) -> None:
+        """Start a new peak for ``peak_memory`` (here: the process's resident memory)."""
+        reset_host_peak()
+
+    def memory_in_use(self) -> int:
+        """Bytes the process holds now: device memory allocated by torch on a device platform,
+        resident host memory here."""
+        return host_memory()[0]
+
+    def peak_memory(self) -> int:
+        """The most ``memory_in_use`` reached since ``reset_peak_memory``."""
+        return host_memory()[1]

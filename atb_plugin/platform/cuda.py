@@ -23,3 +23,20 @@ class CudaPlatform(Platform):
 
     def default_dtype(self) -> str:
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
+
+    # --- memory: torch's caching allocator on the current device --------------------------------
+
+    def total_memory(self) -> int:
+        return torch.cuda.mem_get_info()[1]
+
+    def reset_peak_memory(self) -> None:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+    def memory_in_use(self) -> int:
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
+    def peak_memory(self) -> int:
+        torch.cuda.synchronize()  # kernels still queued have not allocated yet
+        return torch.cuda.max_memory_allocated()

@@ -254,3 +254,26 @@ class NpuPlatform(Platform):
         if block_size % multiple or not multiple <= block_size <= limit:
             raise ValueError(f"EngineConfig.block_size = {block_size}: the NPU's paged-attention ops need {why}; "
                              f"the default is {self.default_block_size(head_size)}")
+
+    # --- memory: torch_npu's caching allocator (the simulated NPU's tensors live in host memory) ---
+
+    def total_memory(self) -> int | None:
+        return None if self.is_simulated() else torch_npu().npu.mem_get_info()[1]
+
+    def reset_peak_memory(self) -> None:
+        if self.is_simulated():
+            return super().reset_peak_memory()
+        torch_npu().npu.synchronize()
+        torch_npu().npu.reset_peak_memory_stats()
+
+    def memory_in_use(self) -> int:
+        if self.is_simulated():
+            return super().memory_in_use()
+        torch_npu().npu.synchronize()
+        return torch_npu().npu.memory_allocated()
+
+    def peak_memory(self) -> int:
+        if self.is_simulated():
+            return super().peak_memory()
+        torch_npu().npu.synchronize()  # ops still queued have not allocated yet
+        return torch_npu().npu.max_memory_allocated()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -17,6 +18,7 @@ import sys
 import threading
 
 from atb_plugin.engine.config import DEFAULT_KV_CACHE_BYTES, DEVICES, DTYPES, EngineConfig
+from atb_plugin.pooling.config import CONVERT_TYPES, RUNNER_TYPES
 from atb_plugin.server.config import ServerConfig, default_tokenizer_workers
 
 logger = logging.getLogger("atb_plugin.server")
@@ -34,13 +36,35 @@ def _size(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 1073741824, 512M, 2G)") from None
 
 
+def _json_object(text: str) -> dict:
+    """``--hf-overrides '{"is_matryoshka": true}'``: a JSON object of config.json keys."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({error}); e.g. "
+                                         "'{\"is_matryoshka\": true}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a JSON object of config.json keys, "
+                                         f"not {type(value).__name__}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="atb-plugin serve", description="OpenAI-compatible server (vLLM's routes).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     add = p.add_argument
     add("--config", help="a MindIE-style config.json (ServerConfig / BackendConfig / ModelDeployConfig); "
                          "flags given here override it")
-    add("--model", help="checkpoint directory (HF format); default: SmolLM2-135M-Instruct, prepared once")
+    add("--model", help="checkpoint directory (HF format); default: SmolLM2-135M-Instruct, prepared once "
+                        "(with --runner pooling: all-MiniLM-L6-v2)")
+    add("--runner", default="auto", choices=("auto", *RUNNER_TYPES),
+        help="generate (chat / completions) or pooling (embeddings, classify, score, rerank); auto: from the "
+             "checkpoint's architecture")
+    add("--convert", default="auto", choices=("auto", *CONVERT_TYPES),
+        help="how a generative checkpoint becomes a pooling model (embed, classify, reward); none: a native "
+             "pooling model as it is; auto: from the architecture")
+    add("--hf-overrides", type=_json_object, metavar="JSON",
+        help="config.json keys to replace, e.g. '{\"is_matryoshka\": true}' or '{\"architectures\": [...]}'")
     add("--served-model-name", help="the name clients send as `model` (default: the --model value)")
     add("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     add("--port", type=int, default=1025, help="port (MindIE's default)")
@@ -54,9 +78,16 @@ def build_parser() -> argparse.ArgumentParser:
     add("--block-size", type=int, default=None,
         help="tokens per KV block (default: the platform's, 16 on CPU/CUDA, 128 on NPU, where it must be "
              "a multiple of 16 and at most 128)")
-    add("--kv-cache-memory", type=_size, default=DEFAULT_KV_CACHE_BYTES, help="bytes for the KV cache (512M, 2G)")
+    add("--kv-cache-memory", type=_size, default=None,
+        help=f"bytes for the KV cache (512M, 2G); wins over --gpu-memory-utilization when given "
+             f"(default: {DEFAULT_KV_CACHE_BYTES >> 30}G on the CPU, the memory profile's remainder on NPU / CUDA)")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    add("--limit-mm-per-prompt", type=int, help="images per prompt (default: the family's limit)")
+    add("--limit-mm-per-prompt", type=int,
+        help="images per prompt (default: the family's limit, which it may not exceed); the start-up memory "
+             "profile sizes the KV cache for this many of the largest images")
+    add("--gpu-memory-utilization", type=float, default=0.9,
+        help="NPU / CUDA: the share of device memory for weights, activations (profiled at start-up) and the "
+             "KV cache, which gets what is left; on the CPU --kv-cache-memory sets the KV cache instead")
     add("--allowed-local-media-path", action="append", default=[], metavar="DIR",
         help="a directory images may be read from (file:// URLs and paths); repeatable")
     add("--allowed-media-domains", action="append", default=[], metavar="HOST",
@@ -101,18 +132,21 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
             logger.warning("--config %s: %s is ignored (%s)", args.config, ignored,
                            mapping.reasons.get(ignored, "not supported here"))
     if values["model"] is None:
-        from atb_plugin.default_model import default_model_dir
+        from atb_plugin.default_model import default_model_dir, embedding_model_dir
 
-        values["model"] = str(default_model_dir())
+        values["model"] = str(embedding_model_dir() if values["runner"] == "pooling" else default_model_dir())
     engine = EngineConfig(model=values["model"], dtype=values["dtype"], device=values["device"],
                           max_model_len=values["max_model_len"], block_size=values["block_size"],
                           kv_cache_bytes=values["kv_cache_memory"], max_num_seqs=values["max_num_seqs"],
                           max_num_batched_tokens=values["max_num_batched_tokens"],
-                          enable_prefix_caching=values["enable_prefix_caching"])
+                          enable_prefix_caching=values["enable_prefix_caching"],
+                          gpu_memory_utilization=values["gpu_memory_utilization"],
+                          limit_mm_per_prompt=values["limit_mm_per_prompt"], runner=values["runner"],
+                          convert=values["convert"], hf_overrides=values["hf_overrides"])
     return ServerConfig(
         engine=engine, served_model_name=values["served_model_name"], host=values["host"], port=values["port"],
         api_key=values["api_key"], tokenizer_workers=values["tokenizer_workers"],
-        max_queued_requests=values["max_queued_requests"], limit_mm_per_prompt=values["limit_mm_per_prompt"],
+        max_queued_requests=values["max_queued_requests"],
         allowed_local_media_paths=tuple(values["allowed_local_media_path"]),
         allowed_media_domains=tuple(values["allowed_media_domains"]),
         max_image_bytes=values["max_image_bytes"], max_image_pixels=values["max_image_pixels"],

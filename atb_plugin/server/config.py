@@ -29,7 +29,6 @@ class ServerConfig:
     api_key: str | None = None
     tokenizer_workers: int = field(default_factory=default_tokenizer_workers)
     max_queued_requests: int = 256
-    limit_mm_per_prompt: int | None = None  # None: the family's own limit
     allowed_local_media_paths: tuple[str, ...] = ()
     allowed_media_domains: tuple[str, ...] = ()
     max_image_bytes: int = 20 * 1024 * 1024  # per image (a data: URL's decoded bytes too)
@@ -51,7 +50,7 @@ class ServerConfig:
                 raise ValueError(f"--{name.replace('_', '-')} = {value!r}: must be an integer >= {low}")
         if self.port > 65535:
             raise ValueError(f"--port = {self.port}: must be <= 65535")
-        for name in ("limit_mm_per_prompt", "shm_budget_bytes", "max_input_tokens"):
+        for name in ("shm_budget_bytes", "max_input_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"--{name.replace('_', '-')} = {value!r}: must be an integer >= 0")
@@ -62,6 +61,12 @@ class ServerConfig:
         if self.chat_template is not None and os.path.isfile(self.chat_template):
             with open(self.chat_template, encoding="utf-8") as file:
                 object.__setattr__(self, "chat_template", file.read())
+
+    @property
+    def limit_mm_per_prompt(self) -> int:
+        """Images per prompt: the engine's (resolved from --limit-mm-per-prompt and the model's own
+        limit there), which the tokenizer workers' input builders enforce per request."""
+        return self.engine.limit_mm_per_prompt
 
     def media_config(self):
         from input_builders.media import MediaConfig

@@ -488,19 +488,21 @@ def _qwen_generation_config(endoftext: int, im_end: int, **sampling: float) -> d
     }
 
 
-def _build_qwen2(out: Path, seed: int) -> None:
-    """Qwen2-Instruct like Qwen2-0.5B/1.5B: GQA, q/k/v biases, tied embeddings."""
+def _build_qwen2(out: Path, seed: int, architecture: str = "Qwen2ForCausalLM", **extra: object) -> None:
+    """Qwen2-Instruct like Qwen2-0.5B/1.5B: GQA, q/k/v biases, tied embeddings. ``architecture``
+    and ``extra`` config keys make its pooling variants (same decoder, another head)."""
     tok = _byte_level_tokenizer(_QWEN2_SPLIT, trailing=_QWEN_CHATML, nfc=True)
     endoftext, _, im_end = _ids(tok, *_QWEN_CHATML)
     config = {
         **_QWEN2_DECODER,
-        "architectures": ["Qwen2ForCausalLM"],
+        "architectures": [architecture],
         "model_type": "qwen2",
         "bos_token_id": endoftext,
         "eos_token_id": im_end,
         "pad_token_id": endoftext,
         "tie_word_embeddings": True,
         "vocab_size": tok.get_vocab_size(),
+        **extra,
     }
     _save_transformers_model(out, config, seed)
     _write_json(
@@ -508,6 +510,30 @@ def _build_qwen2(out: Path, seed: int) -> None:
         _qwen_generation_config(endoftext, im_end, repetition_penalty=1.05, temperature=0.7, top_k=20, top_p=0.8),
     )
     _write_tokenizer(out, tok, _qwen_tokenizer_config(), QWEN2_CHAT_TEMPLATE)
+
+
+def _build_qwen2_seq_cls(out: Path, seed: int) -> None:
+    """A Qwen2ForSequenceClassification checkpoint (3 labels): ``model.*`` + ``score.weight``."""
+    _build_qwen2(out, seed, "Qwen2ForSequenceClassification",
+                 id2label={"0": "negative", "1": "neutral", "2": "positive"},
+                 label2id={"negative": 0, "neutral": 1, "positive": 2})
+
+
+def _build_qwen2_reward(out: Path, seed: int) -> None:
+    """A Qwen2ForRewardModel checkpoint as Qwen2.5-Math-RM ships it (remote code, so not built by
+    transformers): the Qwen2 decoder ``model.*`` and ``score.0`` (H×H) -> ReLU -> ``score.2`` (1×H)."""
+    _build_qwen2(out, seed)
+    config = json.loads((out / "config.json").read_text())
+    config["architectures"] = ["Qwen2ForRewardModel"]
+    _write_json(out / "config.json", config)
+    state = load_file(out / "model.safetensors")
+    hidden = config["hidden_size"]
+    gen = torch.Generator().manual_seed(seed + 1)
+    for name, shape in (("score.0.weight", (hidden, hidden)), ("score.0.bias", (hidden,)),
+                        ("score.2.weight", (1, hidden)), ("score.2.bias", (1,))):
+        state[name] = torch.empty(shape)
+        _fill_(name, state[name], gen)
+    _write_safetensors(out, state)
 
 
 _LLAMA3_SPECIALS = (  # ids 128000.. in the real vocabulary, in this order
@@ -819,12 +845,16 @@ def _bert_position_ids(state: dict[str, torch.Tensor]) -> None:
     state["embeddings.position_ids"] = torch.arange(positions, dtype=torch.int64).unsqueeze(0)
 
 
-def _build_bert(out: Path, seed: int) -> None:
+def _build_bert(out: Path, seed: int, cross_encoder: bool = False) -> None:
     """sentence-transformers/all-MiniLM-L6-v2: BertModel names without a ``bert.`` prefix, with the
-    pooler; the sentence-transformers files say mean pooling, then normalise."""
+    pooler; the sentence-transformers files say mean pooling, then normalise. ``cross_encoder``:
+    a BertForSequenceClassification with one label instead (cross-encoder/ms-marco-MiniLM-L-6-v2's
+    layout: ``bert.*`` + ``classifier.*``, no sentence-transformers files)."""
     tok = _wordpiece_tokenizer()
+    head = {"architectures": ["BertForSequenceClassification"], "id2label": {"0": "LABEL_0"},
+            "label2id": {"LABEL_0": 0}} if cross_encoder else {"architectures": ["BertModel"]}
     config = {
-        "architectures": ["BertModel"],
+        **head,
         "model_type": "bert",
         "attention_probs_dropout_prob": 0.1,
         "gradient_checkpointing": False,
@@ -844,7 +874,7 @@ def _build_bert(out: Path, seed: int) -> None:
         "use_cache": True,
         "vocab_size": tok.get_vocab_size(),
     }
-    _save_transformers_model(out, config, seed, adjust=_bert_position_ids)
+    _save_transformers_model(out, config, seed, adjust=None if cross_encoder else _bert_position_ids)
     tokenizer_config = {
         "cls_token": "[CLS]",
         "do_basic_tokenize": True,
@@ -862,6 +892,8 @@ def _build_bert(out: Path, seed: int) -> None:
     _write_tokenizer(out, tok, tokenizer_config, chat_template=None)
     vocab = sorted(tok.get_vocab().items(), key=lambda kv: kv[1])
     (out / "vocab.txt").write_text("".join(f"{token}\n" for token, _ in vocab), encoding="utf-8")
+    if cross_encoder:
+        return
     _write_json(
         out / "modules.json",
         [
@@ -1118,6 +1150,10 @@ FAMILIES: dict[str, Callable[[Path, int], None]] = {
     "qwen2_5_vl": _build_qwen2_5_vl,
     "llava": _build_llava,
     "bert": _build_bert,
+    # Pooling variants (same tokenizers and decoders, other heads)
+    "qwen2_seq_cls": _build_qwen2_seq_cls,
+    "qwen2_reward": _build_qwen2_reward,
+    "bert_cross_encoder": functools.partial(_build_bert, cross_encoder=True),
 }
 
 

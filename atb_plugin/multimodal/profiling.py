@@ -1,0 +1,308 @@
+"""Memory profiling at start-up (vLLM's "dummy inputs for memory profiling") and the KV budget.
+
+Before the KV cache exists, the engine core runs the most memory-hungry step it will ever run, on
+inputs made here, and measures what it takes; the KV cache gets what is left::
+
+    worst-case prompt   min(the model's limit, limit_mm_per_prompt) images, each of the size that
+                        gives the most feature tokens (the model's MultimodalProcessingInfo); pixel
+                        tensors made here in the encoder's layout (no preprocessing, no shared memory)
+    encoder             get_multimodal_embeddings per image, as the model runner calls it, every
+                        image's rows kept (the runner keeps them until the prefill ends)
+    language model      one forward over min(max_num_batched_tokens, max_model_len) tokens (the
+                        most one step runs) with the image rows merged, through a temporary KV
+                        cache just large enough, then logits for min(max_num_seqs, tokens) rows
+
+    KV budget   kv_cache_bytes (--kv-cache-memory) when given: an explicit budget wins everywhere
+                NPU / CUDA: gpu_memory_utilization x total device memory
+                            - (peak memory in use during the profile - the temporary KV cache)
+                CPU (and the simulated NPU): DEFAULT_KV_CACHE_BYTES (1 GiB); the profile still
+                            runs for multimodal models, so its numbers are in the start-up log
+
+The peak includes the weights (loaded before): it is all the process holds at its worst moment
+except the KV cache. Device platforms read torch's allocator, the CPU the process's resident
+memory (VmHWM, reset first: a lower bound where the allocator reuses pages it freed earlier,
+which is fine, the CPU numbers are only logged). Not counted: several requests' image rows held at once (each request
+keeps its own from its first step to the end of its prefill), and device memory outside torch's
+allocator (runtime workspaces, other processes): ``gpu_memory_utilization`` leaves room for those.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+
+import torch
+
+from atb_plugin.models.interfaces import GridTHW, SupportsMedia, SupportsMRoPE
+from atb_plugin.ops import AttentionMetadata
+from atb_plugin.utils import cdiv
+
+logger = logging.getLogger(__name__)
+
+MODALITIES = ("image",)
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class MultimodalProcessingInfo:
+    """What a multimodal family takes per prompt, and its largest item (vLLM's
+    ``BaseProcessingInfo``: supported limits, tokens per item, the size with the most features).
+
+    ``max_tokens_per_item``: the media block of the largest item, i.e. the encoder's feature rows
+    for it; ``max_item_size``: ``(height, width)`` in pixels, after preprocessing, of that item;
+    ``pixel_shape`` / ``grid_thw``: that item as the encoder takes it (the shm segment's array and
+    the block's THW slot, None for layouts without one)."""
+
+    modality: str
+    max_items_per_prompt: int
+    max_tokens_per_item: int
+    max_item_size: tuple[int, int]
+    pixel_shape: tuple[int, ...]
+    grid_thw: GridTHW | None = None
+
+    def __post_init__(self):
+        if self.modality not in MODALITIES:
+            raise ValueError(f"MultimodalProcessingInfo.modality = {self.modality!r}: expected one of {MODALITIES}")
+        for name in ("max_items_per_prompt", "max_tokens_per_item"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MultimodalProcessingInfo.{name} = {value!r}: must be an integer >= 1")
+        for name in ("max_item_size", "pixel_shape") + (("grid_thw",) if self.grid_thw is not None else ()):
+            value = tuple(getattr(self, name))
+            if not value or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value):
+                raise ValueError(f"MultimodalProcessingInfo.{name} = {value!r}: must be positive integers")
+            object.__setattr__(self, name, value)
+        if len(self.max_item_size) != 2:
+            raise ValueError(f"MultimodalProcessingInfo.max_item_size = {self.max_item_size}: expected (height, width)")
+        if self.grid_thw is not None and (len(self.grid_thw) != 3 or math.prod(self.grid_thw) != self.pixel_shape[0]):
+            raise ValueError(f"MultimodalProcessingInfo: grid_thw {self.grid_thw} does not match the "
+                             f"{self.pixel_shape[0]} patch rows of pixel_shape {self.pixel_shape}")
+
+
+def supported_mm_limit(model_cls: type, modality: str = "image") -> int:
+    """The most items of ``modality`` one prompt may carry, as the model class declares it
+    (``supported_mm_limits``); 0 for a model that takes none (text-only models declare nothing)."""
+    return int(getattr(model_cls, "supported_mm_limits", {}).get(modality, 0))
+
+
+def resolve_mm_limit(model_cls: type, requested: int | None) -> int:
+    """``limit_mm_per_prompt``: the model's own limit when None, else ``requested``, which may not
+    exceed it (ValueError naming both: a limit silently lowered would refuse requests the operator
+    believes allowed; vLLM refuses it at start-up too)."""
+    supported = supported_mm_limit(model_cls)
+    if requested is None:
+        return supported
+    if requested > supported:
+        what = f"at most {supported} images per prompt" if supported else "no images"
+        fix = f"set it to {supported} or less, or leave it unset" if supported else "leave it unset (or 0)"
+        raise ValueError(f"EngineConfig.limit_mm_per_prompt = {requested} (--limit-mm-per-prompt): "
+                         f"{model_cls.__name__} takes {what}; {fix}")
+    return requested
+
+
+# ------------------------------------------------------------------------------------------------
+# dummy inputs
+
+
+@dataclass(frozen=True)
+class DummyItem:
+    """The worst-case item as the model runner hands it to the encoder: pixels in the layout of
+    the block's shm segment, on the model's device and dtype (where the runner moves them)."""
+
+    pixel_values: torch.Tensor
+    grid_thw: GridTHW | None
+    num_tokens: int  # its block length = the encoder's feature rows
+
+
+@dataclass(frozen=True)
+class DummyInputs:
+    """The worst-case prompt: ``num_items`` copies of ``item`` (None for a text-only model) and
+    the ids of the language model's forward, the first ``min(num_tokens, feature_tokens)`` of them
+    image placeholders."""
+
+    item: DummyItem | None
+    num_items: int
+    input_ids: torch.Tensor
+
+    @property
+    def feature_tokens(self) -> int:
+        return self.num_items * self.item.num_tokens if self.item is not None else 0
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+def dummy_inputs(model, config) -> DummyInputs:
+    """The worst-case prompt of ``config`` (an ``EngineConfig``) for ``model``: the model's largest
+    item, ``min(model's limit, config.limit_mm_per_prompt)`` times, built directly as tensors (no
+    preprocessing, no shared memory), and a forward of ``min(max_num_batched_tokens,
+    max_model_len)`` tokens: the scheduler never runs more in one step (a prefill longer than the
+    budget runs in chunks, cutting image blocks anywhere), as vLLM's profile run does."""
+    weight = next(model.parameters())
+    num_tokens = min(config.max_num_batched_tokens, config.max_model_len)
+    input_ids = torch.zeros(num_tokens, dtype=torch.long, device=weight.device)  # 0: any text token
+    if not isinstance(model, SupportsMedia) or config.limit_mm_per_prompt <= 0:
+        return DummyInputs(None, 0, input_ids)
+    info = model.get_processing_info(config.model)
+    # Zeros: the values do not change the memory a step takes, and zeros are cheap to make.
+    item = DummyItem(torch.zeros(info.pixel_shape, dtype=weight.dtype, device=weight.device), info.grid_thw,
+                     info.max_tokens_per_item)
+    num_items = min(config.limit_mm_per_prompt, info.max_items_per_prompt)
+    input_ids[:min(num_tokens, num_items * item.num_tokens)] = model.media_layout.placeholder_id
+    return DummyInputs(item, num_items, input_ids)
+
+
+def _prefill_metadata(num_tokens: int, block_size: int, device) -> AttentionMetadata:
+    """One request prefilling ``num_tokens`` from an empty cache whose blocks are 1, 2, ... (block 0
+    is the null block, as in the real cache)."""
+    num_blocks = cdiv(num_tokens, block_size)
+    query_start_loc = torch.tensor([0, num_tokens], dtype=torch.int32)
+    seq_lens = torch.tensor([num_tokens], dtype=torch.int32)
+    return AttentionMetadata(
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=seq_lens.to(device),
+        block_tables=torch.arange(1, num_blocks + 1, dtype=torch.int32).view(1, -1).to(device),
+        slot_mapping=torch.arange(block_size, block_size + num_tokens, dtype=torch.int64).to(device),
+        max_query_len=num_tokens,
+        max_seq_len=num_tokens,
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+    )
+
+
+def _kv_bytes(kv_caches) -> int:
+    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv_caches)
+
+
+def kv_bytes_per_block(model, block_size: int) -> int:
+    """Bytes one KV block of ``block_size`` tokens takes over all layers (keys and values)."""
+    return _kv_bytes(model.make_kv_caches(1, block_size))
+
+
+# ------------------------------------------------------------------------------------------------
+# the profile
+
+
+@dataclass(frozen=True)
+class MemoryProfile:
+    """What the worst-case step took. ``peak_bytes``: the most memory in use during it, the
+    temporary KV cache left out (weights included); ``baseline_bytes``: in use before it."""
+
+    num_items: int
+    feature_tokens: int
+    num_tokens: int  # the language model's forward
+    baseline_bytes: int
+    peak_bytes: int
+    seconds: float
+
+    @property
+    def activation_bytes(self) -> int:
+        """What the step adds on top of what was resident before (weights)."""
+        return max(0, self.peak_bytes - self.baseline_bytes)
+
+    def describe(self) -> str:
+        return (f"{self.num_items} image(s) = {self.feature_tokens} feature tokens, LM forward over "
+                f"{self.num_tokens} tokens: peak {self.peak_bytes / MiB:.1f} MiB in use "
+                f"({self.baseline_bytes / MiB:.1f} MiB before, +{self.activation_bytes / MiB:.1f} MiB), "
+                f"{self.seconds * 1000:.0f} ms")
+
+
+def _encode_all(model, inputs: DummyInputs) -> list[torch.Tensor]:
+    """The rows of every item, as ``MultimodalPrompt.features`` leaves them: encoded one by one, all
+    kept. The items are identical, so the peak is the last one's encoding while the others' rows
+    are held: encode once (for the rows' size), hold copies, encode once more. Two encoder runs
+    measure what ``num_items`` runs would (16 images would cost 16)."""
+    item = inputs.item
+    features = [model.get_multimodal_embeddings(item.pixel_values, item.grid_thw)]
+    features += [features[0].clone() for _ in range(inputs.num_items - 2)]
+    if inputs.num_items > 1:
+        features.append(model.get_multimodal_embeddings(item.pixel_values, item.grid_thw))
+    return features
+
+
+@torch.no_grad()
+def profile_run(model, config, platform) -> MemoryProfile:
+    """Run the worst-case step of ``config`` (an ``EngineConfig``) on ``model`` and measure it with
+    ``platform``'s memory stats (``reset_peak_memory``, ``memory_in_use``, ``peak_memory``)."""
+    started = time.perf_counter()
+    platform.reset_peak_memory()
+    baseline = platform.memory_in_use()
+    inputs = dummy_inputs(model, config)
+    device, num_tokens = inputs.input_ids.device, inputs.num_tokens
+    # Made first, so it is in use at the peak wherever that falls, and left out of it exactly.
+    kv_caches = model.make_kv_caches(1 + cdiv(num_tokens, config.block_size), config.block_size)
+    features = _encode_all(model, inputs) if inputs.item is not None else []
+    inputs_embeds = None
+    if features:
+        inputs_embeds = model.get_input_embeddings(inputs.input_ids)
+        # The rows that fall in the step, merged as MultimodalPrompt.embed merges them.
+        merged = torch.cat(features)[:num_tokens]
+        inputs_embeds[:merged.shape[0]] = merged.to(inputs_embeds.dtype)
+        del merged
+    if isinstance(model, SupportsMRoPE):
+        # The values do not change memory; the shape is the model's: (3, T).
+        positions = model.decode_positions(0, num_tokens, 0).to(device)
+    else:
+        positions = torch.arange(num_tokens, device=device)
+    hidden = model(inputs.input_ids, positions, kv_caches, _prefill_metadata(num_tokens, config.block_size, device),
+                   inputs_embeds=inputs_embeds)
+    if config.runner != "pooling":  # the sampler's logits: at most one row per request in a step
+        model.compute_logits(hidden[-min(config.max_num_seqs, num_tokens):])
+    peak = platform.peak_memory() - _kv_bytes(kv_caches)  # the temporary KV cache is not activation memory
+    return MemoryProfile(num_items=inputs.num_items, feature_tokens=inputs.feature_tokens, num_tokens=num_tokens,
+                         baseline_bytes=baseline, peak_bytes=max(peak, baseline),
+                         seconds=time.perf_counter() - started)
+
+
+# ------------------------------------------------------------------------------------------------
+# the KV budget
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the model's parameters and buffers (what loading it put in memory)."""
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass(frozen=True)
+class KVBudget:
+    """Bytes the KV cache may take; ``flag``: the setting that raises them; ``profile``: the
+    start-up profile (None where none ran); ``total_memory``: the device's, None on the CPU."""
+
+    bytes: int
+    flag: str
+    weight_bytes: int
+    profile: MemoryProfile | None = None
+    total_memory: int | None = None
+    utilization: float = 1.0
+
+    def describe(self) -> str:
+        """How the budget was reached, for the start-up log and errors."""
+        if self.total_memory is None:
+            return f"{self.bytes / MiB:.1f} MiB set by {self.flag}"
+        return (f"{self.utilization:g} x {self.total_memory / MiB:.0f} MiB device memory - "
+                f"{self.profile.peak_bytes / MiB:.1f} MiB profiled peak = {self.bytes / MiB:.1f} MiB")
+
+
+def kv_cache_budget(model, config, platform) -> KVBudget:
+    """The KV budget of ``config`` (an ``EngineConfig``) on ``platform`` (module docstring). A
+    text-only model on a platform without device memory is not profiled: its budget is explicit
+    there, and the profile would only add start-up time, which every test starting an engine pays
+    (about 0.1 s for the tiny checkpoints' 2048-token forward)."""
+    total = platform.total_memory()
+    weights = weight_bytes(model)
+    profile = None
+    if (total is not None and config.kv_cache_bytes is None) or isinstance(model, SupportsMedia):
+        profile = profile_run(model, config, platform)
+        logger.info("memory profile (weights %.1f MiB): %s", weights / MiB, profile.describe())
+    if total is None or config.kv_cache_bytes is not None:
+        from atb_plugin.engine.config import DEFAULT_KV_CACHE_BYTES  # the engine imports this module
+
+        explicit = config.kv_cache_bytes if config.kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES
+        return KVBudget(explicit, "--kv-cache-memory (LLM: kv_cache_bytes)", weights, profile)
+    budget = int(config.gpu_memory_utilization * total) - profile.peak_bytes
+    return KVBudget(max(0, budget), "--gpu-memory-utilization", weights, profile, total,
+                    config.gpu_memory_utilization)
