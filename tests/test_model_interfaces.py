@@ -70,6 +70,8 @@ def test_every_member_is_needed():
 
         def get_input_embeddings(self, input_ids, mm_embeds=None): ...
 
+        def get_processing_info(self, model_dir): ...
+
     class MRoPE:
         def get_mrope_positions(self, token_ids, grid_thws): ...
 
@@ -77,7 +79,7 @@ def test_every_member_is_needed():
 
     assert isinstance(Media(), SupportsMedia) and not isinstance(Media(), SupportsMRoPE)
     assert isinstance(MRoPE(), SupportsMRoPE) and not isinstance(MRoPE(), SupportsMedia)
-    for member in ("media_layout", "get_multimodal_embeddings", "get_input_embeddings"):
+    for member in ("media_layout", "get_multimodal_embeddings", "get_input_embeddings", "get_processing_info"):
         partial = type("Partial", (), {k: v for k, v in vars(Media).items() if k != member})
         assert not isinstance(partial(), SupportsMedia), member
     for member in ("get_mrope_positions", "decode_positions"):
@@ -102,3 +104,20 @@ def test_qwen2_vl_is_a_multimodal_model_like_the_other_vl_families():
     assert len(caches) == text.num_hidden_layers
     assert all(k.shape == v.shape == (3, 4, text.num_key_value_heads, text.head_dim) and k.dtype == torch.float16
                for k, v in caches)
+
+
+def test_pooling_capabilities_of_native_and_adapted_classes():
+    from atb_plugin.models.bert import BertEmbeddingModel, BertForSequenceClassification
+    from atb_plugin.models.interfaces import SupportsPooling, SupportsTokenTypes
+    from atb_plugin.models.qwen2 import Qwen2ForRewardModel
+    from atb_plugin.pooling.adapters import as_pooling_model
+
+    for cls in (BertEmbeddingModel, BertForSequenceClassification, Qwen2ForRewardModel):
+        assert issubclass(cls, SupportsPooling) and as_pooling_model(cls, "embed", {}) is cls  # used as they are
+    for cls in (Qwen2ForCausalLM, LlamaForCausalLM, BertModel, Qwen2VLForConditionalGeneration):
+        assert not issubclass(cls, SupportsPooling)
+    assert issubclass(BertForSequenceClassification, SupportsTokenTypes) and not issubclass(Qwen2ForCausalLM,
+                                                                                            SupportsTokenTypes)
+    adapted = as_pooling_model(Qwen2ForCausalLM, "classify", {"num_labels": 3})
+    assert issubclass(adapted, SupportsPooling) and issubclass(adapted, Qwen2ForCausalLM)
+    assert adapted.__name__ == "Qwen2ForCausalLMForClassification"

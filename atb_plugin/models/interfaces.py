@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     import torch
 
     from atb_plugin.multimodal import MediaLayout
+    from atb_plugin.multimodal.profiling import MultimodalProcessingInfo
     from atb_plugin.pooling.config import PoolerConfig
     from atb_plugin.pooling.poolers import DispatchPooler
 
@@ -52,6 +53,10 @@ class SupportsMedia(Protocol):
       ``input_ids`` (restored ids: no metadata slot < 0). With ``mm_embeds``, those rows replace
       the placeholder positions in order; a model may refuse ``mm_embeds`` (NotImplementedError)
       and leave the merge to ``MultimodalPrompt.embed``.
+    - ``get_processing_info(model_dir)``: the family's per-prompt limit and its largest item
+      (``atb_plugin.multimodal.profiling.MultimodalProcessingInfo``), for the start-up memory
+      profile. The class also declares ``supported_mm_limits`` (``{"image": N}``), which the input
+      builders and ``EngineConfig.limit_mm_per_prompt`` read.
     """
 
     @property
@@ -60,6 +65,8 @@ class SupportsMedia(Protocol):
     def get_multimodal_embeddings(self, pixel_values: torch.Tensor, grid_thw: GridTHW | None = None) -> torch.Tensor: ...
 
     def get_input_embeddings(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def get_processing_info(self, model_dir) -> MultimodalProcessingInfo: ...
 
 
 @runtime_checkable
