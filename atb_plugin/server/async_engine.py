@@ -9,6 +9,10 @@
 
 Whatever ends a request (it finishes, the client disconnects, the engine or its worker dies,
 shutdown) goes through ``OutputProcessor`` exactly once, so its lease is released exactly once.
+
+A pooling request (``encode``) has one output, the pooled tensor, and no lease: its ids come
+from the client or from a worker's tokenizer, never with media handles, so no worker holds
+anything for it (its ``worker`` is None and a worker's death does not concern it).
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from dataclasses import dataclass, field
 from atb_plugin.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from atb_plugin.engine.output_processor import OutputProcessor, RequestOutput
 from atb_plugin.engine.sampling_params import SamplingParams
+from atb_plugin.pooling.outputs import PoolingRequestOutput
+from atb_plugin.pooling.params import PoolingParams
 from atb_plugin.server.engine_client import EngineClient
 from atb_plugin.server.errors import APIError
 from atb_plugin.server.metrics import ServerMetrics
@@ -33,7 +39,7 @@ logger = logging.getLogger("atb_plugin.server")
 @dataclass
 class _Tracked:
     queue: asyncio.Queue
-    worker: int
+    worker: int | None  # the tokenizer worker holding its lease; None: it holds none (pooling)
     arrival: float
     first_token: float | None = None
     last_token: float | None = None
@@ -101,6 +107,33 @@ class AsyncEngine:
             if not finished:
                 self.abort(request_id)
 
+    async def encode(self, request_id: str, prompt_token_ids: list[int], pooling_params: PoolingParams,
+                     worker: int | None = None, token_type_start: int | None = None) -> PoolingRequestOutput:
+        """Run one pooling request; returns its one finished output (``outputs.data`` None when it
+        failed or was aborted). Cancelling the caller aborts it in the core."""
+        if self.dead_reason is not None:
+            raise EngineDeadError()
+        queue: asyncio.Queue = asyncio.Queue()
+        message = EngineCoreRequest(request_id, list(prompt_token_ids), None, (), (), pooling_params=pooling_params,
+                                    token_type_start=token_type_start)
+        self._tracked[request_id] = _Tracked(queue, worker, time.monotonic())
+        self.output_processor.add_request(request_id, None, prompt_token_ids, pooling_params)
+        try:
+            self.engine_client.add_request(message)
+        except Exception as error:
+            self.output_processor.abort(request_id, "error", str(error))
+            raise APIError(500, f"could not hand the request to the engine core: {error}") from error
+        finished = False
+        try:
+            item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            finished = True
+            return item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
     def abort(self, request_id: str, reason: str = "abort", error: str | None = None) -> None:
         if request_id not in self._tracked:
             return
@@ -133,12 +166,16 @@ class AsyncEngine:
         for request_output in processed.request_outputs:
             queues[request_output.request_id].put_nowait(request_output)
 
-    def _on_finish(self, output: RequestOutput) -> None:
+    def _on_finish(self, output: RequestOutput | PoolingRequestOutput) -> None:
         """Exactly once per request, whatever ended it: release its lease, record its metrics."""
         tracked = self._tracked.pop(output.request_id, None)
         if tracked is None:
             return
-        self.pool.release(tracked.worker, output.request_id)
+        if tracked.worker is not None:
+            self.pool.release(tracked.worker, output.request_id)
+        if isinstance(output, PoolingRequestOutput):
+            self._record_pooling(output, tracked)
+            return
         completion = output.outputs[0]
         num_prompt, num_output = len(output.prompt_token_ids), len(completion.token_ids)
         ttft = None if tracked.first_token is None else tracked.first_token - tracked.arrival
@@ -148,6 +185,15 @@ class AsyncEngine:
         logger.info("request %s: %d prompt + %d output tokens, TTFT %s, finish %s%s", output.request_id,
                     num_prompt, num_output, "-" if ttft is None else f"{ttft:.3f}s", completion.finish_reason,
                     f" ({output.error})" if output.error else "")
+
+    def _record_pooling(self, output: PoolingRequestOutput, tracked: _Tracked) -> None:
+        # vLLM counts a pooling request like a generation with no output tokens: success by
+        # finish reason, its prompt tokens, its end-to-end and queue times.
+        num_prompt = len(output.prompt_token_ids)
+        self.metrics.record_finished(prompt_tokens=num_prompt, finish_reason=output.finish_reason or "stop",
+                                     e2e=time.monotonic() - tracked.arrival, queue_time=output.queue_time)
+        logger.debug("pooling request %s: %d prompt tokens, finish %s%s", output.request_id, num_prompt,
+                     output.finish_reason, f" ({output.error})" if output.error else "")
 
     def on_engine_death(self, exit_code) -> None:
         self.dead_reason = f"the engine-core process exited with code {exit_code}"

@@ -108,6 +108,8 @@ def _run_job(job: dict, router, builder, store) -> dict:
             prompt = job["prompt"]
             reply["ok"] = builder.tokenize(prompt, request_id=job["request_id"],
                                            add_special_tokens=job.get("add_special_tokens", True))
+        elif op in ("pool", "pair"):
+            reply["ok"] = _pooling_ids(router.tokenizer, job)
         elif op == "detokenize":
             reply["ok"] = router.tokenizer.decode(job["tokens"])
         elif op == "stats":
@@ -130,6 +132,26 @@ def _run_job(job: dict, router, builder, store) -> dict:
         store.release(job.get("request_id", ""))
         reply.update(error=f"{type(error).__name__}: {error}", kind="internal")
     return reply
+
+
+def _pooling_ids(tokenizer, job: dict) -> list:
+    """Prompts of a pooling request: ``pool`` -> the ids of each text in ``items``; ``pair`` ->
+    ``[ids, token_type_start]`` of each ``[first, second]`` pair (cross-encoders). Truncation
+    keeps each text's start (``atb_plugin.pooling.inputs``); an input over ``max_model_len`` is a
+    client error naming it (``label[i]``) and the limit. No shared memory: nothing to release."""
+    from atb_plugin.pooling import inputs
+
+    max_model_len, truncate_to, items = job["max_model_len"], job.get("truncate_to"), job["items"]
+    results = []
+    for i, item in enumerate(items):
+        try:
+            if job["op"] == "pool":
+                results.append(inputs.text_ids(tokenizer, item, max_model_len, truncate_to))
+            else:
+                results.append(list(inputs.pair_ids(tokenizer, item[0], item[1], max_model_len, truncate_to)))
+        except ValueError as error:
+            raise ValueError(f"{job.get('label', 'input')}[{i}]: {error}" if len(items) > 1 else str(error)) from None
+    return results
 
 
 @dataclass

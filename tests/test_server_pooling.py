@@ -1,0 +1,321 @@
+"""The pooling endpoints end to end: real servers on localhost ports (API process + engine-core
+process + tokenizer worker), CPU, answers compared with the offline ``LLM`` on the same texts.
+
+Three servers, one per model, each started once for the module:
+
+- all-MiniLM-L6-v2 (the real embedding model), declared Matryoshka through ``--hf-overrides`` so
+  ``dimensions`` can be checked, behind an API key: /v1/embeddings, /pooling, cosine /score;
+- tiny BERT cross-encoder (one label): /score, /rerank;
+- tiny Qwen2 sequence classifier (three named labels): /classify.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from atb_plugin import LLM
+from atb_plugin.default_model import embedding_model_dir
+from atb_plugin.engine.config import EngineConfig
+from atb_plugin.pooling.params import PoolingParams
+from atb_plugin.server.cli import parse_config
+from atb_plugin.server.errors import APIError
+from atb_plugin.server.pooling_api import PoolingRoutes
+from atb_plugin.testing.tiny import tiny_checkpoint
+from tests.server_helpers import ServerProcess
+
+API_KEY = "pool-key"
+MINILM = "minilm"
+MINILM_MAX_LEN = 256  # its tokenizer's model_max_length
+TEXTS = ["The cat sat on the mat.", "A dog barked at the mailman.", "Stock markets fell sharply today."]
+QUERY = "Where is the cat?"
+DOCUMENTS = ["Dogs chase cats.", "The cat is on the mat.", "Markets fell today.", "A kitten sleeps."]
+TOL = 1e-5  # float32, the same code path in a different batch
+
+
+# -- servers and offline references ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    server = ServerProcess(embedding_model_dir(), "--served-model-name", MINILM,
+                           "--hf-overrides", json.dumps({"is_matryoshka": True}), api_key=API_KEY)
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+@pytest.fixture(scope="module")
+def cross_encoder():
+    server = ServerProcess(tiny_checkpoint("bert_cross_encoder"), "--served-model-name", "ce")
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+@pytest.fixture(scope="module")
+def classifier():
+    server = ServerProcess(tiny_checkpoint("qwen2_seq_cls"), "--served-model-name", "cls")
+    yield server
+    assert server.stop() == 0, server.log()
+
+
+@pytest.fixture(scope="module")
+def minilm_offline():
+    with LLM(str(embedding_model_dir())) as llm:
+        yield llm
+
+
+def embeddings(response) -> np.ndarray:
+    return np.array([d.embedding for d in response.data], dtype=np.float32)
+
+
+def error_of(response: httpx.Response, status: int) -> str:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert error["code"] == status
+    return error["message"]
+
+
+# -- /v1/embeddings ----------------------------------------------------------------------------------
+
+
+def test_embeddings_float_and_base64_agree_and_match_offline(minilm, minilm_offline):
+    client = minilm.client()
+    as_float = client.embeddings.create(model=MINILM, input=TEXTS, encoding_format="float")
+    decoded_by_sdk = client.embeddings.create(model=MINILM, input=TEXTS)  # the SDK asks for base64 and decodes
+    raw = minilm.post("/v1/embeddings", {"model": MINILM, "input": TEXTS, "encoding_format": "base64"}).json()
+    from_base64 = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in raw["data"]])
+    offline = minilm_offline.embed(TEXTS)
+
+    assert [d.index for d in as_float.data] == [0, 1, 2] and as_float.object == "list"
+    assert as_float.model == MINILM and as_float.id.startswith("embd-")
+    # Batches may be split differently from one request to the next (float32 sums in another
+    # order): equal within TOL. One input alone runs the same way every time: base64 is exact.
+    np.testing.assert_allclose(embeddings(as_float), from_base64, atol=TOL)
+    np.testing.assert_allclose(embeddings(decoded_by_sdk), from_base64, atol=TOL)
+    single = {"model": MINILM, "input": TEXTS[0]}
+    as_list = minilm.post("/v1/embeddings", {**single, "encoding_format": "float"}).json()["data"][0]["embedding"]
+    as_text = minilm.post("/v1/embeddings", {**single, "encoding_format": "base64"}).json()["data"][0]["embedding"]
+    np.testing.assert_array_equal(np.frombuffer(base64.b64decode(as_text), dtype="<f4"),
+                                  np.array(as_list, dtype=np.float32))
+    np.testing.assert_allclose(from_base64, np.array([o.outputs.embedding for o in offline]), atol=TOL)
+    assert from_base64.shape == (3, 384)
+    tokens = sum(len(o.prompt_token_ids) for o in offline)
+    assert as_float.usage.prompt_tokens == as_float.usage.total_tokens == tokens
+
+
+def test_token_id_inputs_embed_like_their_text(minilm, minilm_offline):
+    ids = [o.prompt_token_ids for o in minilm_offline.embed(TEXTS[:2])]
+    client = minilm.client()
+    by_text = embeddings(client.embeddings.create(model=MINILM, input=TEXTS[:2], encoding_format="float"))
+    by_ids = embeddings(client.embeddings.create(model=MINILM, input=ids, encoding_format="float"))
+    one = embeddings(client.embeddings.create(model=MINILM, input=ids[0], encoding_format="float"))
+    np.testing.assert_allclose(by_ids, by_text, atol=TOL)
+    np.testing.assert_allclose(one[0], by_text[0], atol=TOL)
+
+
+def test_matryoshka_dimensions_are_the_normalised_first_ones(minilm):
+    client = minilm.client()
+    full = embeddings(client.embeddings.create(model=MINILM, input=TEXTS[0], encoding_format="float"))[0]
+    cut = embeddings(client.embeddings.create(model=MINILM, input=TEXTS[0], dimensions=32, encoding_format="float"))[0]
+    assert cut.shape == (32,)
+    np.testing.assert_allclose(cut, full[:32] / np.linalg.norm(full[:32]), atol=TOL)
+
+
+def test_dimensions_need_a_matryoshka_model():
+    config = EngineConfig(model=str(tiny_checkpoint("bert")), block_size=16)
+    with pytest.raises(ValueError, match="matryoshka"):
+        config.check_task(PoolingParams("embed", dimensions=8))
+
+
+def test_too_long_input_is_refused_unless_truncated(minilm):
+    long_text = "word " * 400
+    message = error_of(minilm.post("/v1/embeddings", {"input": long_text}), 400)
+    assert str(MINILM_MAX_LEN) in message and "truncate_prompt_tokens" in message
+    # In a batch, the message names the input.
+    assert "input[1]" in error_of(minilm.post("/v1/embeddings", {"input": ["short", long_text]}), 400)
+    whole = minilm.post("/v1/embeddings", {"input": long_text, "truncate_prompt_tokens": -1})
+    assert whole.status_code == 200, whole.text
+    assert whole.json()["usage"]["prompt_tokens"] == MINILM_MAX_LEN
+    cut = minilm.post("/v1/embeddings", {"input": long_text, "truncate_prompt_tokens": 10}).json()
+    assert cut["usage"]["prompt_tokens"] == 10
+
+
+@pytest.mark.parametrize("body, words", [
+    ({"input": []}, "not empty"),
+    ({"input": 5}, "input"),
+    ({"input": ["text", [1, 2]]}, "not a mix"),
+    ({"input": [[]]}, "empty list of token ids"),
+    ({"input": [10**7]}, "outside the vocabulary"),
+    ({"input": "x", "encoding_format": "hex"}, "encoding_format"),
+    ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"input": "x", "dimensions": 0}, "dimensions"),
+    ({"input": "x", "dimensions": 999}, "exceeds the embedding size 384"),
+    ({"messages": [{"role": "user", "content": "x"}]}, "messages"),
+])
+def test_bad_embedding_requests_are_400(minilm, body, words):
+    assert words in error_of(minilm.post("/v1/embeddings", body), 400)
+
+
+def test_the_api_key_guards_the_pooling_routes(minilm):
+    for path in ("/v1/embeddings", "/pooling", "/score", "/rerank"):
+        response = httpx.post(minilm.base_url + path, json={"input": "x"}, timeout=30)
+        assert "API key" in error_of(response, 401)
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=minilm.base_url + "/v1", api_key="wrong", max_retries=0).embeddings.create(
+            model=MINILM, input="x")
+
+
+def test_generation_and_other_tasks_on_an_embedding_model_are_400(minilm):
+    chat = {"model": MINILM, "messages": [{"role": "user", "content": "hi"}]}
+    message = error_of(minilm.post("/v1/chat/completions", chat), 400)
+    assert "pooling model" in message and "embed" in message
+    assert "pooling model" in error_of(minilm.post("/v1/completions", {"prompt": "hi"}), 400)
+    message = error_of(minilm.post("/classify", {"input": "hi"}), 400)
+    assert "'classify'" in message and "embed, token_embed" in message
+    assert "does not exist" in error_of(minilm.post("/v1/embeddings", {"model": "other", "input": "x"}), 404)
+
+
+def test_a_generative_model_refuses_pooling_tasks():
+    config = EngineConfig(model=str(tiny_checkpoint("qwen2")), block_size=16)
+    with pytest.raises(ValueError, match="generative model.*--runner pooling"):
+        config.check_task(PoolingParams("embed"))
+
+
+def test_pooling_route_and_cosine_scores(minilm, minilm_offline):
+    pooled = minilm.post("/pooling", {"input": TEXTS[:2]}).json()
+    assert [d["object"] for d in pooled["data"]] == ["pooling", "pooling"]
+    embedded = minilm.post("/v1/embeddings", {"input": TEXTS[:2]}).json()
+    np.testing.assert_allclose([d["data"] for d in pooled["data"]], [d["embedding"] for d in embedded["data"]],
+                               atol=TOL)
+    tokens = minilm.post("/pooling", {"input": TEXTS[0], "task": "token_embed"}).json()["data"][0]["data"]
+    assert np.array(tokens).shape == (len(minilm_offline.embed(TEXTS[0])[0].prompt_token_ids), 384)
+    scores = minilm.post("/score", {"text_1": QUERY, "text_2": DOCUMENTS}).json()
+    offline = [s.outputs.score for s in minilm_offline.score(QUERY, DOCUMENTS)]
+    np.testing.assert_allclose([d["score"] for d in scores["data"]], offline, atol=TOL)
+
+
+def test_pooling_requests_are_counted_in_the_vllm_metrics(minilm):
+    minilm.post("/v1/embeddings", {"input": TEXTS})
+    samples = {(s.name, s.labels.get("finished_reason")): s.value
+               for family in text_string_to_metric_families(minilm.get("/metrics").text) for s in family.samples}
+    assert samples[("vllm:request_success_total", "stop")] >= 3
+    assert samples[("vllm:prompt_tokens_total", None)] > 0
+
+
+# -- /score and /rerank on a cross-encoder -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cross_encoder_offline():
+    with LLM(str(tiny_checkpoint("bert_cross_encoder")), block_size=16) as llm:
+        yield llm
+
+
+def test_score_one_to_n_and_n_to_n_match_offline(cross_encoder, cross_encoder_offline):
+    one_to_n = cross_encoder.post("/score", {"model": "ce", "text_1": QUERY, "text_2": DOCUMENTS}).json()
+    assert one_to_n["object"] == "list" and one_to_n["id"].startswith("score-")
+    assert [d["index"] for d in one_to_n["data"]] == [0, 1, 2, 3]
+    offline = [s.outputs.score for s in cross_encoder_offline.score(QUERY, DOCUMENTS)]
+    np.testing.assert_allclose([d["score"] for d in one_to_n["data"]], offline, atol=TOL)
+    firsts = [QUERY, "cats", "markets", "sleep"]
+    n_to_n = cross_encoder.post("/v1/score", {"text_1": firsts, "text_2": DOCUMENTS}).json()
+    offline = [s.outputs.score for s in cross_encoder_offline.score(firsts, DOCUMENTS)]
+    np.testing.assert_allclose([d["score"] for d in n_to_n["data"]], offline, atol=TOL)
+    assert n_to_n["usage"]["prompt_tokens"] == sum(len(s.prompt_token_ids)
+                                                   for s in cross_encoder_offline.score(firsts, DOCUMENTS))
+    message = error_of(cross_encoder.post("/score", {"text_1": ["a", "b"], "text_2": DOCUMENTS}), 400)
+    assert "1 -> N or N -> N" in message
+
+
+def test_rerank_sorts_cuts_and_matches_offline_scores(cross_encoder, cross_encoder_offline):
+    offline = [s.outputs.score for s in cross_encoder_offline.score(QUERY, DOCUMENTS)]
+    expected = sorted(range(len(DOCUMENTS)), key=lambda i: -offline[i])
+    for path in ("/rerank", "/v1/rerank", "/v2/rerank"):
+        answer = cross_encoder.post(path, {"model": "ce", "query": QUERY, "documents": DOCUMENTS, "top_n": 2}).json()
+        assert answer["id"].startswith("rerank-") and answer["model"] == "ce"
+        results = answer["results"]
+        assert [r["index"] for r in results] == expected[:2]
+        assert [r["document"]["text"] for r in results] == [DOCUMENTS[i] for i in expected[:2]]
+        np.testing.assert_allclose([r["relevance_score"] for r in results], [offline[i] for i in expected[:2]],
+                                   atol=TOL)
+        assert answer["usage"]["total_tokens"] > 0
+    every = cross_encoder.post("/rerank", {"query": QUERY, "documents": DOCUMENTS, "return_documents": False}).json()
+    assert [r["index"] for r in every["results"]] == expected
+    assert all("document" not in r for r in every["results"])
+    assert "documents" in error_of(cross_encoder.post("/rerank", {"query": QUERY, "documents": []}), 400)
+
+
+# -- /classify ---------------------------------------------------------------------------------------
+
+
+def test_classify_returns_probabilities_and_the_argmax_label(classifier):
+    checkpoint = tiny_checkpoint("qwen2_seq_cls")
+    id2label = json.loads((checkpoint / "config.json").read_text())["id2label"]
+    answer = classifier.post("/classify", {"model": "cls", "input": TEXTS}).json()
+    assert answer["id"].startswith("classify-") and len(answer["data"]) == 3
+    with LLM(str(checkpoint), block_size=16) as llm:
+        offline = llm.classify(TEXTS)
+    for item, reference in zip(answer["data"], offline):
+        probs = item["probs"]
+        assert item["num_classes"] == 3 and abs(sum(probs) - 1) < 1e-5
+        assert item["label"] == id2label[str(int(np.argmax(probs)))]
+        np.testing.assert_allclose(probs, reference.outputs.probs, atol=TOL)
+    message = error_of(classifier.post("/score", {"text_1": "a", "text_2": "b"}), 400)
+    assert "3 labels" in message
+
+
+# -- many inputs, one HTTP request -------------------------------------------------------------------
+
+
+class _FakeEngine:
+    """``encode`` of ``failing`` fails at once; the others wait until cancelled (and say so)."""
+
+    def __init__(self, failing: str | None):
+        self.failing = failing
+        self.cancelled = []
+
+    async def encode(self, request_id, ids, params, worker, token_type_start):
+        if request_id == self.failing:
+            raise APIError(500, f"{request_id} failed")
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            self.cancelled.append(request_id)
+            raise
+
+
+@pytest.mark.parametrize("gone, message", [(False, "r-1 failed"), (True, "disconnected")])
+def test_a_failing_input_or_a_gone_client_aborts_the_others(gone, message):
+    engine = _FakeEngine(failing=None if gone else "r-1")
+    raw = SimpleNamespace(is_disconnected=lambda: asyncio.sleep(0, gone))
+    config = EngineConfig(model=str(tiny_checkpoint("bert")), block_size=16)
+    routes = PoolingRoutes(SimpleNamespace(config=SimpleNamespace(engine=config, served_model_name="m"),
+                                           max_tokens_per_request=64), None, None)
+
+    async def main():
+        with pytest.raises(APIError, match=message):
+            await routes.run(raw, engine, "r", [([1, 2], None)] * 3, PoolingParams("embed"))
+        await asyncio.sleep(0.01)  # the cancelled ones run their abort
+
+    asyncio.run(main())
+    assert sorted(engine.cancelled) == (["r-0", "r-1", "r-2"] if gone else ["r-0", "r-2"])
+
+
+# -- the CLI -----------------------------------------------------------------------------------------
+
+
+def test_cli_flags_reach_the_engine_config():
+    config = parse_config(["--model", str(tiny_checkpoint("qwen2")), "--runner", "pooling",
+                           "--hf-overrides", '{"is_matryoshka": true}', "--block-size", "16"])
+    assert config.engine.runner == "pooling" and config.engine.convert == "embed"
+    assert config.engine.tasks == ("embed", "token_embed") and config.engine.is_matryoshka
+    with pytest.raises(SystemExit):
+        parse_config(["--model", str(tiny_checkpoint("qwen2")), "--hf-overrides", "[1]"])
