@@ -22,7 +22,7 @@ from atb_plugin.engine.output_processor import CompletionOutput, OutputProcessor
 from atb_plugin.engine.sampling_params import SamplingParams
 from atb_plugin.pooling import inputs as pooling_inputs
 from atb_plugin.pooling.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput,
-                                        ScoringOutput, ScoringRequestOutput)
+                                        ScoringOutput, ScoringRequestOutput, cosine_similarity)
 from atb_plugin.pooling.params import PoolingParams
 from routers import get_router
 from shm import ShmStore, ShmStoreConfig
@@ -219,11 +219,8 @@ class LLM:
         embeddings = self.embed(first + second, truncate_prompt_tokens=truncate_prompt_tokens)
         results = []
         for a, b in zip(embeddings[:len(first)], embeddings[len(first):]):
-            u, v = a.outputs.embedding, b.outputs.embedding
-            dot = sum(x * y for x, y in zip(u, v))
-            norm = (sum(x * x for x in u) * sum(y * y for y in v)) ** 0.5
-            results.append(ScoringRequestOutput(a.request_id, a.prompt_token_ids + b.prompt_token_ids,
-                                                ScoringOutput(dot / norm if norm else 0.0)))
+            results.append(ScoringRequestOutput(a.request_id, a.prompt_token_ids + b.prompt_token_ids, ScoringOutput(
+                cosine_similarity(a.outputs.embedding, b.outputs.embedding))))
         return results
 
     def _pool(self, prompts, params: PoolingParams | list[PoolingParams], truncate_prompt_tokens) -> list[PoolingRequestOutput]:

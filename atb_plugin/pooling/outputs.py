@@ -7,8 +7,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
+__all__ = ["cosine_similarity", "PoolingOutput", "PoolingRequestOutput", "EmbeddingOutput", "EmbeddingRequestOutput",
            "ClassificationOutput", "ClassificationRequestOutput", "ScoringOutput", "ScoringRequestOutput"]
+
+
+def cosine_similarity(u, v) -> float:
+    """How an embedding model scores a pair (``LLM.score``, ``/score``, ``/rerank``): in float64,
+    0 for a zero vector."""
+    u, v = np.asarray(u, dtype=np.float64), np.asarray(v, dtype=np.float64)
+    norm = float(np.linalg.norm(u) * np.linalg.norm(v))
+    return float(np.dot(u, v) / norm) if norm else 0.0
 
 
 @dataclass
@@ -37,18 +45,6 @@ class EmbeddingOutput:
 
 
 @dataclass
-class EmbeddingRequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: EmbeddingOutput
-    finished: bool = True
-
-    @classmethod
-    def from_base(cls, base: PoolingRequestOutput) -> "EmbeddingRequestOutput":
-        return cls(base.request_id, base.prompt_token_ids, EmbeddingOutput(base.outputs.data.tolist()))
-
-
-@dataclass
 class ClassificationOutput:
     probs: list[float]  # softmax over the labels (sigmoid for one label); raw logits with activation off
 
@@ -58,25 +54,36 @@ class ClassificationOutput:
 
 
 @dataclass
-class ClassificationRequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: ClassificationOutput
-    finished: bool = True
-
-    @classmethod
-    def from_base(cls, base: PoolingRequestOutput) -> "ClassificationRequestOutput":
-        return cls(base.request_id, base.prompt_token_ids, ClassificationOutput(base.outputs.data.tolist()))
-
-
-@dataclass
 class ScoringOutput:
     score: float
 
 
 @dataclass
-class ScoringRequestOutput:
+class _TaskRequestOutput:
+    """A finished pooling request with its result in the task's type (``outputs``)."""
+
     request_id: str
     prompt_token_ids: list[int]
-    outputs: ScoringOutput
+    outputs: object
     finished: bool = True
+
+    output_type = None  # set by each subclass: the class ``outputs`` is built with
+
+    @classmethod
+    def from_base(cls, base: PoolingRequestOutput):
+        return cls(base.request_id, base.prompt_token_ids, cls.output_type(base.outputs.data.tolist()))
+
+
+class EmbeddingRequestOutput(_TaskRequestOutput):
+    outputs: EmbeddingOutput
+    output_type = EmbeddingOutput
+
+
+class ClassificationRequestOutput(_TaskRequestOutput):
+    outputs: ClassificationOutput
+    output_type = ClassificationOutput
+
+
+class ScoringRequestOutput(_TaskRequestOutput):
+    outputs: ScoringOutput
+    output_type = ScoringOutput

@@ -75,18 +75,38 @@ class AsyncEngine:
 
     # -- requests ----------------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, worker: int,
-                       instance_id: str | None, prompt=None) -> AsyncIterator[RequestOutput]:
+    def generate(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, worker: int,
+                 instance_id: str | None, prompt=None) -> AsyncIterator[RequestOutput]:
         """Run one request; yields a RequestOutput per step, the last one finished. Closing the
         generator early (client gone) aborts the request in the core."""
-        if self.dead_reason is not None:
-            self.pool.release(worker, request_id)
-            raise EngineDeadError()
-        queue: asyncio.Queue = asyncio.Queue()
         instances = (instance_id,) if instance_id else ()
         message = EngineCoreRequest(request_id, list(prompt_token_ids), params, self.eos_token_ids, instances)
+        return self._stream(message, worker, prompt)
+
+    async def encode(self, request_id: str, prompt_token_ids: list[int], pooling_params: PoolingParams,
+                     worker: int | None = None, token_type_start: int | None = None) -> PoolingRequestOutput:
+        """Run one pooling request; returns its one finished output (``outputs.data`` None when it
+        failed or was aborted). Cancelling the caller aborts it in the core."""
+        message = EngineCoreRequest(request_id, list(prompt_token_ids), None, pooling_params=pooling_params,
+                                    token_type_start=token_type_start)
+        stream = self._stream(message, worker, None)
+        try:
+            return await anext(stream)  # a pooling request's first output is its last
+        finally:
+            await stream.aclose()
+
+    async def _stream(self, message: EngineCoreRequest, worker: int | None, prompt) -> AsyncIterator:
+        """Hand ``message`` to the core and yield its outputs until the finished one; leaving
+        early (closed, cancelled) aborts it there. ``worker``: whose lease it holds, if any."""
+        request_id = message.request_id
+        if self.dead_reason is not None:
+            if worker is not None:
+                self.pool.release(worker, request_id)
+            raise EngineDeadError()
+        queue: asyncio.Queue = asyncio.Queue()
         self._tracked[request_id] = _Tracked(queue, worker, time.monotonic())
-        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
+        self.output_processor.add_request(request_id, prompt, message.prompt_token_ids,
+                                          message.sampling_params or message.pooling_params)
         try:
             self.engine_client.add_request(message)
         except Exception as error:
@@ -95,41 +115,12 @@ class AsyncEngine:
             raise APIError(500, f"could not hand the request to the engine core: {error}") from error
         finished = False
         try:
-            while True:
+            while not finished:
                 item = await queue.get()
                 if isinstance(item, Exception):
                     raise item
+                finished = item.finished
                 yield item
-                if item.finished:
-                    finished = True
-                    return
-        finally:
-            if not finished:
-                self.abort(request_id)
-
-    async def encode(self, request_id: str, prompt_token_ids: list[int], pooling_params: PoolingParams,
-                     worker: int | None = None, token_type_start: int | None = None) -> PoolingRequestOutput:
-        """Run one pooling request; returns its one finished output (``outputs.data`` None when it
-        failed or was aborted). Cancelling the caller aborts it in the core."""
-        if self.dead_reason is not None:
-            raise EngineDeadError()
-        queue: asyncio.Queue = asyncio.Queue()
-        message = EngineCoreRequest(request_id, list(prompt_token_ids), None, (), (), pooling_params=pooling_params,
-                                    token_type_start=token_type_start)
-        self._tracked[request_id] = _Tracked(queue, worker, time.monotonic())
-        self.output_processor.add_request(request_id, None, prompt_token_ids, pooling_params)
-        try:
-            self.engine_client.add_request(message)
-        except Exception as error:
-            self.output_processor.abort(request_id, "error", str(error))
-            raise APIError(500, f"could not hand the request to the engine core: {error}") from error
-        finished = False
-        try:
-            item = await queue.get()
-            if isinstance(item, Exception):
-                raise item
-            finished = True
-            return item
         finally:
             if not finished:
                 self.abort(request_id)

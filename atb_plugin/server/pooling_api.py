@@ -27,6 +27,7 @@ from fastapi.responses import JSONResponse
 
 from atb_plugin.engine.llm import validate_client_token_ids
 from atb_plugin.pooling import inputs as pooling_inputs
+from atb_plugin.pooling.outputs import cosine_similarity
 from atb_plugin.pooling.params import PoolingParams
 from atb_plugin.server import pooling_protocol as pp
 from atb_plugin.server.async_engine import AsyncEngine
@@ -64,12 +65,6 @@ def encode_array(array: np.ndarray, encoding_format: str):
 def _usage(ids: list[list[int]]) -> UsageInfo:
     tokens = sum(len(i) for i in ids)
     return UsageInfo(prompt_tokens=tokens, total_tokens=tokens)
-
-
-def _cosine(u: np.ndarray, v: np.ndarray) -> float:
-    u, v = u.astype(np.float64), v.astype(np.float64)
-    norm = float(np.linalg.norm(u) * np.linalg.norm(v))
-    return float(np.dot(u, v) / norm) if norm else 0.0
 
 
 class PoolingRoutes:
@@ -263,5 +258,5 @@ class PoolingRoutes:
         left, right = arrays[:len(ids_1)], arrays[len(ids_1):]
         if len(left) == 1:
             left = left * len(right)
-        return [_cosine(u, v) for u, v in zip(left, right)], sum(len(i) for i in ids_1 + ids_2)
+        return [cosine_similarity(u, v) for u, v in zip(left, right)], sum(len(i) for i in ids_1 + ids_2)
 

@@ -180,13 +180,18 @@ class EmbeddingResponseData(OpenAIBaseModel):
     embedding: list[float] | str  # str: base64 of the float32 little-endian bytes
 
 
-class EmbeddingResponse(OpenAIBaseModel):
-    id: str = Field(default_factory=lambda: f"embd-{random_uuid()}")
+class _ListResponse(OpenAIBaseModel):
+    """The envelope vLLM's pooling responses share (the routes pass the request's id)."""
+
+    id: str
     object: str = "list"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    data: list[EmbeddingResponseData]
     usage: UsageInfo
+
+
+class EmbeddingResponse(_ListResponse):
+    data: list[EmbeddingResponseData]
 
 
 class PoolingResponseData(OpenAIBaseModel):
@@ -195,13 +200,8 @@ class PoolingResponseData(OpenAIBaseModel):
     data: list[list[float]] | list[float] | str
 
 
-class PoolingResponse(OpenAIBaseModel):
-    id: str = Field(default_factory=lambda: f"pool-{random_uuid()}")
-    object: str = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class PoolingResponse(_ListResponse):
     data: list[PoolingResponseData]
-    usage: UsageInfo
 
 
 class ClassificationData(OpenAIBaseModel):
@@ -211,13 +211,8 @@ class ClassificationData(OpenAIBaseModel):
     num_classes: int
 
 
-class ClassificationResponse(OpenAIBaseModel):
-    id: str = Field(default_factory=lambda: f"classify-{random_uuid()}")
-    object: str = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class ClassificationResponse(_ListResponse):
     data: list[ClassificationData]
-    usage: UsageInfo
 
 
 class ScoreResponseData(OpenAIBaseModel):
@@ -226,13 +221,8 @@ class ScoreResponseData(OpenAIBaseModel):
     score: float
 
 
-class ScoreResponse(OpenAIBaseModel):
-    id: str = Field(default_factory=lambda: f"score-{random_uuid()}")
-    object: str = "list"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
+class ScoreResponse(_ListResponse):
     data: list[ScoreResponseData]
-    usage: UsageInfo
 
 
 class RerankDocument(OpenAIBaseModel):
