@@ -61,7 +61,8 @@ def cross_encoder():
 
 @pytest.fixture(scope="module")
 def classifier():
-    server = ServerProcess(tiny_checkpoint("qwen2_seq_cls"), "--served-model-name", "cls")
+    server = ServerProcess(tiny_checkpoint("qwen2_seq_cls"), "--served-model-name", "cls",
+                           "--max-queued-requests", "4")
     yield server
     assert server.stop() == 0, server.log()
 
@@ -256,6 +257,13 @@ def test_rerank_sorts_cuts_and_matches_offline_scores(cross_encoder, cross_encod
 # -- /classify ---------------------------------------------------------------------------------------
 
 
+def test_each_input_counts_toward_max_queued_requests(classifier):
+    ok = classifier.post("/classify", {"model": "cls", "input": ["a", "b", "c", "d"]})
+    assert ok.status_code == 200 and len(ok.json()["data"]) == 4
+    message = error_of(classifier.post("/classify", {"model": "cls", "input": ["a"] * 5}), 400)
+    assert "has 5 inputs" in message and "(--max-queued-requests)" in message
+
+
 def test_classify_returns_probabilities_and_the_argmax_label(classifier):
     checkpoint = tiny_checkpoint("qwen2_seq_cls")
     id2label = json.loads((checkpoint / "config.json").read_text())["id2label"]
@@ -278,9 +286,14 @@ def test_classify_returns_probabilities_and_the_argmax_label(classifier):
 class _FakeEngine:
     """``encode`` of ``failing`` fails at once; the others wait until cancelled (and say so)."""
 
+    max_queued_requests = 8
+
     def __init__(self, failing: str | None):
         self.failing = failing
         self.cancelled = []
+
+    def check_admission(self, new_requests: int = 1) -> None:
+        assert new_requests == 3
 
     async def encode(self, request_id, ids, params, worker, token_type_start):
         if request_id == self.failing:

@@ -66,10 +66,12 @@ class AsyncEngine:
 
     # -- admission ---------------------------------------------------------------------------------
 
-    def check_admission(self) -> None:
+    def check_admission(self, new_requests: int = 1) -> None:
+        """503 when the engine is gone, 429 when ``new_requests`` more would exceed
+        --max-queued-requests (a pooling request with N inputs is N engine requests)."""
         if self.dead_reason is not None:
             raise APIError(503, f"the service is unhealthy: {self.dead_reason}", retry_after=5)
-        if len(self._tracked) + self.num_preparing >= self.max_queued_requests:
+        if len(self._tracked) + self.num_preparing + new_requests > self.max_queued_requests:
             raise APIError(429, f"too many requests in flight ({self.max_queued_requests}, "
                                 "--max-queued-requests); retry later", retry_after=1)
 

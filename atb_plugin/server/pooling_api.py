@@ -126,6 +126,11 @@ class PoolingRoutes:
         in input order. One failing, the client leaving, or this handler being cancelled aborts
         the others (each ``encode`` aborts its request in the core when cancelled)."""
         self.check_capacity([ids for ids, _ in prompts])
+        limit = engine.max_queued_requests
+        if len(prompts) > limit:
+            raise APIError(400, f"the request has {len(prompts)} inputs; the server runs at most {limit} at once "
+                                "(--max-queued-requests): split it into smaller requests")
+        engine.check_admission(len(prompts))  # its inputs count one each, as they run
         tasks = [asyncio.ensure_future(engine.encode(f"{request_id}-{i}", ids, params, None, token_type_start))
                  for i, (ids, token_type_start) in enumerate(prompts)]
         try:
