@@ -264,12 +264,12 @@ class LLM:
         with its params and step until all finished; returns their final outputs in order."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)) or len(sampling_params) != len(prompts):
+            raise ValueError(f"params must be one SamplingParams / PoolingParams or a list of them, one per "
+                             f"prompt ({len(prompts)})")
         kind = PoolingParams if isinstance(sampling_params[0], PoolingParams) else SamplingParams
-        if not isinstance(sampling_params, (list, tuple)) or not all(
-                isinstance(p, kind) for p in sampling_params):
-            raise ValueError(f"params must be a {kind.__name__} or a list of them, one per prompt")
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(sampling_params)} params for {len(prompts)} prompts")
+        if not all(isinstance(p, kind) for p in sampling_params):
+            raise ValueError(f"params must all be {kind.__name__}s, one per prompt")
         for params in sampling_params[:1]:  # all share a kind: one check says whether the model serves it
             self.engine.config.check_task(params if kind is PoolingParams else None)
         engine = self.engine
