@@ -64,8 +64,12 @@ def pool_rows(hidden: torch.Tensor, batch: PoolingBatch, pooling_type: str,
     if pooling_type == "MEAN":
         # Segment sums with one index_add over the group's rows, in float32 (sentence-transformers
         # averages in float32 too), divided by each segment's length.
+        # rows: each segment's hidden-state rows, concatenated (the group's requests need not be
+        # adjacent in the step): row k of the concatenation is start[seg] + (k - offset[seg]),
+        # offset = where the segment begins in the concatenation (exclusive cumsum of lengths).
         segment = torch.repeat_interleave(torch.arange(len(batch.params), device=hidden.device), batch.lengths)
-        rows = torch.repeat_interleave(batch.starts - torch.cumsum(batch.lengths, 0) + batch.lengths, batch.lengths)
+        offsets = torch.cumsum(batch.lengths, 0) - batch.lengths
+        rows = torch.repeat_interleave(batch.starts - offsets, batch.lengths)
         rows = rows + torch.arange(rows.numel(), device=hidden.device)
         sums = torch.zeros(len(batch.params), hidden.shape[-1], dtype=torch.float32, device=hidden.device)
         sums.index_add_(0, segment, hidden[rows].float())
