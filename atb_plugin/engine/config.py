@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from atb_plugin.engine.scheduler import SchedulerConfig
 from atb_plugin.models import registry
 from atb_plugin.multimodal.profiling import resolve_mm_limit
-from atb_plugin.pooling.config import RunnerChoice, resolve_runner, sentence_transformers_max_len
+from atb_plugin.pooling.config import resolve_runner, sentence_transformers_max_len
 from atb_plugin.platform import platform_for
 from atb_plugin.platform.base import DTYPES as TORCH_DTYPES
 
@@ -161,10 +161,6 @@ class EngineConfig:
             set_(self, "enable_prefix_caching", False)
         set_(self, "scheduler_config",
              SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len))
-
-    @property
-    def runner_choice(self) -> RunnerChoice:
-        return RunnerChoice(self.runner, self.convert)
 
     def checkpoint_config(self) -> dict:
         """The checkpoint's config.json with ``hf_overrides`` applied (top-level keys replaced)."""

@@ -192,17 +192,12 @@ class LLM:
         scores by the cosine similarity of the two embeddings."""
         first = [data_1] if isinstance(data_1, str) else list(data_1)
         second = [data_2] if isinstance(data_2, str) else list(data_2)
-        if not first or not second:
-            raise ValueError("score needs at least one text on each side")
-        if len(first) == 1:
-            first = first * len(second)
-        if len(first) != len(second):
-            raise ValueError(f"score pairs texts 1 -> N or N -> N; got {len(first)} and {len(second)}")
+        pairs = pooling_inputs.score_pairs(first, second, ("data_1", "data_2"))
         config = self.engine.config
         if "score" in config.tasks:
             truncate_to = pooling_inputs.truncation_length(truncate_prompt_tokens, config.max_model_len)
             tokenizer = self.engine.tokenizer
-            outputs = self._run(list(zip(first, second)), [PoolingParams("score")] * len(first),
+            outputs = self._run(pairs, [PoolingParams("score")] * len(pairs),
                                 lambda pair, _: pooling_inputs.pair_ids(tokenizer, *pair, config.max_model_len,
                                                                         truncate_to))
             results = []
@@ -216,9 +211,11 @@ class LLM:
         if "embed" not in config.tasks:
             raise ValueError(f"{config.model} serves {', '.join(config.tasks)}: scoring needs a cross-encoder "
                              "(score) or an embedding model (embed)")
+        # Each side's texts embedded once (1 -> N embeds the one text a single time).
         embeddings = self.embed(first + second, truncate_prompt_tokens=truncate_prompt_tokens)
+        left, right = embeddings[:len(first)], embeddings[len(first):]
         results = []
-        for a, b in zip(embeddings[:len(first)], embeddings[len(first):]):
+        for a, b in zip(left * len(right) if len(left) == 1 else left, right):
             results.append(ScoringRequestOutput(a.request_id, a.prompt_token_ids + b.prompt_token_ids, ScoringOutput(
                 cosine_similarity(a.outputs.embedding, b.outputs.embedding))))
         return results

@@ -140,10 +140,10 @@ class ModelRunner:
             hidden = self.model(prepared.input_ids, positions, self.kv_caches, prepared.attn_metadata,
                                 inputs_embeds=inputs_embeds)
 
-        pooling = [i for i, (state, *_) in enumerate(spans) if state.request.is_pooling]
-        if pooling:
-            self._pool(hidden, prepared, spans, pooling, result)
-        sampling = [i for i, samples in enumerate(prepared.samples) if samples and not spans[i][0].request.is_pooling]
+        if self.pooler is not None:  # a pooling runner: every request pools (EngineConfig.check_task)
+            self._pool(hidden, prepared, spans, result)
+            return result
+        sampling = [i for i, samples in enumerate(prepared.samples) if samples]
         if sampling:
             logits = self.model.compute_logits(hidden[prepared.logits_indices[sampling]])
             states = [self.states[request_ids[i]] for i in sampling]
@@ -161,24 +161,24 @@ class ModelRunner:
                 self.input_batch.append_token(request_id, token)
         return result
 
-    def _pool(self, hidden, prepared, spans, indices: list[int], result: RunnerOutput) -> None:
-        """Pool the hidden states of the step's pooling requests (each ran its whole prompt)."""
-        if self.pooler is None:
-            raise RuntimeError("a pooling request reached a runner without a pooler")
-        qsl = prepared.attn_metadata.query_start_loc.to(torch.long)
-        index = torch.as_tensor(indices, dtype=torch.long, device=qsl.device)
-        batch = PoolingBatch(qsl[index], (qsl[1:] - qsl[:-1])[index],
-                             [spans[i][0].request.pooling_params for i in indices], prepared.input_ids)
-        for i, value in zip(indices, self.pooler(hidden, batch)):
-            result.pooled[spans[i][0].request.request_id] = PooledData.from_array(value.detach().cpu().numpy())
+    def _pool(self, hidden, prepared, spans, result: RunnerOutput) -> None:
+        """Pool the step's hidden states: each request ran its whole prompt in this step."""
+        batch = PoolingBatch.from_query_start_loc(prepared.attn_metadata.query_start_loc,
+                                                  [state.request.pooling_params for state, *_ in spans],
+                                                  prepared.input_ids)
+        for (state, *_), value in zip(spans, self.pooler(hidden, batch)):
+            result.pooled[state.request.request_id] = PooledData.from_array(value.detach().cpu().numpy())
 
-    def _token_types(self, spans, prepared) -> torch.Tensor:
-        """``(T,)`` token types: 1 from each pair's ``token_type_start`` to its end, else 0."""
+    def _token_types(self, spans, prepared) -> torch.Tensor | None:
+        """``(T,)`` token types: 1 from each pair's ``token_type_start`` to its end, else 0; None
+        (all 0) when the step holds no pair."""
+        pairs = [(offset, end - start, state.request.token_type_start - start)
+                 for state, offset, start, end in spans if state.request.token_type_start is not None]
+        if not pairs:
+            return None
         types = torch.zeros_like(prepared.input_ids)
-        for state, offset, start, end in spans:
-            boundary = state.request.token_type_start
-            if boundary is not None and boundary < end:
-                types[offset + max(boundary - start, 0):offset + end - start] = 1
+        for offset, length, boundary in pairs:
+            types[offset + boundary:offset + length] = 1
         return types
 
     def _spans(self, request_ids, counts) -> list[tuple[_RequestState, int, int, int]]:

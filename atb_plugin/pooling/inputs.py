@@ -9,7 +9,7 @@ is an error naming both numbers), -1 = ``max_model_len``, k >= 1 = at most k tok
 
 from __future__ import annotations
 
-__all__ = ["truncation_length", "text_ids", "token_ids", "pair_ids", "check_prompt_length"]
+__all__ = ["truncation_length", "text_ids", "token_ids", "pair_ids", "score_pairs", "check_prompt_length"]
 
 
 def truncation_length(truncate_prompt_tokens: int | None, max_model_len: int) -> int | None:
@@ -69,3 +69,14 @@ def pair_ids(tokenizer, first: str, second: str, max_model_len: int,
     types = encoded.get("token_type_ids") or []
     start = next((i for i, t in enumerate(types) if t == 1), None)
     return ids, start
+
+
+def score_pairs(first: list[str], second: list[str], names: tuple[str, str] = ("text_1", "text_2")) -> list[tuple[str, str]]:
+    """The pairs a score request means: one text against each of N (1 -> N) or pairwise (N -> N);
+    other shapes are a ValueError naming the two sides (``names``)."""
+    if not first or not second:
+        raise ValueError(f"{names[0]} and {names[1]} each need at least one text")
+    if len(first) > 1 and len(first) != len(second):
+        raise ValueError(f"{names[0]} and {names[1]} pair 1 -> N or N -> N; got {len(first)} and "
+                         f"{len(second)} texts")
+    return list(zip(first * len(second) if len(first) == 1 else first, second))

@@ -4,7 +4,7 @@ server's API process builds these and sends them to the engine core inside an
 
     task            embed | token_embed | classify | token_classify | score
     dimensions      Matryoshka truncation of an embedding (embed / token_embed only)
-    normalize       L2-normalise embeddings (default: on)
+    normalize       L2-normalise embeddings (default: the checkpoint's pooler config, usually on)
     activation      softmax / sigmoid on class logits (default: on for classify and score,
                     off for token_classify, so reward models return raw rewards)
 """
@@ -45,10 +45,6 @@ class PoolingParams:
             raise ValueError(f"normalize applies to embeddings only, not to task {self.task!r}")
         if self.activation is not None and self.task in EMBED_TASKS:
             raise ValueError(f"activation applies to classification and scores, not to task {self.task!r}")
-
-    @property
-    def use_normalize(self) -> bool:
-        return True if self.normalize is None else self.normalize
 
     @property
     def use_activation(self) -> bool:

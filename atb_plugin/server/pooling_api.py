@@ -243,7 +243,7 @@ class PoolingRoutes:
                                     label):
         params = self.params("score", activation=activation)
         truncate_to = self.truncate_to(truncate_prompt_tokens)
-        pairs = [[a, b] for a, b in zip(first * len(second) if len(first) == 1 else first, second)]
+        pairs = [list(pair) for pair in pooling_inputs.score_pairs(first, second)]  # validated by the request
         _, _, encoded = await self.prepare(engine, "pair", request_id, items=pairs,
                                            max_model_len=self.engine_config.max_model_len, truncate_to=truncate_to,
                                            label=label)

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from atb_plugin.pooling.inputs import score_pairs
 from atb_plugin.server.protocol import OpenAIBaseModel, UsageInfo, _is_token_ids, _short_repr, random_uuid
 
 __all__ = ["EmbeddingRequest", "PoolingRequest", "ClassificationRequest", "ScoreRequest", "RerankRequest",
@@ -135,15 +136,8 @@ class ScoreRequest(OpenAIBaseModel):
 
     @model_validator(mode="after")
     def _pairing(self):
-        if len(self.text_1) > 1 and len(self.text_1) != len(self.text_2):
-            raise ValueError(f"text_1 and text_2 pair 1 -> N or N -> N; got {len(self.text_1)} and "
-                             f"{len(self.text_2)} texts")
+        score_pairs(self.text_1, self.text_2)  # 1 -> N or N -> N, else a ValueError (400)
         return self
-
-    @property
-    def pairs(self) -> list[tuple[str, str]]:
-        first = self.text_1 * len(self.text_2) if len(self.text_1) == 1 else self.text_1
-        return list(zip(first, self.text_2))
 
 
 class RerankRequest(OpenAIBaseModel):
