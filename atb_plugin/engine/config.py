@@ -13,14 +13,13 @@ from dataclasses import dataclass, field
 
 from atb_plugin.engine.scheduler import SchedulerConfig
 from atb_plugin.models import registry
-from atb_plugin.multimodal.profiling import resolve_mm_limit
+from atb_plugin.multimodal.profiling import DEFAULT_KV_CACHE_BYTES, resolve_mm_limit
 from atb_plugin.pooling.config import resolve_runner, sentence_transformers_max_len
 from atb_plugin.platform import platform_for
 from atb_plugin.platform.base import DTYPES as TORCH_DTYPES
 
 DTYPES = ("auto", *TORCH_DTYPES)
 DEVICES = ("auto", "cpu", "cuda", "npu")
-DEFAULT_KV_CACHE_BYTES = 1 << 30
 # When the checkpoint declares no context window (rare: tiny test checkpoints, some converts).
 FALLBACK_MAX_MODEL_LEN = 4096
 

@@ -24,7 +24,6 @@ from atb_plugin.engine.model_runner import ModelRunner
 from atb_plugin.engine.request import Request, RequestStatus
 from atb_plugin.engine.scheduler import Scheduler
 from atb_plugin.models import registry
-from atb_plugin.models.interfaces import SupportsPooling
 from atb_plugin.multimodal.profiling import MiB, kv_bytes_per_block, kv_cache_budget
 from atb_plugin.platform import platform_for
 from atb_plugin.pooling.adapters import as_pooling_model
@@ -36,24 +35,32 @@ logger = logging.getLogger(__name__)
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
+def load_model(config: EngineConfig, device):
+    """The model ``config`` names, on ``device``, and its pooler on a pooling runner (None when
+    generating): a native pooling class as it is, a generative one through its convert adapter,
+    pooled as the checkpoint's own pooling files say (else the class default)."""
+    model_cls = registry.import_model_class(config.model_cls_path)
+    pooling = config.runner == "pooling"
+    hf_config = config.checkpoint_config() if pooling else {}
+    if pooling:
+        model_cls = as_pooling_model(model_cls, config.convert, hf_config)
+    model = model_cls.from_pretrained(config.model, dtype=_TORCH_DTYPES[config.dtype], device=device)
+    if not pooling:
+        return model, None
+    return model, model.build_pooler(pooler_config(config.model, model_cls.default_pooling_type,
+                                                   hf_config.get("pooler_config")))
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
         device = platform_for(config.device).device()
-        model_cls = registry.import_model_class(config.model_cls_path)  # config.json was read once, by the config
-        self.pooler = None
-        if config.runner == "pooling":
-            hf_config = config.checkpoint_config()
-            model_cls = as_pooling_model(model_cls, config.convert, hf_config)
-        self.model = model_cls.from_pretrained(config.model, dtype=_TORCH_DTYPES[config.dtype], device=device)
-        if config.runner == "pooling":
-            self.pooler = self.model.build_pooler(pooler_config(
-                config.model, model_cls.default_pooling_type, hf_config.get("pooler_config")))
+        self.model, self.pooler = load_model(config, device)
         self.kv_cache_blocks = config.kv_cache_blocks or self._blocks_for_budget()
         self.kv_cache_manager = KVCacheManager(self.kv_cache_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
         self.runner = ModelRunner(self.model, config, self.kv_cache_blocks, self.pooler)
-        logger.info("engine core: %s on %s (runner %s%s), %d KV blocks of %d tokens", model_cls.__name__, device,
+        logger.info("engine core: %s on %s (runner %s%s), %d KV blocks of %d tokens", type(self.model).__name__, device,
                     config.runner, f", tasks {', '.join(self.pooler.tasks)}" if self.pooler else "",
                     self.kv_cache_blocks, config.block_size)
 

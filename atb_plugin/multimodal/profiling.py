@@ -43,6 +43,8 @@ logger = logging.getLogger(__name__)
 
 MODALITIES = ("image",)
 MiB = 1 << 20
+# The KV budget where no device memory can be profiled (the CPU) and none was given.
+DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -299,8 +301,6 @@ def kv_cache_budget(model, config, platform) -> KVBudget:
         profile = profile_run(model, config, platform)
         logger.info("memory profile (weights %.1f MiB): %s", weights / MiB, profile.describe())
     if total is None or config.kv_cache_bytes is not None:
-        from atb_plugin.engine.config import DEFAULT_KV_CACHE_BYTES  # the engine imports this module
-
         explicit = config.kv_cache_bytes if config.kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES
         return KVBudget(explicit, "--kv-cache-memory (LLM: kv_cache_bytes)", weights, profile)
     budget = int(config.gpu_memory_utilization * total) - profile.peak_bytes

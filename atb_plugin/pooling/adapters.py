@@ -83,7 +83,8 @@ def as_embedding_model(cls: type) -> type:
 
 
 def as_classification_model(cls: type, labels: int, from_token_ids: tuple[int, int] | None = None,
-                            tasks: tuple[str, ...] = CONVERT_TASKS["classify"], suffix: str = "ForClassification") -> type:
+                            tasks: tuple[str, ...] = CONVERT_TASKS["classify"], suffix: str = "ForClassification",
+                            pooling_type: str = "LAST") -> type:
     """``score``: ``Linear(hidden, labels, bias=False)`` on the pooled hidden state (the
     ``*ForSequenceClassification`` checkpoints' head, loaded from ``score.weight``), or built from
     two LM-head rows when ``from_token_ids`` is given (then ``labels`` must be 1)."""
@@ -91,6 +92,8 @@ def as_classification_model(cls: type, labels: int, from_token_ids: tuple[int, i
         raise ValueError(f"a classifier built from two tokens has 1 label, not {labels}")
 
     class ForClassification(PoolingModelMixin, cls):
+        default_pooling_type = pooling_type
+
         def __init__(self, config):
             super().__init__(config)
             if from_token_ids is None:
@@ -128,9 +131,7 @@ def as_classification_model(cls: type, labels: int, from_token_ids: tuple[int, i
 
 def as_reward_model(cls: type, labels: int) -> type:
     """A per-token reward head (``score``, ``labels`` outputs, raw by default) over ALL tokens."""
-    adapted = as_classification_model(cls, labels, tasks=CONVERT_TASKS["reward"], suffix="ForReward")
-    adapted.default_pooling_type = "ALL"
-    return adapted
+    return as_classification_model(cls, labels, tasks=CONVERT_TASKS["reward"], suffix="ForReward", pooling_type="ALL")
 
 
 def _from_token_ids(hf_config: dict) -> tuple[int, int] | None:
