@@ -267,8 +267,9 @@ class LLM:
         kind = PoolingParams if isinstance(sampling_params[0], PoolingParams) else SamplingParams
         if not all(isinstance(p, kind) for p in sampling_params):
             raise ValueError(f"params must all be {kind.__name__}s, one per prompt")
-        for params in sampling_params[:1]:  # all share a kind: one check says whether the model serves it
-            self.engine.config.check_task(params if kind is PoolingParams else None)
+        # Whether the model serves this kind of request at all, before anything is queued (the core
+        # checks each request again).
+        self.engine.config.check_task(sampling_params[0] if kind is PoolingParams else None)
         engine = self.engine
         added: list[str] = []
         finished: dict[str, RequestOutput] = {}
