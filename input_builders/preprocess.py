@@ -1,27 +1,32 @@
 """Image preprocessing for the vision-language families we serve (no torchvision).
 
-Every preprocessor maps a decoded RGB ``PIL.Image.Image`` to float32, C-contiguous pixel values
-equal (max abs diff <= 1e-5) to transformers' ``*ImageProcessorPil`` output for the same image and
-settings:
+Every preprocessor maps a decoded RGB ``PIL.Image.Image`` to what crosses shared memory, in one
+of two wire dtypes (``atb_plugin.multimodal.wire``; the preprocessor's ``wire_dtype``):
 
-* Qwen-VL: bicubic resize to image_size x image_size, rescale, normalise (CLIP mean/std)
-  -> ``[1, 3, S, S]``.
-* Qwen2-VL / Qwen2.5-VL: ``smart_resize`` to multiples of patch_size * merge_size within
-  [min_pixels, max_pixels], bicubic, rescale, normalise, patchify in merge-window-major order
-  -> ``[t*h*w, 3*T*p*p]`` plus ``grid_thw = (t, h, w)``.
-* LLaVA-1.5 / CLIP: bicubic resize so the shortest edge is shortest_edge, centre crop to
-  crop_size, rescale, normalise -> ``[1, 3, crop_h, crop_w]``.
+* ``"uint8"`` (default): the image after the family's resize (and CLIP's centre crop), RGB,
+  ``[H, W, 3]``. The model normalises (and for Qwen2-VL patchifies) on its device, with the same
+  arithmetic as the float32 path below, so the encoder sees the same values bit for bit.
+* ``"float32"``: C-contiguous pixel values equal (max abs diff <= 1e-5) to transformers'
+  ``*ImageProcessorPil`` output for the same image and settings (MindIE's wire form):
+
+  * Qwen-VL: bicubic resize to image_size x image_size, rescale, normalise (CLIP mean/std)
+    -> ``[1, 3, S, S]``.
+  * Qwen2-VL / Qwen2.5-VL: ``smart_resize`` to multiples of patch_size * merge_size within
+    [min_pixels, max_pixels], bicubic, rescale, normalise, patchify in merge-window-major order
+    -> ``[t*h*w, 3*T*p*p]`` plus ``grid_thw = (t, h, w)``.
+  * LLaVA-1.5 / CLIP: bicubic resize so the shortest edge is shortest_edge, centre crop to
+    crop_size, rescale, normalise -> ``[1, 3, crop_h, crop_w]``.
 
 Where the time goes, and why the code looks the way it does: the resize is Pillow's own bicubic
 ``Image.resize`` on the uint8 image, exactly what the Pil processors call, because only that
 reproduces their output bit for bit (one uint8 step off is 1/255/std ~ 0.015, far beyond 1e-5).
-At photo sizes it is 35-70 % of the reference's time and 76-98 % of ours, which caps the
-speedup there (see benchmarks/RESULTS.md). Everything else, which the reference does as a chain
+At photo sizes it is 35-70 % of the reference's time and 76-98 % of the float32 path's, which is
+why the uint8 wire (nothing after the resize but a copy) is the default. Everything else, which the reference does as a chain
 of full-size copies (RGB convert, HWC->CHW, back to PIL, float64 rescale, float32 normalise,
 strided float layout), is one vectorised pass here: layout gathers on uint8, then uint8 ->
-float32 with a per-channel ``x * scale + offset`` (scale = rescale/std, offset = -mean/std,
-folded once per preprocessor) straight into the output layout.
-``benchmarks/bench_preprocess.py`` times ours, the reference and the resize alone.
+float32 with a per-channel ``x * scale + offset`` (``PixelNormalization``, folded once per
+preprocessor) straight into the output layout.
+``benchmarks/bench_preprocess.py`` times both wire dtypes, the reference and the resize alone.
 """
 
 from __future__ import annotations
@@ -36,6 +41,14 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import numpy as np
 import PIL
 from PIL import Image
+
+from atb_plugin.multimodal.wire import (
+    DEFAULT_WIRE_DTYPE,
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    PixelNormalization,
+    check_wire_dtype,
+)
 
 if TYPE_CHECKING:  # annotations are strings at runtime; typing.Self needs 3.11
     from typing_extensions import Self
@@ -52,9 +65,6 @@ __all__ = [
     "smart_resize",
 ]
 
-OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-
 # Bumped whenever a code change alters any output for the same parameters, so that cache keys
 # (the shm dedup key) of an older build never match arrays of a newer one.
 _ALGORITHM_VERSION = 1
@@ -70,10 +80,10 @@ _BLOCK_BYTES = 1 << 20
 
 @dataclass(frozen=True, eq=False)  # eq=False: comparing arrays field-wise is ambiguous
 class PreprocessedImage:
-    """What a preprocessor returns for one image.
+    """What a preprocessor returns for one image, as it is written to shm (one C-contiguous block).
 
-    ``pixel_values`` is float32 and C-contiguous (so it can be written to shm as one block);
-    ``grid_thw`` is ``(grid_t, grid_h, grid_w)`` in patches for Qwen2-VL and None otherwise.
+    ``pixel_values`` is the wire form: float32 pixel values, or the uint8 ``[H, W, 3]`` resized
+    image; ``grid_thw`` is ``(grid_t, grid_h, grid_w)`` in patches for Qwen2-VL and None otherwise.
     """
 
     pixel_values: np.ndarray
@@ -81,16 +91,18 @@ class PreprocessedImage:
 
     def __post_init__(self) -> None:
         values = self.pixel_values
-        if not isinstance(values, np.ndarray) or values.dtype != np.float32:
-            raise TypeError(f"pixel_values must be a float32 numpy array, got {_describe(values)}")
+        if not isinstance(values, np.ndarray) or values.dtype not in (np.float32, np.uint8):
+            raise TypeError(f"pixel_values must be a float32 or uint8 numpy array, got {_describe(values)}")
         if not values.flags.c_contiguous:
             raise ValueError("pixel_values must be C-contiguous")
+        if values.dtype == np.uint8 and (values.ndim != 3 or values.shape[2] != 3):
+            raise ValueError(f"uint8 pixel_values must be an RGB image [H, W, 3], got shape {values.shape}")
         if self.grid_thw is not None:
             grid = tuple(self.grid_thw)
             if len(grid) != 3 or not all(_is_int(v) and v > 0 for v in grid):
                 raise ValueError(f"grid_thw must be three positive ints, got {self.grid_thw!r}")
             t, h, w = (int(v) for v in grid)
-            if values.ndim != 2 or values.shape[0] != t * h * w:
+            if values.dtype == np.float32 and (values.ndim != 2 or values.shape[0] != t * h * w):
                 raise ValueError(
                     f"pixel_values shape {values.shape} does not hold grid_thw {grid}: "
                     f"expected {t * h * w} rows of patches"
@@ -107,8 +119,9 @@ class ImagePreprocessor(ABC):
     * input: a ``PIL.Image.Image`` in mode ``"RGB"`` (decoding, EXIF handling and alpha
       compositing belong to the media loader; any other mode is refused rather than converted
       here with a rule that may differ from the loader's);
-    * output: a :class:`PreprocessedImage` whose ``pixel_values`` are float32, C-contiguous, and
+    * output: a :class:`PreprocessedImage` in ``wire_dtype``: for ``"float32"``, pixel values
       equal to transformers' ``*ImageProcessorPil`` output for the same settings within 1e-5;
+      for ``"uint8"``, the resized (cropped) RGB image those values are computed from;
     * deterministic: the same image and parameters give the same bytes, in any process;
     * immutable and thread-safe: instances hold no mutable state, so one instance can serve
       concurrent requests (Pillow releases the GIL while resizing).
@@ -123,26 +136,16 @@ class ImagePreprocessor(ABC):
     image_mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
     image_std: tuple[float, float, float] = OPENAI_CLIP_STD
     rescale_factor: float = 1 / 255
+    # What crosses shm (part of the cache key, so the two forms never share a segment).
+    wire_dtype: str = DEFAULT_WIRE_DTYPE
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "image_mean", _three_floats("image_mean", self.image_mean))
-        std = _three_floats("image_std", self.image_std)
-        if min(std) <= 0:
-            raise ValueError(f"image_std entries must be > 0, got {std}")
-        object.__setattr__(self, "image_std", std)
-        factor = self.rescale_factor
-        if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
-            raise ValueError(f"rescale_factor must be a number, got {_describe(factor)}")
-        if not (math.isfinite(factor) and factor > 0):
-            raise ValueError(f"rescale_factor must be finite and > 0, got {factor!r}")
-        object.__setattr__(self, "rescale_factor", float(factor))
-        # (x * rescale - mean) / std == x * (rescale / std) + (-mean / std): one multiply-add per
-        # element. Folded in float64 and rounded once, so the result stays within a few float32
-        # ulps (~5e-7 at these magnitudes) of the reference's step-by-step float32 arithmetic.
-        mean64 = np.asarray(self.image_mean, dtype=np.float64)
-        std64 = np.asarray(std, dtype=np.float64)
-        scale = (self.rescale_factor / std64).astype(np.float32)
-        offset = (-mean64 / std64).astype(np.float32)
+        check_wire_dtype(self.wire_dtype, "wire_dtype")
+        # The rule the device applies to uint8 images too (one definition: PixelNormalization).
+        norm = PixelNormalization(self.image_mean, self.image_std, self.rescale_factor)
+        for name in ("image_mean", "image_std", "rescale_factor"):
+            object.__setattr__(self, name, getattr(norm, name))
+        scale, offset = norm.scale, norm.offset
         scale.flags.writeable = False
         offset.flags.writeable = False
         object.__setattr__(self, "_scale", scale)
@@ -200,8 +203,14 @@ class ImagePreprocessor(ABC):
         out += offset
         return out
 
+    @property
+    def normalization(self) -> PixelNormalization:
+        return PixelNormalization(self.image_mean, self.image_std, self.rescale_factor)
+
     def _chw_output(self, hwc: np.ndarray) -> PreprocessedImage:
-        """uint8 HWC (possibly a crop view) -> float32 ``[1, 3, H, W]``."""
+        """uint8 HWC (possibly a crop view) -> the uint8 image, or float32 ``[1, 3, H, W]``."""
+        if self.wire_dtype == "uint8":
+            return PreprocessedImage(np.ascontiguousarray(hwc))
         height, width, _ = hwc.shape
         out = np.empty((1, 3, height, width), dtype=np.float32)
         self._normalize(hwc.transpose(2, 0, 1), out=out[0])
@@ -295,6 +304,8 @@ class Qwen2VLPreprocessor(ImagePreprocessor):
         hwc = np.asarray(_resize_bicubic(image, resized_width, resized_height))
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
         grid_h, grid_w = resized_height // p, resized_width // p
+        if self.wire_dtype == "uint8":  # the device patchifies (atb_plugin.multimodal.pixels)
+            return PreprocessedImage(np.ascontiguousarray(hwc), grid_thw=(1, grid_h, grid_w))
         num_patches = grid_h * grid_w
         # transformers reshapes CHW to (C, gh/m, m, p, gw/m, m, p) and transposes to
         # (gh/m, gw/m, m, m, C, p, p). We start from HWC, hence the different axis numbers for
@@ -495,19 +506,8 @@ def _check_common_config(config: Mapping[str, Any], family: str) -> Mapping[str,
 
 
 def _common_kwargs(config: Mapping[str, Any]) -> dict[str, Any]:
-    keys = ("image_mean", "image_std", "rescale_factor")
-    return {key: config[key] for key in keys if config.get(key) is not None}
-
-
-def _three_floats(name: str, value: Any) -> tuple[float, float, float]:
-    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 3:
-        raise ValueError(f"{name} must have 3 elements (one per RGB channel), got {value!r}")
-    out = []
-    for item in value:
-        if isinstance(item, bool) or not isinstance(item, numbers.Real) or not math.isfinite(item):
-            raise ValueError(f"{name} must hold 3 finite numbers, got {value!r}")
-        out.append(float(item))
-    return tuple(out)
+    norm = PixelNormalization.from_preprocessor_config(config)  # the keys the device reads too
+    return {"image_mean": norm.image_mean, "image_std": norm.image_std, "rescale_factor": norm.rescale_factor}
 
 
 def _check_positive_int(name: str, value: Any) -> None:

@@ -6,6 +6,7 @@ first use, so picking a router (``routers.get_router``) only reads ``config.json
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 from functools import cached_property
@@ -13,7 +14,9 @@ from pathlib import Path
 
 from atb_plugin.models.registry import config_value, declared_max_model_len, import_model_class, model_class_path
 from input_builders.base import InputBuilder
+from atb_plugin.multimodal.wire import DEFAULT_WIRE_DTYPE, check_wire_dtype
 from input_builders.media import MediaConfig
+from input_builders.preprocess import ImagePreprocessor
 from shm import ShmStore
 
 _process_store: ShmStore | None = None
@@ -50,12 +53,14 @@ class BaseRouter:
     """
 
     def __init__(self, model_dir, *, raw_config: dict | None = None, shm_store: ShmStore | None = None,
-                 media_config: MediaConfig | None = None, max_images_per_prompt: int | None = None):
+                 media_config: MediaConfig | None = None, max_images_per_prompt: int | None = None,
+                 mm_wire_dtype: str = DEFAULT_WIRE_DTYPE):
         self.model_dir = Path(model_dir)
         self.raw_config = raw_config if raw_config is not None else read_json(self.model_dir / "config.json")
         self._shm_store = shm_store
         self.media_config = media_config or MediaConfig()
         self.max_images_per_prompt = max_images_per_prompt
+        self.mm_wire_dtype = check_wire_dtype(mm_wire_dtype)
 
     # -- lazily built ----------------------------------------------------------------------------
 
@@ -131,6 +136,10 @@ class BaseRouter:
             "max_length": self.max_model_len,
             "max_images_per_prompt": self.max_images_per_prompt,
         }
+
+    def make_preprocessor(self, cls: type[ImagePreprocessor], config: dict) -> ImagePreprocessor:
+        """The family's preprocessor from its config, writing this router's wire dtype."""
+        return dataclasses.replace(cls.from_config(config), wire_dtype=self.mm_wire_dtype)
 
     def preprocessor_config(self) -> dict:
         path = self.model_dir / "preprocessor_config.json"

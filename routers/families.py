@@ -30,7 +30,7 @@ class Qwen2VlRouter(BaseRouter):
             image_token_id=self.config_value("image_token_id"),
             vision_start_token_id=self.config_value("vision_start_token_id"),
             vision_end_token_id=self.config_value("vision_end_token_id"),
-            preprocessor=Qwen2VLPreprocessor.from_config(self.preprocessor_config()),
+            preprocessor=self.make_preprocessor(Qwen2VLPreprocessor, self.preprocessor_config()),
             **self.builder_kwargs(),
         )
 
@@ -46,7 +46,7 @@ class LlavaRouter(BaseRouter):
             image_size=vision["image_size"],
             patch_size=vision["patch_size"],
             feature_select_strategy=self.raw_config.get("vision_feature_select_strategy", "default"),
-            preprocessor=ClipPreprocessor.from_config(self.preprocessor_config()),
+            preprocessor=self.make_preprocessor(ClipPreprocessor, self.preprocessor_config()),
             **self.builder_kwargs(),
         )
 
@@ -72,7 +72,7 @@ class QwenVlRouter(BaseRouter):
         return QwenVlInputBuilder(
             self.tokenizer,
             image_start_id=visual["image_start_id"],
-            preprocessor=QwenVLPreprocessor.from_config(visual),
+            preprocessor=self.make_preprocessor(QwenVLPreprocessor, visual),
             **self.builder_kwargs(),
         )
 

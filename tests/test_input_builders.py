@@ -13,6 +13,7 @@ import base64
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from transformers import CLIPImageProcessorPil, Qwen2VLImageProcessorPil
 
@@ -108,15 +109,21 @@ def handles_in(family, ids) -> list[tuple[int, int]]:
     return [(negatives[i], negatives[i + 1]) for i in range(0, len(negatives), step)]
 
 
+@pytest.mark.parametrize("wire_dtype", ["uint8", "float32"])
 @pytest.mark.parametrize("family", VL_FAMILIES)
-def test_golden_layout_and_pixels(family, store, images, tmp_path):
-    router = router_for(family, store, tmp_path)
+def test_golden_layout_and_pixels(family, wire_dtype, store, images, tmp_path):
+    router = router_for(family, store, tmp_path, mm_wire_dtype=wire_dtype)
     ids = router.input_builder.make_context(0, openai_chat(images), request_id="req")
     assert ids == expected_layout(family, router, images, ids)
-    # Every handle reads back exactly transformers' pixel values for its image.
+    # Every handle reads back transformers' pixel values for its image: as they are on the
+    # float32 wire (MindIE's form), through the family's model on the uint8 wire.
+    model = router.model_cls.from_pretrained(router.model_dir) if wire_dtype == "uint8" else None
     for (name_value, shape_value), path in zip(handles_in(family, ids), images):
         pixels = shm.read_array(name_value, shape_value, expected_instance=store.instance_id)
-        reference, _ = reference_pixels(family, path)
+        assert pixels.dtype == np.dtype(wire_dtype)
+        reference, grid = reference_pixels(family, path)
+        if model is not None:
+            pixels = model.encoder_input(torch.tensor(pixels), grid).numpy()
         assert pixels.shape == reference.shape
         np.testing.assert_allclose(pixels, reference, atol=1e-5, rtol=0)
     assert store.stats()["leased_segments"] == 2

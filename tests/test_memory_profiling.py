@@ -25,6 +25,7 @@ from atb_plugin.engine.core import EngineCore
 from atb_plugin.models import registry
 from atb_plugin.multimodal import profiling
 from atb_plugin.multimodal.profiling import MultimodalProcessingInfo, dummy_inputs
+from atb_plugin.multimodal.prompt import encode_pixels
 from atb_plugin.platform.cpu import CpuPlatform
 from atb_plugin.server.cli import parse_config
 from atb_plugin.testing.tiny import tiny_checkpoint
@@ -90,15 +91,20 @@ def test_qwen2_vl_largest_image_need_not_be_square(models, tmp_path):
     assert models("qwen2_vl").get_processing_info(tmp_path).max_tokens_per_item == 6
 
 
+@pytest.mark.parametrize("wire_dtype", ["uint8", "float32"])
 @pytest.mark.parametrize("family", MULTIMODAL)
-def test_the_dummy_item_encodes_to_the_declared_tokens(models, family):
+def test_the_dummy_item_encodes_to_the_declared_tokens(models, family, wire_dtype):
     model = models(family)
-    config = EngineConfig(tiny_checkpoint(family), kv_cache_blocks=8)
+    config = EngineConfig(tiny_checkpoint(family), kv_cache_blocks=8, mm_wire_dtype=wire_dtype)
     inputs = dummy_inputs(model, config)
     info = model.get_processing_info(config.model)
     assert inputs.num_items == config.limit_mm_per_prompt == info.max_items_per_prompt
+    # The worst-case item in the configured wire form: the uint8 image or the float32 values.
+    pixels = inputs.item.pixel_values
+    assert pixels.dtype == getattr(torch, wire_dtype)
+    assert tuple(pixels.shape) == ((*info.max_item_size, 3) if wire_dtype == "uint8" else info.pixel_shape)
     with torch.no_grad():
-        rows = model.get_multimodal_embeddings(inputs.item.pixel_values, inputs.item.grid_thw)
+        rows = encode_pixels(model, pixels, inputs.item.grid_thw)
     assert rows.shape[0] == info.max_tokens_per_item == model.media_layout.block_length(info.grid_thw)
     placeholders = int((inputs.input_ids == model.media_layout.placeholder_id).sum())
     assert inputs.num_tokens == min(config.max_num_batched_tokens, config.max_model_len)

@@ -217,8 +217,9 @@ def test_logits_with_two_images_match_transformers(ours, reference, path, store,
     assert len(mm.blocks) == 2
     inputs = transformers_inputs(path, images)
     assert mm.token_ids.tolist() == inputs["input_ids"][0].tolist()
-    shm_pixels = torch.cat([block.pixel_values for block in mm.blocks])
-    assert (shm_pixels - inputs["pixel_values"]).abs().max() <= 1e-5  # the builder's preprocessing
+    # The builder's uint8 images, normalised by the model: transformers' pixel values.
+    shm_pixels = torch.cat([ours.encoder_input(block.pixel_values) for block in mm.blocks])
+    assert (shm_pixels - inputs["pixel_values"]).abs().max() <= 1e-5
     with torch.no_grad():
         expected = reference(input_ids=inputs["input_ids"], pixel_values=inputs["pixel_values"]).logits[0]
     got = full_logits(ours, mm)

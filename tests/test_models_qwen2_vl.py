@@ -79,10 +79,14 @@ def build_prompt(family, store, tmp_path, image_paths, text="Describe both pictu
     hf_ids = torch.tensor(router.tokenizer(widened, add_special_tokens=False)["input_ids"])
     hf = {"input_ids": hf_ids, "pixel_values": processed["pixel_values"], "image_grid_thw": processed["image_grid_thw"]}
 
-    # Same prompt on both sides: restored ids equal transformers' widened ids, pixels equal.
+    # Same prompt on both sides: restored ids equal transformers' widened ids, and the encoder's
+    # input (the uint8 images from shm, patchified and normalised by the model) equals
+    # transformers' pixel values.
     assert torch.equal(mm.token_ids, hf_ids)
     assert [block.grid_thw for block in mm.blocks] == grids
-    torch.testing.assert_close(torch.cat([b.pixel_values for b in mm.blocks]), hf["pixel_values"], atol=1e-5, rtol=0)
+    assert all(b.pixel_values.dtype == torch.uint8 for b in mm.blocks)
+    pixels = torch.cat([ours.encoder_input(b.pixel_values, b.grid_thw) for b in mm.blocks])
+    torch.testing.assert_close(pixels, hf["pixel_values"], atol=1e-5, rtol=0)
     return mm, grids, hf
 
 

@@ -330,7 +330,7 @@ def test_image_features_fill_exactly_the_256_slots(model, raw, path, store, imag
         assert (block.start, block.length) == (a + 1, b - a - 1) == (a + 1, 256)
         assert bool((tokens[a + 1:b] == start_id + 2).all())  # NAME, SHAPE restored to <imgpad>
         with torch.no_grad():
-            features = model.get_multimodal_embeddings(block.pixel_values, None)
+            features = model.get_multimodal_embeddings(model.encoder_input(block.pixel_values), None)
         assert torch.equal(embeds[a + 1:b], features)
         is_image[a + 1:b] = True
     assert int(is_image.sum()) == 512

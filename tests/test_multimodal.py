@@ -1,7 +1,8 @@
-"""MultimodalPrompt: blocks found in real builder output, pixels reloaded from shared memory,
-features merged at exactly the placeholder positions (also chunk by chunk), and every failure
-named. The encoder here is a small deterministic module so each feature row is recognisable;
-the real encoders are checked against transformers in the tests/test_models_*.py files."""
+"""MultimodalPrompt: blocks found in real builder output, pixels reloaded from shared memory in
+either wire dtype, features merged at exactly the placeholder positions (also chunk by chunk),
+and every failure named. The encoder here is a small deterministic module so each feature row is
+recognisable, behind the family's real pixel format; the real encoders are checked against
+transformers in the tests/test_models_*.py files."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from torch import nn
 
 import shm
 from atb_plugin.multimodal import MediaBlockError, MediaLayout, MultimodalPrompt
+from atb_plugin.multimodal.pixels import ChwImageFormat, PixelFormat, Qwen2VLPatchFormat
+from atb_plugin.multimodal.wire import PixelNormalization
 from atb_plugin.testing.tiny import tiny_checkpoint
 from input_builders.media import MediaConfig
 from routers import get_router
@@ -23,14 +26,18 @@ HIDDEN = 8
 class RowEncoder(nn.Module):
     """Feature row i of an image = (i, mean of its pixels, 0, ...): position and content visible."""
 
-    def __init__(self, vocab: int, layout: MediaLayout):
+    def __init__(self, vocab: int, layout: MediaLayout, pixel_format: PixelFormat):
         super().__init__()
         self.embed = nn.Embedding(vocab, HIDDEN)
         self.layout = layout
+        self.pixel_format = pixel_format
         self.calls = 0
 
     def get_input_embeddings(self, ids):
         return self.embed(ids)
+
+    def encoder_input(self, pixels, grid_thw=None):
+        return self.pixel_format.encoder_input(pixels, grid_thw, torch.float32)
 
     def get_multimodal_embeddings(self, pixel_values, grid_thw):
         self.calls += 1
@@ -49,13 +56,27 @@ def layout_for(family: str, raw: dict) -> MediaLayout:
     return MediaLayout(raw["visual"]["image_start_id"] + 2, 2, 256)
 
 
+def format_for(family: str, raw: dict) -> PixelFormat:
+    """The family's pixel format, as its model class builds it from the same config."""
+    if family in ("qwen2_vl", "qwen2_5_vl"):
+        vision = raw["vision_config"]
+        return Qwen2VLPatchFormat(PixelNormalization(), vision.get("patch_size", 14),
+                                  vision.get("temporal_patch_size", 2), vision.get("spatial_merge_size", 2))
+    side = raw["vision_config"]["image_size"] if family == "llava" else raw["visual"]["image_size"]
+    return ChwImageFormat(PixelNormalization(), side, side)
+
+
+def encoder_for(family: str, router, layout: MediaLayout) -> RowEncoder:
+    return RowEncoder(router.tokenizer.vocab_size + 64, layout, format_for(family, router.raw_config))
+
+
 @pytest.fixture
 def store():
     with shm.ShmStore(shm.ShmStoreConfig(reap_on_start=False, cache_bytes=0)) as store:
         yield store
 
 
-def build(family, store, tmp_path, sizes=((60, 90), (120, 64))):
+def build(family, store, tmp_path, sizes=((60, 90), (120, 64)), wire_dtype="uint8"):
     rng = np.random.default_rng(1)
     parts = []
     for index, (height, width) in enumerate(sizes):
@@ -63,16 +84,17 @@ def build(family, store, tmp_path, sizes=((60, 90), (120, 64))):
         Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)).save(path)
         parts.append({"image": str(path)})
     router = get_router(tiny_checkpoint(family), shm_store=store,
-                        media_config=MediaConfig(allowed_local_media_paths=(str(tmp_path),)))
+                        media_config=MediaConfig(allowed_local_media_paths=(str(tmp_path),)), mm_wire_dtype=wire_dtype)
     ids = router.input_builder.make_context(0, [{"role": "user", "content": parts + [{"text": "Describe."}]}],
                                             request_id="req")
     layout = layout_for(family, router.raw_config)
     return router, ids, layout
 
 
+@pytest.mark.parametrize("wire_dtype", ["uint8", "float32"])
 @pytest.mark.parametrize("family", ["qwen_vl", "qwen2_vl", "llava"])
-def test_blocks_pixels_and_merge(family, store, tmp_path):
-    router, ids, layout = build(family, store, tmp_path)
+def test_blocks_pixels_and_merge(family, wire_dtype, store, tmp_path):
+    router, ids, layout = build(family, store, tmp_path, wire_dtype=wire_dtype)
     prompt = MultimodalPrompt.from_ids(ids, layout, expected_instance=store.instance_id)
     assert len(prompt.blocks) == 2
     restored = prompt.token_ids.tolist()
@@ -82,8 +104,9 @@ def test_blocks_pixels_and_merge(family, store, tmp_path):
         assert restored[block.start:block.start + block.length] == [layout.placeholder_id] * block.length
         assert ids[block.start] < 0 and ids[block.start + 1] < 0
         handle_pixels = shm.read_array(ids[block.start], ids[block.start + 1])
+        assert handle_pixels.dtype == np.dtype(wire_dtype)  # the header says which form it is
         np.testing.assert_array_equal(block.pixel_values.numpy(), handle_pixels)
-    model = RowEncoder(router.tokenizer.vocab_size + 64, layout)
+    model = encoder_for(family, router, layout)
     embeds = prompt.embed(model)
     text = model.embed(prompt.token_ids)
     in_block = torch.zeros(len(ids), dtype=torch.bool)
@@ -91,7 +114,8 @@ def test_blocks_pixels_and_merge(family, store, tmp_path):
         in_block[block.start:block.start + block.length] = True
         rows = embeds[block.start:block.start + block.length]
         assert torch.equal(rows[:, 0], torch.arange(block.length, dtype=torch.float32))
-        assert torch.allclose(rows[:, 1], block.pixel_values.float().mean().expand(block.length))
+        pixels = model.encoder_input(block.pixel_values, block.grid_thw)
+        assert torch.allclose(rows[:, 1], pixels.mean().expand(block.length))
     assert torch.equal(embeds[~in_block], text[~in_block])
     store.release("req")
 
@@ -99,7 +123,7 @@ def test_blocks_pixels_and_merge(family, store, tmp_path):
 def test_chunks_cut_anywhere_equal_the_whole_and_encode_once(store, tmp_path):
     router, ids, layout = build("qwen2_vl", store, tmp_path)
     prompt = MultimodalPrompt.from_ids(ids, layout)
-    model = RowEncoder(router.tokenizer.vocab_size + 64, layout)
+    model = encoder_for("qwen2_vl", router, layout)
     whole = prompt.embed(model)
     block = prompt.blocks[0]
     cuts = [0, block.start + 1, block.start + block.length // 2, len(ids) - 3, len(ids)]
@@ -145,22 +169,45 @@ def test_missing_placeholders_are_counted(store, tmp_path):
 def test_feature_count_mismatch_names_both_counts(store, tmp_path):
     router, ids, layout = build("llava", store, tmp_path)
     prompt = MultimodalPrompt.from_ids(ids, layout)
-    model = RowEncoder(router.tokenizer.vocab_size + 64, MediaLayout(layout.placeholder_id, 2, 12))
+    model = RowEncoder(router.tokenizer.vocab_size + 64, MediaLayout(layout.placeholder_id, 2, 12),
+                       format_for("llava", router.raw_config))
     with pytest.raises(MediaBlockError, match="produced 12 feature rows for 16 placeholder slots"):
         prompt.embed(model)
     store.release("req")
 
 
-def test_grid_and_segment_must_agree(store, tmp_path):
-    _, ids, layout = build("qwen2_vl", store, tmp_path)
+@pytest.mark.parametrize("wire_dtype", ["uint8", "float32"])
+def test_grid_and_segment_must_agree(wire_dtype, store, tmp_path):
+    router, ids, layout = build("qwen2_vl", store, tmp_path, wire_dtype=wire_dtype)
     start = next(i for i, t in enumerate(ids) if t < 0)
     t, h, w = shm.decode_shape_from_int64(ids[start + 2])
     lying = list(ids)
     lying[start + 2] = shm.encode_shape_to_int64((t, h, w + 2))  # claims more patches...
     lying[start + 3:start + 3] = [layout.placeholder_id] * (h * 2 // 4)  # ...with matching slots
-    with pytest.raises(MediaBlockError, match=rf"needs {t * h * (w + 2)} patch rows, the segment holds {t * h * w}"):
-        MultimodalPrompt.from_ids(lying, layout)
+    prompt = MultimodalPrompt.from_ids(lying, layout)
+    expected = (rf"does not fit grid_thw \[{t}, {h}, {w + 2}\]" if wire_dtype == "uint8"
+                else rf"expected \[{t * h * (w + 2)}, \d+\]")
+    with pytest.raises(MediaBlockError, match=rf"media block 0 at position {start}: .*{expected}"):
+        prompt.features(encoder_for("qwen2_vl", router, layout))
     store.release("req")
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.int32, np.float64])
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_a_segment_of_another_dtype_fails_that_request_clearly(family, dtype, store, tmp_path):
+    """A frontend speaking another wire format: the header's dtype is neither uint8 nor float32."""
+    router, ids, layout = build(family, store, tmp_path)
+    start = next(i for i, t in enumerate(ids) if t < 0)
+    original = shm.read_array(ids[start], ids[start + 1])
+    foreign = store.put(original.astype(dtype), request_id="req")
+    ids = list(ids)
+    ids[start:start + 2] = [foreign.name_value, foreign.shape_value]
+    prompt = MultimodalPrompt.from_ids(ids, layout)
+    with pytest.raises(MediaBlockError, match=rf"media block 0 at position {start}: the segment holds "
+                                              rf"{np.dtype(dtype).name} pixels; this model reads uint8 .* or float32"):
+        prompt.features(encoder_for(family, router, layout))
+    store.release("req")
+    assert store.stats()["segments"] == 0  # nothing left behind (cache_bytes=0)
 
 
 def test_layout_validation():

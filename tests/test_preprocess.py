@@ -2,8 +2,11 @@
 patch layout, config parsing and validation, cache keys.
 
 Parity means max abs diff <= 1e-5 against ``Qwen2VLImageProcessorPil`` / ``CLIPImageProcessorPil``
-with the same settings. The images are mostly uniform noise: it exercises every value, the
-bicubic overshoot clipping at 0 and 255, and makes any misplaced patch or channel show.
+with the same settings for the float32 wire form, and, for the uint8 wire form, that the device
+side (``atb_plugin.multimodal.pixels``, torch on CPU) turns the uint8 image into exactly the
+float32 path's values, bit for bit (same two float32 operations per element). The images are
+mostly uniform noise: it exercises every value, the bicubic overshoot clipping at 0 and 255, and
+makes any misplaced patch or channel show.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from PIL import Image
@@ -24,6 +28,7 @@ from transformers.models.clip.image_processing_pil_clip import CLIPImageProcesso
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
+from atb_plugin.multimodal.pixels import ChwImageFormat, PixelFormat, Qwen2VLPatchFormat
 from input_builders.preprocess import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
@@ -148,8 +153,20 @@ REFERENCES = {
 _reference_cache: dict = {}
 
 
+def device_format(ours: ImagePreprocessor) -> PixelFormat:
+    """The model-side pixel format matching ``ours`` (what the family's model builds from its
+    config and preprocessor_config.json)."""
+    if isinstance(ours, Qwen2VLPreprocessor):
+        return Qwen2VLPatchFormat(ours.normalization, ours.patch_size, ours.temporal_patch_size, ours.merge_size)
+    if isinstance(ours, ClipPreprocessor):
+        return ChwImageFormat(ours.normalization, ours.crop_height, ours.crop_width)
+    return ChwImageFormat(ours.normalization, ours.image_size, ours.image_size)
+
+
 def assert_parity(ours: ImagePreprocessor, image: Image.Image) -> PreprocessedImage:
-    """Ours equals the reference for this image within TOL; returns ours."""
+    """Ours (float32 wire) equals the reference for this image within TOL, and the uint8 wire
+    normalised by the device code equals it bit for bit; returns the float32 result."""
+    ours = replace(ours, wire_dtype="float32")
     if ours not in _reference_cache:  # preprocessors are frozen, hashable dataclasses
         _reference_cache[ours] = REFERENCES[type(ours)](ours)
     expected = _reference_cache[ours](image, return_tensors="np")
@@ -163,6 +180,13 @@ def assert_parity(ours: ImagePreprocessor, image: Image.Image) -> PreprocessedIm
         assert got.grid_thw == tuple(int(v) for v in expected["image_grid_thw"][0])
     else:
         assert got.grid_thw is None
+    wire = replace(ours, wire_dtype="uint8")(image)
+    assert wire.pixel_values.dtype == np.uint8 and wire.pixel_values.flags.c_contiguous
+    assert wire.grid_thw == got.grid_thw
+    on_device = device_format(ours).encoder_input(torch.tensor(wire.pixel_values), wire.grid_thw, torch.float32)
+    assert on_device.shape == values.shape
+    assert np.array_equal(on_device.numpy().view(np.uint32), values.view(np.uint32)), (
+        f"{type(ours).__name__} {image.size}: the device's uint8 path differs from the float32 path")
     return got
 
 
@@ -263,10 +287,13 @@ def test_qwen2_parity_property(width, height, t):
     ],
 )
 def test_qwen2_grid_and_patch_count(size, grid):
-    got = QWEN2_DEFAULT(noise_image(*size))
+    got = replace(QWEN2_DEFAULT, wire_dtype="float32")(noise_image(*size))
     t, h, w = grid
     assert got.grid_thw == grid
     assert got.pixel_values.shape == (t * h * w, 3 * 2 * 14 * 14)
+    wire = QWEN2_DEFAULT(noise_image(*size))  # the default: the resized image, 8x fewer bytes
+    assert wire.grid_thw == grid and wire.pixel_values.shape == (h * 14, w * 14, 3)
+    assert got.pixel_values.nbytes == 8 * wire.pixel_values.nbytes
     assert QWEN2_DEFAULT.num_image_tokens(got.grid_thw) == t * h * w // 4
     height, width = QWEN2_DEFAULT.smart_resize(size[1], size[0])
     assert (height // 14, width // 14) == (h, w)
@@ -276,7 +303,7 @@ def test_qwen2_patch_order_is_merge_window_major():
     """Independent of the reference: rows 0-3 are the 2x2 window at the top-left (row-major
     inside it), row 4 starts the next window to the right; each row is channel, time, y, x."""
     image = noise_image(56, 56)  # 56x56 is already a valid size: no resize
-    got = QWEN2_DEFAULT(image)
+    got = replace(QWEN2_DEFAULT, wire_dtype="float32")(image)
     assert got.grid_thw == (1, 4, 4)
     mean = np.asarray(OPENAI_CLIP_MEAN, np.float64)
     std = np.asarray(OPENAI_CLIP_STD, np.float64)
@@ -335,12 +362,14 @@ def test_smart_resize_refuses_empty_sides(height, width):
 # --- inputs and outputs --------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("wire_dtype", ["uint8", "float32"])
 @pytest.mark.parametrize("preprocessor", FAMILIES, ids=FAMILY_IDS)
-def test_output_contract_and_determinism(preprocessor):
+def test_output_contract_and_determinism(preprocessor, wire_dtype):
+    preprocessor = replace(preprocessor, wire_dtype=wire_dtype)
     image = noise_image(97, 61)
     first, second = preprocessor(image), preprocessor(image.copy())
     assert isinstance(first, PreprocessedImage)
-    assert first.pixel_values.dtype == np.float32 and first.pixel_values.flags.c_contiguous
+    assert first.pixel_values.dtype == np.dtype(wire_dtype) and first.pixel_values.flags.c_contiguous
     assert first.pixel_values.tobytes() == second.pixel_values.tobytes()
     assert first.grid_thw == second.grid_thw
     other = preprocessor(noise_image(97, 61, seed=5))
@@ -362,13 +391,22 @@ def test_non_image_input_is_refused():
 
 def test_preprocessed_image_checks_its_contract():
     PreprocessedImage(np.zeros((1, 3, 2, 2), np.float32))
-    with pytest.raises(TypeError, match="float32"):
+    with pytest.raises(TypeError, match="float32 or uint8"):
         PreprocessedImage(np.zeros((1, 3, 2, 2), np.float64))
+    PreprocessedImage(np.zeros((28, 28, 3), np.uint8), grid_thw=(1, 2, 2))  # the uint8 wire form
+    with pytest.raises(ValueError, match=r"RGB image \[H, W, 3\]"):
+        PreprocessedImage(np.zeros((1, 3, 2, 2), np.uint8))
     with pytest.raises(ValueError, match="C-contiguous"):
         PreprocessedImage(np.zeros((4, 4), np.float32).T)
     with pytest.raises(ValueError, match="grid_thw"):
         PreprocessedImage(np.zeros((5, 8), np.float32), grid_thw=(1, 2, 2))
     assert PreprocessedImage(np.zeros((4, 8), np.float32), grid_thw=[1, 2, 2]).grid_thw == (1, 2, 2)
+
+
+def test_unknown_wire_dtype_is_refused_naming_the_choices():
+    for cls in CLASSES:
+        with pytest.raises(ValueError, match="wire_dtype = 'float16': expected one of uint8, float32"):
+            cls(wire_dtype="float16")
 
 
 # --- configs -------------------------------------------------------------------------------
@@ -480,6 +518,7 @@ CHANGED_VALUES = {
     "shortest_edge": 224,
     "crop_height": 224,
     "crop_width": 224,
+    "wire_dtype": "float32",  # the two wire forms never share a dedup key
 }
 
 

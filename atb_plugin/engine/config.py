@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from atb_plugin.engine.scheduler import SchedulerConfig
 from atb_plugin.models import registry
 from atb_plugin.multimodal.profiling import DEFAULT_KV_CACHE_BYTES, resolve_mm_limit
+from atb_plugin.multimodal.wire import DEFAULT_WIRE_DTYPE, check_wire_dtype
 from atb_plugin.pooling.config import resolve_runner, sentence_transformers_max_len
 from atb_plugin.platform import platform_for
 from atb_plugin.platform.base import DTYPES as TORCH_DTYPES
@@ -82,6 +83,11 @@ class EngineConfig:
     shm_instances: tuple[str, ...] = ()
     gpu_memory_utilization: float = 0.9  # NPU / CUDA: the share of device memory this engine may use
     limit_mm_per_prompt: int | None = None  # images per prompt; None: the model's own limit
+    # How the frontends ship images through shm (atb_plugin.multimodal.wire): "uint8" resized
+    # images normalised on the device, or "float32" pixel values (MindIE's form). The model reads
+    # either (the segment header says which); this picks what the builders write and what the
+    # start-up memory profile feeds the encoder.
+    mm_wire_dtype: str = DEFAULT_WIRE_DTYPE
     runner: str = "auto"
     convert: str = "auto"
     hf_overrides: dict | None = None
@@ -119,6 +125,7 @@ class EngineConfig:
                              "must be a fraction in (0, 1]")
         if self.limit_mm_per_prompt is not None:
             _check_int("limit_mm_per_prompt", self.limit_mm_per_prompt, 0)
+        check_wire_dtype(self.mm_wire_dtype, "EngineConfig.mm_wire_dtype (--mm-wire-dtype)")
 
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ValueError(f"EngineConfig.hf_overrides must be a dict of config.json keys, got {self.hf_overrides!r}")

@@ -58,7 +58,7 @@ class LLMEngine:
         self.owns_store = shm_store is None
         self.shm_store = shm_store if shm_store is not None else ShmStore()
         self.router = get_router(config.model, shm_store=self.shm_store, media_config=media_config,
-                                 max_images_per_prompt=config.limit_mm_per_prompt)
+                                 max_images_per_prompt=config.limit_mm_per_prompt, mm_wire_dtype=config.mm_wire_dtype)
         self.tokenizer = self.router.tokenizer
         self.eos_token_ids = tuple(self.router.eos_token_ids)
         self.core = EngineCore(config)

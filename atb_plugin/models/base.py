@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from atb_plugin.models.weights import FusedWeights, load_checkpoint
+from atb_plugin.multimodal.wire import PixelNormalization
 
 
 class PretrainedModel(nn.Module):
@@ -50,10 +51,15 @@ class PretrainedModel(nn.Module):
         model = model.to_empty(device=device).to(dtype)
         model.init_non_persistent(device)
         load_checkpoint(model, model_dir, dtype)
+        model.read_checkpoint_files(Path(model_dir))
         return model.eval()
 
     def init_non_persistent(self, device) -> None:
         """Recompute state that is not in the checkpoint after ``to_empty`` (e.g. rotary tables)."""
+
+    def read_checkpoint_files(self, model_dir: Path) -> None:
+        """Read what the model needs from the checkpoint besides config.json and the weights
+        (e.g. a VL model's pixel normalisation); nothing by default."""
 
 
 class MultimodalModel(PretrainedModel):
@@ -62,9 +68,30 @@ class MultimodalModel(PretrainedModel):
     ``compute_logits``, ``make_kv_caches``, text embeddings) is delegated to it. A family adds its
     encoder, ``media_layout`` and ``get_multimodal_embeddings`` (``interfaces.SupportsMedia``),
     ``config_from_hf`` and the checkpoint's names (``_own_name``); one with M-RoPE also
-    ``get_mrope_positions`` and ``decode_positions`` (``interfaces.SupportsMRoPE``)."""
+    ``get_mrope_positions`` and ``decode_positions`` (``interfaces.SupportsMRoPE``).
+
+    Pixels: a family declares ``pixel_format`` (``atb_plugin.multimodal.pixels``), and
+    ``encoder_input`` turns a segment's array (either wire dtype) into the encoder's input with
+    it. The normalisation is the checkpoint's ``preprocessor_config.json`` (read when the model is
+    loaded, the same keys the input builder reads), the CLIP constants without one."""
 
     language_model: nn.Module
+    pixel_normalization: PixelNormalization = PixelNormalization()
+
+    def read_checkpoint_files(self, model_dir: Path) -> None:
+        path = model_dir / "preprocessor_config.json"
+        if path.is_file():
+            self.pixel_normalization = PixelNormalization.from_preprocessor_config(json.loads(path.read_text()))
+
+    @property
+    def pixel_format(self):
+        """The family's ``atb_plugin.multimodal.pixels.PixelFormat``."""
+        raise NotImplementedError
+
+    def encoder_input(self, pixels: torch.Tensor, grid_thw=None) -> torch.Tensor:
+        """A block's segment array (on this model's device, as stored: uint8 image or float32
+        values) -> the encoder's input in the model's dtype; ``PixelFormatError`` if it does not fit."""
+        return self.pixel_format.encoder_input(pixels, grid_thw, next(self.parameters()).dtype)
 
     def get_language_model(self) -> nn.Module:
         return self.language_model

@@ -44,8 +44,12 @@ class SupportsMedia(Protocol):
 
     - ``media_layout``: the ``MediaLayout`` of this model's blocks (placeholder id, number of
       metadata slots, block length). Fixed for the model's lifetime.
+    - ``encoder_input(pixels, grid_thw=None)``: ONE block's pixels as its shm segment holds them
+      (a uint8 ``[H, W, 3]`` resized image or float32 pixel values, on the model's device) -> the
+      encoder's input in the model's dtype (``atb_plugin.multimodal.pixels``); raises
+      ``PixelFormatError`` for a dtype or shape the model does not read.
     - ``get_multimodal_embeddings(pixel_values, grid_thw=None)``: the encoder for ONE block's
-      pixels (as the block's shm segment holds them) -> ``(block length, hidden)`` feature rows in
+      encoder input -> ``(block length, hidden)`` feature rows in
       block order, in the model's dtype. ``grid_thw`` is the block's ``(t, h, w)`` patch grid for
       layouts with a THW slot (required there), None otherwise (a model without grids refuses
       one). Raises ``ValueError`` on pixels that do not fit the model.
@@ -61,6 +65,8 @@ class SupportsMedia(Protocol):
 
     @property
     def media_layout(self) -> MediaLayout: ...
+
+    def encoder_input(self, pixels: torch.Tensor, grid_thw: GridTHW | None = None) -> torch.Tensor: ...
 
     def get_multimodal_embeddings(self, pixel_values: torch.Tensor, grid_thw: GridTHW | None = None) -> torch.Tensor: ...
 

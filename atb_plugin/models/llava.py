@@ -33,6 +33,7 @@ from atb_plugin.models.base import MultimodalModel
 from atb_plugin.models.clip import CLIPVisionConfig, CLIPVisionModel, activation
 from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM
 from atb_plugin.models.weights import IGNORE, OLD_ROTARY_BUFFER, STACKED_QKV_GATE_UP
+from atb_plugin.multimodal.pixels import ChwImageFormat
 from atb_plugin.multimodal.profiling import MultimodalProcessingInfo
 
 # transformers' LlamaConfig defaults: llava-hf's published text_config lists only what differs
@@ -153,6 +154,11 @@ class LlavaForConditionalGeneration(MultimodalModel):
             modality="image", max_items_per_prompt=self.supported_mm_limits["image"],
             max_tokens_per_item=self.config.tokens_per_image, max_item_size=(side, side),
             pixel_shape=(1, self.config.vision.num_channels, side, side))
+
+    @property
+    def pixel_format(self) -> ChwImageFormat:
+        side = self.config.vision.image_size
+        return ChwImageFormat(self.pixel_normalization, side, side)
 
     # -- vision ----------------------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ from atb_plugin.models.base import MultimodalModel
 from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM, DecoderModel, RMSNorm
 from atb_plugin.models.weights import IGNORE, STACKED_QKV_GATE_UP
 from atb_plugin.multimodal import MediaLayout
+from atb_plugin.multimodal.pixels import Qwen2VLPatchFormat
 from atb_plugin.multimodal.profiling import MultimodalProcessingInfo
 from atb_plugin.utils import cdiv
 
@@ -489,6 +490,12 @@ class Qwen2VLForConditionalGeneration(MultimodalModel):
     def media_layout(self) -> MediaLayout:
         return MediaLayout(placeholder_id=self.config.image_token_id, num_metadata_slots=3, tokens_per_block=None,
                            merge_size=self.config.vision.spatial_merge_size)
+
+    @property
+    def pixel_format(self) -> Qwen2VLPatchFormat:
+        vision = self.config.vision
+        return Qwen2VLPatchFormat(self.pixel_normalization, patch_size=vision.patch_size,
+                                  temporal_patch_size=vision.temporal_patch_size, merge_size=vision.spatial_merge_size)
 
     def get_multimodal_embeddings(self, pixel_values: torch.Tensor, grid_thw: GridTHW | None) -> torch.Tensor:
         """The ``t·h·w / merge²`` LLM-token features of one image, in block order."""

@@ -52,6 +52,7 @@ from torch import nn
 
 from atb_plugin import ops
 from atb_plugin.models.base import MultimodalModel
+from atb_plugin.multimodal.pixels import ChwImageFormat
 from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM
 from atb_plugin.models.weights import IGNORE, STACKED_QKV_GATE_UP
 from atb_plugin.multimodal.profiling import MultimodalProcessingInfo
@@ -398,6 +399,15 @@ class QwenVLForCausalLM(MultimodalModel):
             modality="image", max_items_per_prompt=self.supported_mm_limits["image"],
             max_tokens_per_item=self.config.vision.num_queries, max_item_size=(side, side),
             pixel_shape=(1, 3, side, side))
+
+    @property
+    def pixel_format(self) -> ChwImageFormat:
+        side = self.config.vision.image_size
+        return ChwImageFormat(self.pixel_normalization, side, side)
+
+    def read_checkpoint_files(self, model_dir) -> None:
+        """Nothing: Qwen-VL's mean, std and rescale are fixed in its code (the CLIP constants), as
+        its input builder has them, whatever files sit beside the weights."""
 
     def get_multimodal_embeddings(self, pixel_values: torch.Tensor, grid_thw=None) -> torch.Tensor:
         """``(1, 3, H, W)`` (or ``(3, H, W)``) -> ``(256, hidden)``: the rows of the image's block in

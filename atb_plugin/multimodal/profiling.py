@@ -36,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from atb_plugin.models.interfaces import GridTHW, SupportsMedia, SupportsMRoPE
+from atb_plugin.multimodal.prompt import encode_pixels
 from atb_plugin.ops import AttentionMetadata
 from atb_plugin.utils import cdiv
 
@@ -53,9 +54,10 @@ class MultimodalProcessingInfo:
     ``BaseProcessingInfo``: supported limits, tokens per item, the size with the most features).
 
     ``max_tokens_per_item``: the media block of the largest item, i.e. the encoder's feature rows
-    for it; ``max_item_size``: ``(height, width)`` in pixels, after preprocessing, of that item;
-    ``pixel_shape`` / ``grid_thw``: that item as the encoder takes it (the shm segment's array and
-    the block's THW slot, None for layouts without one)."""
+    for it; ``max_item_size``: ``(height, width)`` in pixels, after preprocessing, of that item
+    (its uint8 wire form is ``[height, width, 3]``); ``pixel_shape`` / ``grid_thw``: that item as
+    the encoder takes it (the float32 wire form and the block's THW slot, None for layouts
+    without one)."""
 
     modality: str
     max_items_per_prompt: int
@@ -110,8 +112,9 @@ def resolve_mm_limit(model_cls: type, requested: int | None) -> int:
 
 @dataclass(frozen=True)
 class DummyItem:
-    """The worst-case item as the model runner hands it to the encoder: pixels in the layout of
-    the block's shm segment, on the model's device and dtype (where the runner moves them)."""
+    """The worst-case item as the model runner reads it: pixels as the block's shm segment holds
+    them in the configured wire dtype (a uint8 image or float32 pixel values), on the model's
+    device (where the runner moves them before ``encoder_input``)."""
 
     pixel_values: torch.Tensor
     grid_thw: GridTHW | None
@@ -150,8 +153,11 @@ def dummy_inputs(model, config) -> DummyInputs:
         return DummyInputs(None, 0, input_ids)
     info = model.get_processing_info(config.model)
     # Zeros: the values do not change the memory a step takes, and zeros are cheap to make.
-    item = DummyItem(torch.zeros(info.pixel_shape, dtype=weight.dtype, device=weight.device), info.grid_thw,
-                     info.max_tokens_per_item)
+    if config.mm_wire_dtype == "uint8":
+        pixels = torch.zeros((*info.max_item_size, 3), dtype=torch.uint8, device=weight.device)
+    else:
+        pixels = torch.zeros(info.pixel_shape, dtype=torch.float32, device=weight.device)
+    item = DummyItem(pixels, info.grid_thw, info.max_tokens_per_item)
     num_items = min(config.limit_mm_per_prompt, info.max_items_per_prompt)
     input_ids[:min(num_tokens, num_items * item.num_tokens)] = model.media_layout.placeholder_id
     return DummyInputs(item, num_items, input_ids)
@@ -218,10 +224,10 @@ def _encode_all(model, inputs: DummyInputs) -> list[torch.Tensor]:
     are held: encode once (for the rows' size), hold copies, encode once more. Two encoder runs
     measure what ``num_items`` runs would (16 images would cost 16)."""
     item = inputs.item
-    features = [model.get_multimodal_embeddings(item.pixel_values, item.grid_thw)]
+    features = [encode_pixels(model, item.pixel_values, item.grid_thw)]
     features += [features[0].clone() for _ in range(inputs.num_items - 2)]
     if inputs.num_items > 1:
-        features.append(model.get_multimodal_embeddings(item.pixel_values, item.grid_thw))
+        features.append(encode_pixels(model, item.pixel_values, item.grid_thw))
     return features
 
 

@@ -7,8 +7,9 @@ A media block is found by its first metadata slot (ids < 0 are always metadata):
     restored ids:    pad  pad   [pad] pad pad ... pad          (metadata -> placeholder id)
     embeddings:      f0   f1    [f2]  f3  ...     f(n-1)       (the encoder's n feature rows)
 
-``MultimodalPrompt.from_ids`` checks every block (layout, handle, segment header, pixel shape)
-and reads the pixels zero-copy from shared memory; the encoder runs once per prompt and
+``MultimodalPrompt.from_ids`` checks every block (layout, handle, segment header) and reads the
+pixels zero-copy from shared memory; the model's ``pixel_format`` checks their dtype and shape
+and makes the encoder's input on its device (atb_plugin/multimodal/pixels.py); the encoder runs once per prompt and
 ``embed(model, start, end)`` merges the rows that fall in a prefill chunk ``[start, end)``, so a
 chunk boundary may cut a block anywhere. Any problem raises ``MediaBlockError`` for this prompt
 only, naming the block and the counts; nothing is ever replaced by zeros.
@@ -23,6 +24,14 @@ import numpy as np
 import torch
 
 import shm
+from atb_plugin.multimodal.pixels import PixelFormatError
+
+
+def encode_pixels(model, pixels: torch.Tensor, grid_thw) -> torch.Tensor:
+    """One block's pixels as its segment holds them (uint8 image or float32 values, on the model's
+    device: uint8 moves a quarter of the bytes) -> the encoder's feature rows. The one path of
+    real requests and of the start-up memory profile."""
+    return model.get_multimodal_embeddings(model.encoder_input(pixels, grid_thw), grid_thw)
 
 
 class MediaBlockError(ValueError):
@@ -115,21 +124,18 @@ class MultimodalPrompt:
             pixels = shm.read_array(int(meta[0]), int(meta[1]), expected_instance=expected_instance, writable=True)
         except shm.ShmHandleError as error:
             raise MediaBlockError(f"{where}: {error}") from error
-        pixel_values = torch.from_numpy(pixels)
-        if grid is not None and pixel_values.shape[0] != grid[0] * grid[1] * grid[2]:
-            raise MediaBlockError(
-                f"{where}: grid_thw {list(grid)} needs {grid[0] * grid[1] * grid[2]} patch rows, "
-                f"the segment holds {pixel_values.shape[0]}"
-            )
-        return MediaBlock(index, start, length, pixel_values, grid)
+        return MediaBlock(index, start, length, torch.from_numpy(pixels), grid)
 
     def features(self, model) -> list[torch.Tensor]:
         """Encoder output per block, computed once per prompt and checked against the block size."""
         if self._features is None:
-            weight = next(model.parameters())
+            device = next(model.parameters()).device
             features = []
             for block in self.blocks:
-                rows = model.get_multimodal_embeddings(block.pixel_values.to(weight.device, weight.dtype), block.grid_thw)
+                try:
+                    rows = encode_pixels(model, block.pixel_values.to(device), block.grid_thw)
+                except PixelFormatError as error:
+                    raise MediaBlockError(f"media block {block.index} at position {block.start}: {error}") from error
                 if rows.shape[0] != block.length:
                     raise MediaBlockError(
                         f"media block {block.index} at position {block.start}: the encoder produced "

@@ -70,7 +70,7 @@ class Service:
     async def start(self) -> None:
         config = self.config
         settings = WorkerSettings(config.engine.model, config.media_config(), config.limit_mm_per_prompt,
-                                  config.chat_template)
+                                  config.engine.mm_wire_dtype, config.chat_template)
         self.pool = TokenizerPool(settings, config.tokenizer_workers, config.shm_budget_bytes,
                                   on_worker_death=self._on_worker_death,
                                   shm_help=" (in Docker: run with --shm-size=1g or more)")

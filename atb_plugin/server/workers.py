@@ -25,7 +25,7 @@ import os
 import signal
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import msgspec
 import zmq
@@ -44,6 +44,7 @@ class WorkerSettings:
     model: str
     media_config: object
     max_images_per_prompt: int | None = None
+    mm_wire_dtype: str = "uint8"  # what the builders write to shm (EngineConfig.mm_wire_dtype)
     chat_template: str | None = None
     shm_capacity_bytes: int | None = None
     shm_cache_bytes: int | None = None  # None: the store's own default (a quarter of /dev/shm, <= 1 GiB)
@@ -63,7 +64,7 @@ def run_tokenizer_worker(index: int, settings: WorkerSettings, job_address: str,
     store = shm.ShmStore(shm.ShmStoreConfig(capacity_bytes=settings.shm_capacity_bytes,
                                             cache_bytes=settings.shm_cache_bytes))
     router = get_router(settings.model, shm_store=store, media_config=settings.media_config,
-                        max_images_per_prompt=settings.max_images_per_prompt)
+                        max_images_per_prompt=settings.max_images_per_prompt, mm_wire_dtype=settings.mm_wire_dtype)
     if settings.chat_template is not None:
         router.tokenizer.chat_template = settings.chat_template
     builder = router.input_builder
@@ -179,8 +180,7 @@ class TokenizerPool:
         cache = settings.shm_cache_bytes
         if per_worker is not None:
             cache = per_worker // 2 if cache is None else min(cache, per_worker // 2)
-        self.settings = WorkerSettings(settings.model, settings.media_config, settings.max_images_per_prompt,
-                                       settings.chat_template, per_worker, cache)
+        self.settings = replace(settings, shm_capacity_bytes=per_worker, shm_cache_bytes=cache)
         self.shm_budget_bytes = shm_budget_bytes
         self.shm_help = shm_help
         self.on_worker_death = on_worker_death

@@ -1,0 +1,102 @@
+"""What an image is on the shm wire, as both sides must agree (docs/wire-format.md, section 3).
+
+Two wire dtypes, told apart by the segment header's dtype code, never by convention:
+
+* ``uint8`` (the default): the decoded image after the family's resize (and CLIP's centre crop),
+  RGB, ``(height, width, 3)``: what the frontend has the moment Pillow's resize returns. The
+  model rescales, normalises (and for Qwen2-VL patchifies and repeats the frame over time) on its
+  device (``atb_plugin.multimodal.pixels``).
+* ``float32``: the encoder's input as transformers' image processors give it (normalised,
+  patchified), which is what MindIE-LLM's builders write. Four times the bytes for CHW families,
+  eight for Qwen2-VL (the temporal repeat).
+
+This module is torch-free: the input builders import it for the one normalisation rule both
+sides apply, so the frontend's float32 path and the device's uint8 path give the same values.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["DEFAULT_WIRE_DTYPE", "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD", "PixelNormalization", "WIRE_DTYPES",
+           "check_wire_dtype"]
+
+WIRE_DTYPES = ("uint8", "float32")
+DEFAULT_WIRE_DTYPE = "uint8"
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def check_wire_dtype(value: Any, knob: str = "mm_wire_dtype") -> str:
+    """``value`` if it names a wire dtype, else a ValueError naming ``knob`` and the choices."""
+    if value not in WIRE_DTYPES:
+        raise ValueError(f"{knob} = {value!r}: expected one of {', '.join(WIRE_DTYPES)} (uint8: resized images, "
+                         "normalised on the device; float32: normalised pixel values, MindIE's form)")
+    return value
+
+
+@dataclass(frozen=True)
+class PixelNormalization:
+    """``(x * rescale_factor - mean) / std`` per RGB channel, folded to ``x * scale + offset``.
+
+    The fold is computed once, in float64, and rounded to float32 (``scale = rescale / std``,
+    ``offset = -mean / std``), so each value is two float32 roundings of the exact result and stays
+    within a few ulps (~5e-7) of transformers' step-by-step float32 arithmetic. Both sides apply
+    exactly these two float32 operations, a multiply and then an add (never fused), which is why
+    the device's result on CPU equals the frontend's bit for bit.
+    """
+
+    image_mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
+    image_std: tuple[float, float, float] = OPENAI_CLIP_STD
+    rescale_factor: float = 1 / 255
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "image_mean", _three_floats("image_mean", self.image_mean))
+        std = _three_floats("image_std", self.image_std)
+        if min(std) <= 0:
+            raise ValueError(f"image_std entries must be > 0, got {std}")
+        object.__setattr__(self, "image_std", std)
+        factor = self.rescale_factor
+        if isinstance(factor, bool) or not isinstance(factor, numbers.Real):
+            raise ValueError(f"rescale_factor must be a number, got {type(factor).__name__}")
+        if not (math.isfinite(factor) and factor > 0):
+            raise ValueError(f"rescale_factor must be finite and > 0, got {factor!r}")
+        object.__setattr__(self, "rescale_factor", float(factor))
+
+    @property
+    def scale(self) -> np.ndarray:
+        """float32 ``(3,)``: ``rescale_factor / std``."""
+        return (self.rescale_factor / np.asarray(self.image_std, dtype=np.float64)).astype(np.float32)
+
+    @property
+    def offset(self) -> np.ndarray:
+        """float32 ``(3,)``: ``-mean / std``."""
+        return (-np.asarray(self.image_mean, dtype=np.float64) / np.asarray(self.image_std, np.float64)).astype(
+            np.float32)
+
+    @classmethod
+    def from_preprocessor_config(cls, config: Mapping[str, Any]) -> PixelNormalization:
+        """From a checkpoint's ``preprocessor_config.json``: ``image_mean``, ``image_std``,
+        ``rescale_factor`` where present, the CLIP constants and 1/255 where not."""
+        if not isinstance(config, Mapping):
+            raise ValueError(f"preprocessor_config must be a dict, got {type(config).__name__}")
+        keys = ("image_mean", "image_std", "rescale_factor")
+        return cls(**{key: config[key] for key in keys if config.get(key) is not None})
+
+
+def _three_floats(name: str, value: Any) -> tuple[float, float, float]:
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__len__") or len(value) != 3:
+        raise ValueError(f"{name} must have 3 elements (one per RGB channel), got {value!r}")
+    out = []
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, numbers.Real) or not math.isfinite(item):
+            raise ValueError(f"{name} must hold 3 finite numbers, got {value!r}")
+        out.append(float(item))
+    return tuple(out)
