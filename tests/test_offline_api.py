@@ -82,6 +82,29 @@ def test_a_refused_image_names_the_offline_knob(llm, tmp_path):
     assert "--allowed-local-media-path" not in str(caught.value)
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])  # patches and CHW (Qwen-VL is CHW too)
+def test_both_wire_dtypes_give_the_same_tokens_and_leave_no_segment(family):
+    """MindIE's float32 wire and the default uint8 wire (normalised on the device, bit-exact on
+    CPU) are interchangeable: same greedy tokens, same logprobs; every segment freed at close."""
+    from shm.segment import list_segment_names, parse_name, read_header
+    from tests.server_helpers import data_url
+
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(seed=4)}},
+                                             {"type": "text", "text": "What is this?"}]}]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=1)
+    before = set(list_segment_names())
+    outputs = {}
+    for wire in ("uint8", "float32"):
+        with LLM(tiny_checkpoint(family), block_size=16, mm_wire_dtype=wire) as llm:
+            outputs[wire] = llm.chat(messages, params)[0].outputs[0]
+            written = [name for name in set(list_segment_names()) - before if not parse_name(name)[1]]
+            assert len(written) == 1  # the image (the store's marker aside)
+            assert str(read_header(written[0]).dtype) == wire
+        assert set(list_segment_names()) <= before  # closed: nothing left behind
+    assert outputs["uint8"].token_ids == outputs["float32"].token_ids
+    assert outputs["uint8"].logprobs == outputs["float32"].logprobs
+
+
 def test_generation_on_an_embedding_checkpoint_is_refused_with_what_it_serves():
     with LLM(tiny_checkpoint("bert")) as llm:
         with pytest.raises(ValueError, match=r"is a pooling model \(tasks: embed, token_embed\); it does not generate"):

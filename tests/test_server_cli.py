@@ -18,7 +18,7 @@ from tests.test_mindie_config import SAMPLE
 
 FLAGS = ["--model", "--served-model-name", "--host", "--port", "--device", "--dtype", "--max-model-len",
          "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--kv-cache-memory",
-         "--enable-prefix-caching", "--limit-mm-per-prompt", "--allowed-local-media-path",
+         "--enable-prefix-caching", "--limit-mm-per-prompt", "--mm-wire-dtype", "--allowed-local-media-path",
          "--allowed-media-domains", "--max-image-bytes", "--max-image-pixels", "--max-request-body-bytes",
          "--max-queued-requests", "--chat-template", "--api-key", "--tokenizer-workers", "--shm-budget-bytes",
          "--shutdown-timeout", "--config"]
@@ -59,6 +59,15 @@ def test_a_mindie_config_fills_the_flags_and_the_command_line_wins(tmp_path, mon
 def test_bad_values_name_the_flag(argv, words):
     with pytest.raises(ValueError, match=words):
         parse_config(["--model", str(tiny_checkpoint("qwen2"))] + argv)
+
+
+def test_the_wire_dtype_flag_reaches_the_engine_config(capsys):
+    model = str(tiny_checkpoint("qwen2_vl"))
+    assert parse_config(["--model", model]).engine.mm_wire_dtype == "uint8"  # the default
+    assert parse_config(["--model", model, "--mm-wire-dtype", "float32"]).engine.mm_wire_dtype == "float32"
+    with pytest.raises(SystemExit):
+        parse_config(["--model", model, "--mm-wire-dtype", "float16"])
+    assert "invalid choice: 'float16'" in capsys.readouterr().err
 
 
 def test_a_bad_size_is_an_argparse_error(capsys):

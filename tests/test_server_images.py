@@ -1,6 +1,9 @@
 """Image chat through the real service with the ``openai`` client, for each VL family: a data URL
 image is preprocessed by a tokenizer worker into shared memory, read by the engine-core process,
-and the answer equals the offline engine's; a 3-turn chat resending one image reuses one segment."""
+and the answer equals the offline engine's; a 3-turn chat resending one image reuses one segment.
+One more Qwen2-VL server runs with ``--mm-wire-dtype float32`` (MindIE's form): its answers equal
+the offline engine's on the default uint8 wire, since the device-side normalisation is bit-exact
+on CPU."""
 
 from __future__ import annotations
 
@@ -8,14 +11,16 @@ import pytest
 
 from atb_plugin import LLM, SamplingParams
 from atb_plugin.testing.tiny import tiny_checkpoint
-from shm.segment import list_segment_names
+from shm.segment import list_segment_names, read_header
 from tests.server_helpers import ServerProcess, data_url
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen_vl", "llava"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen_vl", "llava", "qwen2_vl/float32"])
 def family_server(request):
-    server = ServerProcess(tiny_checkpoint(request.param))
-    yield request.param, server
+    family, _, wire = request.param.partition("/")
+    server = ServerProcess(tiny_checkpoint(family), *(["--mm-wire-dtype", wire] if wire else []))
+    server.wire_dtype = wire or "uint8"
+    yield family, server
     assert server.stop() == 0, server.log()
 
 
@@ -60,6 +65,8 @@ def test_a_three_turn_chat_resending_the_image_reuses_one_segment(family_server)
     # the history) reused it: no new segment appeared.
     assert len(created[0]) == 1, created
     assert created[1] == created[0] and created[2] == created[0], created
+    # The segment holds the image in the server's wire form, as its header says.
+    assert str(read_header(created[0][0]).dtype) == server.wire_dtype
 
 
 def server_model(server: ServerProcess) -> str:

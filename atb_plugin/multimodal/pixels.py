@@ -35,7 +35,7 @@ class PixelFormatError(ValueError):
 
 
 def normalize_image(image: torch.Tensor, norm: PixelNormalization) -> torch.Tensor:
-    """uint8 ``[..., 3, rows, cols]`` (any strides) -> float32 ``x * scale + offset`` per channel.
+    """uint8 ``[..., 3, rows, cols]`` -> float32 ``x * scale + offset`` per channel.
 
     Two separate float32 operations, as the frontend's numpy path does them: a fused multiply-add
     would round once instead of twice and differ in the last bit."""
@@ -104,8 +104,10 @@ class ChwImageFormat(PixelFormat):
                                    f"{self.width}x{self.height} (the frontend resizes to it)")
 
     def _from_image(self, image: torch.Tensor, grid_thw: GridTHW | None) -> torch.Tensor:
-        # Contiguous: a channels-last input would pick another conv kernel than the float32 path.
-        return normalize_image(image.permute(2, 0, 1), self.normalization).unsqueeze(0).contiguous()
+        # The layout moves uint8 (a quarter of the bytes), and the float passes run contiguously:
+        # also what the float32 path hands the encoder (a channels-last input could pick another
+        # conv kernel).
+        return normalize_image(image.permute(2, 0, 1).contiguous(), self.normalization).unsqueeze(0)
 
     def _check_values(self, shape: tuple[int, ...], grid_thw: GridTHW | None) -> None:
         if shape not in ((1, 3, self.height, self.width), (3, self.height, self.width)):
@@ -150,7 +152,9 @@ class Qwen2VLPatchFormat(PixelFormat):
     def _from_image(self, image: torch.Tensor, grid_thw: GridTHW | None) -> torch.Tensor:
         _, h, w = grid_thw
         p, m, frames = self.patch_size, self.merge_size, self.temporal_patch_size
-        windows = image.reshape(h // m, m, p, w // m, m, p, 3).permute(0, 3, 1, 4, 6, 2, 5)
+        # Gather on uint8, normalise contiguously, then write the frame ``frames`` times: the
+        # fastest order on the CPU of the alternatives measured (2-3x a strided float gather).
+        windows = image.reshape(h // m, m, p, w // m, m, p, 3).permute(0, 3, 1, 4, 6, 2, 5).contiguous()
         values = normalize_image(windows, self.normalization)  # (gh/m, gw/m, m, m, 3, p, p)
         values = values.unsqueeze(-3).expand(*values.shape[:5], frames, p, p)
         return values.reshape(h * w, self.patch_dim)

@@ -40,9 +40,10 @@ from shm.store import shm_space
 
 logger = logging.getLogger("atb_plugin.server")
 VERSION = "0.1.0"
-# Rough bytes of one preprocessed image in shared memory (a 448x448 float32 RGB image is 2.4 MB;
-# a large Qwen2-VL image 20+ MB): only for the start-up warning about a small /dev/shm.
-_TYPICAL_IMAGE_BYTES = 8 << 20
+# Rough bytes of one image in shared memory, per wire dtype (uint8: a 448x448 image is 0.6 MB, a
+# 1288x728 Qwen2-VL one 2.8 MB; float32: 2.4 MB and 22.5 MB): only for the start-up warning
+# about a small /dev/shm.
+_TYPICAL_IMAGE_BYTES = {"uint8": 2 << 20, "float32": 8 << 20}
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 
 
@@ -127,7 +128,7 @@ def log_shm_capacity(config: ServerConfig) -> None:
         return
     free, total = space
     images = config.limit_mm_per_prompt if config.limit_mm_per_prompt is not None else 4
-    needed = images * config.engine.max_num_seqs * _TYPICAL_IMAGE_BYTES
+    needed = images * config.engine.max_num_seqs * _TYPICAL_IMAGE_BYTES[config.engine.mm_wire_dtype]
     logger.info("%s: %.0f MiB, %.0f MiB free", SHM_DIR, total / 2**20, free / 2**20)
     if free < needed:
         logger.warning("/dev/shm has %.0f MiB free; %d images x %d sequences need about %.0f MiB: requests with "
