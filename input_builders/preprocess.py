@@ -145,11 +145,7 @@ class ImagePreprocessor(ABC):
         norm = PixelNormalization(self.image_mean, self.image_std, self.rescale_factor)
         for name in ("image_mean", "image_std", "rescale_factor"):
             object.__setattr__(self, name, getattr(norm, name))
-        scale, offset = norm.scale, norm.offset
-        scale.flags.writeable = False
-        offset.flags.writeable = False
-        object.__setattr__(self, "_scale", scale)
-        object.__setattr__(self, "_offset", offset)
+        object.__setattr__(self, "_normalization", norm)
 
     def __call__(self, image: Image.Image) -> PreprocessedImage:
         if not isinstance(image, Image.Image):
@@ -197,15 +193,16 @@ class ImagePreprocessor(ABC):
         The cast happens inside the multiply's buffered loop, so a strided uint8 view (a crop,
         a transposed layout) is read once and written once in the destination layout.
         """
-        scale = self._scale[:, None, None]
-        offset = self._offset[:, None, None]
+        scale = self._normalization.scale[:, None, None]
+        offset = self._normalization.offset[:, None, None]
         out = np.multiply(pixels, scale, out=out, dtype=np.float32)
         out += offset
         return out
 
     @property
     def normalization(self) -> PixelNormalization:
-        return PixelNormalization(self.image_mean, self.image_std, self.rescale_factor)
+        """The rescale + normalise rule (the model side of the uint8 wire applies the same)."""
+        return self._normalization
 
     def _chw_output(self, hwc: np.ndarray) -> PreprocessedImage:
         """uint8 HWC (possibly a crop view) -> the uint8 image, or float32 ``[1, 3, H, W]``."""

@@ -39,9 +39,8 @@ def normalize_image(image: torch.Tensor, norm: PixelNormalization) -> torch.Tens
 
     Two separate float32 operations, as the frontend's numpy path does them: a fused multiply-add
     would round once instead of twice and differ in the last bit."""
-    device = image.device
-    scale = torch.from_numpy(norm.scale).to(device)[:, None, None]
-    offset = torch.from_numpy(norm.offset).to(device)[:, None, None]
+    scale = torch.tensor(norm.scale, device=image.device)[:, None, None]
+    offset = torch.tensor(norm.offset, device=image.device)[:, None, None]
     values = image.to(torch.float32)
     values.mul_(scale)
     values.add_(offset)

@@ -16,6 +16,7 @@ sides apply, so the frontend's float32 path and the device's uint8 path give the
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections.abc import Mapping
@@ -70,16 +71,18 @@ class PixelNormalization:
             raise ValueError(f"rescale_factor must be finite and > 0, got {factor!r}")
         object.__setattr__(self, "rescale_factor", float(factor))
 
-    @property
+    # Computed once per instance (cached_property writes the instance dict, frozen or not), and
+    # read-only: every caller shares the same arrays.
+    @functools.cached_property
     def scale(self) -> np.ndarray:
         """float32 ``(3,)``: ``rescale_factor / std``."""
-        return (self.rescale_factor / np.asarray(self.image_std, dtype=np.float64)).astype(np.float32)
+        return _frozen((self.rescale_factor / np.asarray(self.image_std, dtype=np.float64)).astype(np.float32))
 
-    @property
+    @functools.cached_property
     def offset(self) -> np.ndarray:
         """float32 ``(3,)``: ``-mean / std``."""
-        return (-np.asarray(self.image_mean, dtype=np.float64) / np.asarray(self.image_std, np.float64)).astype(
-            np.float32)
+        mean, std = np.asarray(self.image_mean, dtype=np.float64), np.asarray(self.image_std, dtype=np.float64)
+        return _frozen((-mean / std).astype(np.float32))
 
     @classmethod
     def from_preprocessor_config(cls, config: Mapping[str, Any]) -> PixelNormalization:
@@ -89,6 +92,11 @@ class PixelNormalization:
             raise ValueError(f"preprocessor_config must be a dict, got {type(config).__name__}")
         keys = ("image_mean", "image_std", "rescale_factor")
         return cls(**{key: config[key] for key in keys if config.get(key) is not None})
+
+
+def _frozen(array: np.ndarray) -> np.ndarray:
+    array.flags.writeable = False
+    return array
 
 
 def _three_floats(name: str, value: Any) -> tuple[float, float, float]:
