@@ -215,3 +215,28 @@ def test_layout_validation():
         MediaLayout(5, 2, None)
     with pytest.raises(ValueError, match="2 or 3"):
         MediaLayout(5, 4, 10)
+
+
+def test_the_chw_format_names_what_it_takes():
+    from atb_plugin.multimodal.pixels import PixelFormatError
+
+    fmt = ChwImageFormat(PixelNormalization(), 336, 336)
+    with pytest.raises(PixelFormatError, match="the image is 400x300 pixels; this model's encoder takes 336x336"):
+        fmt.encoder_input(torch.zeros(300, 400, 3, dtype=torch.uint8), None, torch.float32)
+    with pytest.raises(PixelFormatError, match=r"RGB image \[H, W, 3\], got shape \[336, 336\]"):
+        fmt.encoder_input(torch.zeros(336, 336, dtype=torch.uint8), None, torch.float32)
+    with pytest.raises(PixelFormatError, match=r"float32 pixel values of shape \[1, 3, 224, 224\]"):
+        fmt.encoder_input(torch.zeros(1, 3, 224, 224), None, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models_get_the_float32_values_cast(dtype):
+    """Normalised in float32 then cast: exactly what float32 pixels from the frontend become on a
+    half-precision model, for both layouts."""
+    image = torch.from_numpy(np.random.default_rng(3).integers(0, 256, (56, 84, 3), dtype=np.uint8))
+    for fmt, grid in ((Qwen2VLPatchFormat(PixelNormalization(), 14, 2, 2), (1, 4, 6)),
+                      (ChwImageFormat(PixelNormalization(), 56, 84), None)):
+        full = fmt.encoder_input(image, grid, torch.float32)
+        half = fmt.encoder_input(image, grid, dtype)
+        assert half.dtype == dtype and torch.equal(half, full.to(dtype))
+        assert torch.equal(fmt.encoder_input(full, grid, dtype), half)  # the float32 wire, same model

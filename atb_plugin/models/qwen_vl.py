@@ -52,9 +52,9 @@ from torch import nn
 
 from atb_plugin import ops
 from atb_plugin.models.base import MultimodalModel
-from atb_plugin.multimodal.pixels import ChwImageFormat
 from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM
 from atb_plugin.models.weights import IGNORE, STACKED_QKV_GATE_UP
+from atb_plugin.multimodal.pixels import ChwImageFormat
 from atb_plugin.multimodal.profiling import MultimodalProcessingInfo
 from atb_plugin.utils import cdiv
 

@@ -68,7 +68,7 @@ class PixelFormat(ABC):
                 raise PixelFormatError(f"a uint8 segment must hold an RGB image [H, W, 3], got shape "
                                        f"{list(pixels.shape)}")
             self._check_image(pixels.shape[0], pixels.shape[1], grid_thw)
-            return self._from_image(pixels, grid_thw).to(dtype)
+            return self._from_image(pixels, grid_thw, dtype)
         if pixels.dtype == torch.float32:
             self._check_values(tuple(pixels.shape), grid_thw)
             return pixels.to(dtype)
@@ -82,8 +82,8 @@ class PixelFormat(ABC):
         """Raise ``PixelFormatError`` unless an image of this size fits the block."""
 
     @abstractmethod
-    def _from_image(self, image: torch.Tensor, grid_thw: GridTHW | None) -> torch.Tensor:
-        """uint8 ``[H, W, 3]`` -> float32 encoder input."""
+    def _from_image(self, image: torch.Tensor, grid_thw: GridTHW | None, dtype: torch.dtype) -> torch.Tensor:
+        """uint8 ``[H, W, 3]`` -> the encoder input in ``dtype`` (normalised in float32, then cast)."""
 
     @abstractmethod
     def _check_values(self, shape: tuple[int, ...], grid_thw: GridTHW | None) -> None:
@@ -102,11 +102,11 @@ class ChwImageFormat(PixelFormat):
             raise PixelFormatError(f"the image is {width}x{height} pixels; this model's encoder takes "
                                    f"{self.width}x{self.height} (the frontend resizes to it)")
 
-    def _from_image(self, image: torch.Tensor, grid_thw: GridTHW | None) -> torch.Tensor:
+    def _from_image(self, image: torch.Tensor, grid_thw: GridTHW | None, dtype: torch.dtype) -> torch.Tensor:
         # The layout moves uint8 (a quarter of the bytes), and the float passes run contiguously:
         # also what the float32 path hands the encoder (a channels-last input could pick another
         # conv kernel).
-        return normalize_image(image.permute(2, 0, 1).contiguous(), self.normalization).unsqueeze(0)
+        return normalize_image(image.permute(2, 0, 1).contiguous(), self.normalization).unsqueeze(0).to(dtype)
 
     def _check_values(self, shape: tuple[int, ...], grid_thw: GridTHW | None) -> None:
         if shape not in ((1, 3, self.height, self.width), (3, self.height, self.width)):
@@ -148,13 +148,14 @@ class Qwen2VLPatchFormat(PixelFormat):
                 f"a {width}x{height} image does not fit grid_thw {[t, h, w]}: a still image needs t = 1 and "
                 f"{w * p}x{h * p} pixels ({p}-pixel patches, sides multiples of {m} patches)")
 
-    def _from_image(self, image: torch.Tensor, grid_thw: GridTHW | None) -> torch.Tensor:
+    def _from_image(self, image: torch.Tensor, grid_thw: GridTHW | None, dtype: torch.dtype) -> torch.Tensor:
         _, h, w = grid_thw
         p, m, frames = self.patch_size, self.merge_size, self.temporal_patch_size
-        # Gather on uint8, normalise contiguously, then write the frame ``frames`` times: the
-        # fastest order on the CPU of the alternatives measured (2-3x a strided float gather).
+        # Gather on uint8, normalise contiguously, cast, then write the frame ``frames`` times:
+        # the fastest order on the CPU of the alternatives measured (2-3x a strided float gather),
+        # and the repeat moves the model's dtype, not float32.
         windows = image.reshape(h // m, m, p, w // m, m, p, 3).permute(0, 3, 1, 4, 6, 2, 5).contiguous()
-        values = normalize_image(windows, self.normalization)  # (gh/m, gw/m, m, m, 3, p, p)
+        values = normalize_image(windows, self.normalization).to(dtype)  # (gh/m, gw/m, m, m, 3, p, p)
         values = values.unsqueeze(-3).expand(*values.shape[:5], frames, p, p)
         return values.reshape(h * w, self.patch_dim)
 
