@@ -50,6 +50,21 @@ class AttentionMetadata:
         if self.query_start_loc.dim() != 1 or self.query_start_loc.numel() != self.seq_lens.numel() + 1:
             raise ValueError("query_start_loc must have num_reqs + 1 entries")
 
+    def derived(self, key: str, device, build):
+        """``build()`` once per step for every layer: what a kernel derives from this step's inputs
+        (index tensors, masks, host lists), kept in ``step_cache`` under ``key``. Keyed by a
+        fingerprint of what it derives from (the host length tensors' identity and version, the
+        block table's storage and version counter; no device reads), so a metadata object updated
+        in place for a later step is derived afresh."""
+        tables, qsl, seq = self.block_tables, self.query_start_loc_cpu, self.seq_lens_cpu
+        fingerprint = (id(qsl), qsl._version, qsl.data_ptr(), id(seq), seq._version, seq.data_ptr(),
+                       tables.data_ptr(), tables._version, tuple(tables.shape), str(device))
+        cached = self.step_cache.get(key)
+        if cached is None or cached[0] != fingerprint:
+            cached = (fingerprint, build())
+            self.step_cache[key] = cached
+        return cached[1]
+
     @property
     def num_reqs(self) -> int:
         return self.seq_lens.numel()

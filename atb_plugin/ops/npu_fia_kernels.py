@@ -49,7 +49,7 @@ MAX_BLOCK_SIZE = 512  # ... at most 512
 MASK_SIZE = 2048  # sparse_mode 2/3/4: the compressed mask is always 2048 x 2048
 SPARSE_MODE_RIGHT_DOWN_CAUSAL = 3
 _DTYPES = (torch.float16, torch.bfloat16)
-_STEP_CACHE_ATTR = "_npu_fia_kernels_step_cache"
+_STEP_CACHE_KEY = "npu_fia_kernels"
 
 _masks: dict[str, torch.Tensor] = {}
 _masks_lock = threading.Lock()
@@ -123,16 +123,8 @@ class _StepInputs:
 
 
 def _step_inputs(metadata, device) -> _StepInputs:
-    """The step's ``_StepInputs``, cached on the metadata under a fingerprint of what they derive
-    from (host lengths, block table storage and version), like ``npu_kernels``."""
-    tables = metadata.block_tables
-    fingerprint = (tuple(metadata.query_start_loc_cpu.tolist()), tuple(metadata.seq_lens_cpu.tolist()),
-                   tables.data_ptr(), tables._version, tuple(tables.shape), str(device))
-    cached = getattr(metadata, _STEP_CACHE_ATTR, None)
-    if cached is None or cached[0] != fingerprint:
-        cached = (fingerprint, _StepInputs(metadata, device))
-        setattr(metadata, _STEP_CACHE_ATTR, cached)
-    return cached[1]
+    """The step's ``_StepInputs``, derived once per step (``AttentionMetadata.derived``)."""
+    return metadata.derived(_STEP_CACHE_KEY, device, lambda: _StepInputs(metadata, device))
 
 
 def paged_attention(query, key_cache, value_cache, metadata, scale) -> torch.Tensor:

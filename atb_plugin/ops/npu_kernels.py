@@ -213,18 +213,8 @@ class _StepInputs:
 
 
 def _step_inputs(metadata, device) -> _StepInputs:
-    """The step's ``_StepInputs``, kept in ``metadata.step_cache``. Keyed by a fingerprint of what
-    they derive from (the host length tensors' identity and version, the block table's storage and
-    version counter; no device reads), so a metadata object updated in place for a later step is
-    derived afresh."""
-    tables, qsl, seq = metadata.block_tables, metadata.query_start_loc_cpu, metadata.seq_lens_cpu
-    fingerprint = (id(qsl), qsl._version, qsl.data_ptr(), id(seq), seq._version, seq.data_ptr(),
-                   tables.data_ptr(), tables._version, tuple(tables.shape), str(device))
-    cached = metadata.step_cache.get(_STEP_CACHE_KEY)
-    if cached is None or cached[0] != fingerprint:
-        cached = (fingerprint, _StepInputs(metadata, device))
-        metadata.step_cache[_STEP_CACHE_KEY] = cached
-    return cached[1]
+    """The step's ``_StepInputs``, derived once per step (``AttentionMetadata.derived``)."""
+    return metadata.derived(_STEP_CACHE_KEY, device, lambda: _StepInputs(metadata, device))
 
 
 def paged_attention(query, key_cache, value_cache, metadata, scale) -> torch.Tensor:

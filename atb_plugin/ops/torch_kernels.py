@@ -9,72 +9,117 @@ from atb_plugin.utils import cdiv
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
+    if not _all_slots_valid(slot_mapping):
+        valid = slot_mapping >= 0
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     num_kv_heads, head_dim = key_cache.shape[-2:]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key.to(key_cache.dtype))
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
-def _gather_request_kv(cache: torch.Tensor, block_table: torch.Tensor, seq_len: int) -> torch.Tensor:
-    block_size = cache.shape[1]
-    blocks = block_table[: cdiv(seq_len, block_size)].long()
-    return cache[blocks].flatten(0, 1)[:seq_len]  # (seq_len, num_kv_heads, head_dim)
+_VALID_ATTR = "_atb_plugin_all_slots_valid"
 
 
-def _sdpa(query, key, value, scale, mask):
-    """(q_len, H, D) x (k_len, Hkv, D) with GQA; mask (q_len, k_len) bool or None."""
+def _all_slots_valid(slot_mapping: torch.Tensor) -> bool:
+    """No -1 (padding) slot: checked once per step, not once per layer (every layer gets the same
+    tensor; on CUDA each check would be a device sync). Kept on the tensor with its version."""
+    key = (slot_mapping._version, slot_mapping.data_ptr(), tuple(slot_mapping.shape))
+    cached = getattr(slot_mapping, _VALID_ATTR, None)
+    if cached is None or cached[0] != key:
+        cached = (key, bool((slot_mapping >= 0).all()))
+        setattr(slot_mapping, _VALID_ATTR, cached)
+    return cached[1]
+
+
+def _sdpa(query, key, value, scale, mask, causal: bool = False):
+    """(q_len, H, D) x (k_len, Hkv, D) with GQA; mask (q_len, k_len) bool or None; ``causal``
+    (q_len == k_len) lets SDPA use its causal kernel instead of reading a mask."""
     # 4-D (1, H, L, D): on CPU, 3-D inputs fall back to SDPA's unfused math path (~1.4x slower
     # for BERT-sized heads, measured with benchmarks/bench_embed.py's profile).
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None], attn_mask=mask,
-        scale=scale, enable_gqa=query.shape[1] != key.shape[1],
+        scale=scale, is_causal=causal, enable_gqa=query.shape[1] != key.shape[1],
     )
     return out[0].transpose(0, 1)
 
 
-def _batched_decode(query, key_cache, value_cache, block_tables, seq_lens, max_seq_len, scale):
-    """One query token per request, all requests in one SDPA call over their padded contexts."""
-    block_size = key_cache.shape[1]
-    num_blocks = cdiv(max_seq_len, block_size)
-    tables = block_tables[:, :num_blocks].long()
-    key = key_cache[tables].flatten(1, 2)[:, :max_seq_len]  # (B, max_seq_len, Hkv, D)
-    value = value_cache[tables].flatten(1, 2)[:, :max_seq_len]
-    # The new token is the last of its sequence: it sees every cached position < seq_len.
-    mask = torch.arange(max_seq_len, device=query.device)[None, :] < seq_lens[:, None].to(query.device)
+class _Decodes:
+    """Requests with one new token, attended in one SDPA call over their padded contexts."""
+
+    def __init__(self, metadata, rows: list[int], tokens: list[int], block_size: int, device):
+        lens = metadata.seq_lens_cpu[rows]
+        self.max_seq_len = int(lens.max())
+        self.tokens = torch.tensor(tokens, device=device)
+        index = torch.tensor(rows, device=metadata.block_tables.device)
+        self.tables = metadata.block_tables[index][:, :cdiv(self.max_seq_len, block_size)].long().to(device)
+        # The new token is the last of its sequence: it sees every cached position < seq_len.
+        mask = torch.arange(self.max_seq_len)[None, :] < lens[:, None]
+        self.mask = mask[:, None, None, :].to(device)
+
+
+class _Chunk:
+    """One request's new tokens attended on their own: a prefill (chunk) or a lone decode."""
+
+    def __init__(self, metadata, row: int, start: int, end: int, block_size: int, device):
+        self.start, self.end = start, end
+        self.seq_len = seq_len = int(metadata.seq_lens_cpu[row])
+        self.blocks = metadata.block_tables[row][:cdiv(seq_len, block_size)].long().to(device)
+        q_len = end - start
+        # A decode sees everything; a prefill from an empty cache is plain causal attention; a
+        # chunk after cached tokens: new token j sits at position seq_len - q_len + j and sees
+        # keys 0 .. that position (bottom-right causal).
+        self.causal = q_len == seq_len and q_len > 1
+        self.mask = None
+        if 1 < q_len < seq_len:
+            query_pos = torch.arange(seq_len - q_len, seq_len)
+            self.mask = (torch.arange(seq_len)[None, :] <= query_pos[:, None]).to(device)
+
+
+class _AttentionStep:
+    """What ``paged_attention`` derives from a step's metadata, once for all layers: decodes
+    batched together when there are several, everything else request by request."""
+
+    def __init__(self, metadata, block_size: int, device):
+        starts = metadata.query_start_loc_cpu.tolist()
+        spans = [(r, start, end) for r, (start, end) in enumerate(zip(starts[:-1], starts[1:])) if end > start]
+        decodes = [(r, start) for r, start, end in spans if end - start == 1]
+        self.decodes = None
+        if len(decodes) > 1:
+            self.decodes = _Decodes(metadata, [r for r, _ in decodes], [t for _, t in decodes], block_size, device)
+        batched = {r for r, _ in decodes} if self.decodes is not None else set()
+        self.chunks = [_Chunk(metadata, r, start, end, block_size, device) for r, start, end in spans
+                       if r not in batched]
+        # Every token a batched decode, in order: the batched output is the whole output.
+        self.only_decodes = not self.chunks and self.decodes is not None and len(decodes) == starts[-1]
+
+
+def _batched_decode(query, key_cache, value_cache, decodes: _Decodes, scale):
+    """(B, H, D) queries, one per request, over the requests' padded contexts."""
+    key = key_cache[decodes.tables].flatten(1, 2)[:, :decodes.max_seq_len]  # (B, max_seq_len, Hkv, D)
+    value = value_cache[decodes.tables].flatten(1, 2)[:, :decodes.max_seq_len]
     out = F.scaled_dot_product_attention(
-        query.unsqueeze(2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=mask[:, None, None, :],
+        query.unsqueeze(2), key.transpose(1, 2), value.transpose(1, 2), attn_mask=decodes.mask,
         scale=scale, enable_gqa=query.shape[1] != key.shape[2],
     )
     return out.squeeze(2)  # (B, H, D)
 
 
 def paged_attention(query, key_cache, value_cache, metadata, scale) -> torch.Tensor:
-    out = torch.empty_like(query)
-    starts = metadata.query_start_loc_cpu.tolist()
-    seq_lens = metadata.seq_lens_cpu.tolist()
-    query_lens = [end - start for start, end in zip(starts[:-1], starts[1:])]
+    block_size = key_cache.shape[1]
+    step = metadata.derived(f"torch_kernels/{block_size}", query.device,
+                            lambda: _AttentionStep(metadata, block_size, query.device))
     # Decodes (one new token) are the bulk of a busy batch: one batched call for all of them;
     # prefill chunks, few and long, go one by one (padding them together would waste memory).
-    decodes = [r for r, q_len in enumerate(query_lens) if q_len == 1]
-    if len(decodes) > 1:
-        index = torch.tensor(decodes, device=query.device)
-        tokens = torch.tensor([starts[r] for r in decodes], device=query.device)
-        lens = metadata.seq_lens_cpu[decodes]
-        out[tokens] = _batched_decode(query[tokens], key_cache, value_cache, metadata.block_tables[index],
-                                      lens, int(lens.max()), scale)
-    for r, seq_len in enumerate(seq_lens):
-        start, end = starts[r], starts[r + 1]
-        q_len = end - start
-        if q_len == 0 or (q_len == 1 and len(decodes) > 1):
-            continue
-        key = _gather_request_kv(key_cache, metadata.block_tables[r], seq_len)
-        value = _gather_request_kv(value_cache, metadata.block_tables[r], seq_len)
-        # New token j sits at position seq_len - q_len + j and sees keys 0 .. that position.
-        query_pos = torch.arange(seq_len - q_len, seq_len, device=query.device)
-        mask = torch.arange(seq_len, device=query.device)[None, :] <= query_pos[:, None]
-        out[start:end] = _sdpa(query[start:end], key, value, scale, mask)
+    if step.only_decodes:
+        return _batched_decode(query, key_cache, value_cache, step.decodes, scale)
+    out = torch.empty_like(query)
+    if step.decodes is not None:
+        tokens = step.decodes.tokens
+        out[tokens] = _batched_decode(query[tokens], key_cache, value_cache, step.decodes, scale)
+    for chunk in step.chunks:
+        key = key_cache[chunk.blocks].flatten(0, 1)[:chunk.seq_len]  # (seq_len, num_kv_heads, head_dim)
+        value = value_cache[chunk.blocks].flatten(0, 1)[:chunk.seq_len]
+        out[chunk.start:chunk.end] = _sdpa(query[chunk.start:chunk.end], key, value, scale, chunk.mask, chunk.causal)
     return out
 
 
