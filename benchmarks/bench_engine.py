@@ -19,6 +19,10 @@ transformers interleaved run by run):
 Same tokens: ours vs transformers' greedy tokens are compared (single: all; batch: the first 16
 of each prompt, as batched fp32 sums may reorder and diverge late) and mismatches reported.
 
+``--busy-frontend N`` runs everything while N processes preprocess images non-stop with one
+compute thread each, as tokenizer workers do (decode JPEG, resize 1280x720 for Qwen2-VL): does
+the engine keep its speed next to a busy frontend?
+
 ``--profile`` adds a breakdown of a decode step at --batch sequences: scheduler, prepare_inputs,
 model forward, LM head (compute_logits), sampler, scheduler update, output processing
 (detokenise), and the aten ops one decode forward dispatches (total and per layer).
@@ -228,6 +232,46 @@ def profile_decode(llm: LLM, prompts: list[list[int]], tokens: int) -> dict:
     return {"steps": steps, "step_ms": total / steps * 1e3, "phases_ms": phases}
 
 
+# -- a busy frontend ------------------------------------------------------------------------------------
+
+
+def _busy_worker(stop) -> None:
+    """A tokenizer worker's image work in a loop, one compute thread (as the service sets it)."""
+    from atb_plugin.utils import limit_compute_threads
+
+    limit_compute_threads(1)
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from input_builders.preprocess import Qwen2VLPreprocessor
+
+    rng = np.random.default_rng(0)
+    buffer = io.BytesIO()
+    Image.fromarray(rng.integers(0, 256, (720, 1280, 3), dtype=np.uint8)).save(buffer, "JPEG")
+    data, preprocess = buffer.getvalue(), Qwen2VLPreprocessor()
+    while not stop.is_set():
+        preprocess(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+@contextlib.contextmanager
+def busy_frontend(processes: int):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    workers = [ctx.Process(target=_busy_worker, args=(stop,), daemon=True) for _ in range(processes)]
+    for worker in workers:
+        worker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(timeout=10)
+
+
 # -- main ---------------------------------------------------------------------------------------------
 
 
@@ -240,7 +284,14 @@ def main() -> None:
     parser.add_argument("--hf-one-by-one", type=int, default=2, help="prompts transformers runs one at a time")
     parser.add_argument("--prefill", default="", help="comma-separated prompt lengths, e.g. 512,2048,8192")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--busy-frontend", type=int, default=0, metavar="N",
+                        help="N processes preprocessing images all along, one thread each")
     args = parser.parse_args()
+    with busy_frontend(args.busy_frontend):
+        run(args)
+
+
+def run(args) -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     model_dir = default_model_dir()
@@ -249,7 +300,7 @@ def main() -> None:
 
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     lengths = [int(x) for x in args.prefill.split(",") if x.strip()]
-    llm = LLM(model_dir, max_num_seqs=max(args.batch, 1), max_num_batched_tokens=2048,
+    llm = LLM(model_dir, max_num_seqs=max(args.batch, 1), max_num_batched_tokens=2048, num_threads=args.threads,
               enable_prefix_caching=not lengths)  # prefill timing must not hit the cache
     builder = llm.router.input_builder
     prompts = [builder.make_context(0, chat) for chat in chats(args.batch)]
@@ -306,7 +357,8 @@ def main() -> None:
         model_ms = phases["model forward (30 layers)"] + phases["LM head (compute_logits)"]
         outside = 1 - model_ms / profile["step_ms"]
 
-    print(f"SmolLM2-135M-Instruct fp32, {args.threads} torch thread(s), medians of {args.runs} interleaved runs")
+    busy = f", {args.busy_frontend} busy frontend process(es)" if args.busy_frontend else ""
+    print(f"SmolLM2-135M-Instruct fp32, {args.threads} torch thread(s){busy}, medians of {args.runs} interleaved runs")
     print(f"single stream ({args.tokens} tokens): ours {med['single_tok_s']:.1f} tok/s, TTFT "
           f"{med['single_ttft_ms']:.0f} ms | transformers {med['hf_single_tok_s']:.1f} tok/s, TTFT "
           f"{med['hf_single_ttft_ms']:.0f} ms | ratio {med['single_tok_s'] / med['hf_single_tok_s']:.2f}x")
@@ -326,6 +378,7 @@ def main() -> None:
         print(f"  aten ops per decode forward: {count[0]} ({count[1]} per layer)")
     print(json.dumps({
         "threads": args.threads,
+        "busy_frontend": args.busy_frontend,
         "single_tok_s": round(med["single_tok_s"], 2),
         "single_ttft_ms": round(med["single_ttft_ms"], 1),
         "hf_single_tok_s": round(med["hf_single_tok_s"], 2),

@@ -124,3 +124,18 @@ def test_the_shm_cache_size_is_an_llm_argument():
     assert not [n for n in list_segment_names() if n.startswith("psm_" + instance)]  # its own store: closed
     with pytest.raises(ValueError, match="not both"):
         LLM(tiny_checkpoint("qwen2"), shm_cache_bytes=0, shm_store=object())
+
+
+def test_the_engine_owns_the_threads_it_is_given():
+    import torch
+
+    from atb_plugin.utils import available_cores
+
+    before = torch.get_num_threads()
+    try:
+        with LLM(tiny_checkpoint("qwen2"), block_size=16, num_threads=1) as llm:
+            assert llm.engine.config.num_threads == 1 and torch.get_num_threads() == 1
+        with LLM(tiny_checkpoint("qwen2"), block_size=16) as llm:  # default: every core it may use
+            assert llm.engine.config.num_threads == available_cores() == torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)

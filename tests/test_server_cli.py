@@ -18,7 +18,8 @@ from tests.test_mindie_config import SAMPLE
 
 FLAGS = ["--model", "--served-model-name", "--host", "--port", "--device", "--dtype", "--max-model-len",
          "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--kv-cache-memory",
-         "--enable-prefix-caching", "--limit-mm-per-prompt", "--mm-wire-dtype", "--allowed-local-media-path",
+         "--enable-prefix-caching", "--limit-mm-per-prompt", "--mm-wire-dtype", "--num-threads",
+         "--allowed-local-media-path",
          "--allowed-media-domains", "--max-image-bytes", "--max-image-pixels", "--max-request-body-bytes",
          "--max-queued-requests", "--chat-template", "--api-key", "--tokenizer-workers", "--shm-budget-bytes",
          "--shutdown-timeout", "--config"]
@@ -52,6 +53,7 @@ def test_a_mindie_config_fills_the_flags_and_the_command_line_wins(tmp_path, mon
 
 @pytest.mark.parametrize("argv, words", [
     (["--port", "70000"], "--port"),
+    (["--num-threads", "0"], "num_threads"),
     (["--tokenizer-workers", "0"], "--tokenizer-workers"),
     (["--max-model-len", "100000000"], "max_model_len"),
     (["--shm-budget-bytes", "-1"], "--shm-budget-bytes"),
@@ -68,6 +70,18 @@ def test_the_wire_dtype_flag_reaches_the_engine_config(capsys):
     with pytest.raises(SystemExit):
         parse_config(["--model", model, "--mm-wire-dtype", "float16"])
     assert "invalid choice: 'float16'" in capsys.readouterr().err
+
+
+def test_the_engine_leaves_the_tokenizer_workers_their_cores_for_image_models(monkeypatch):
+    import atb_plugin.server.cli as cli
+
+    monkeypatch.setattr(cli, "available_cores", lambda: 8)
+    vl, text = str(tiny_checkpoint("qwen2_vl")), str(tiny_checkpoint("qwen2"))
+    assert parse_config(["--model", vl, "--tokenizer-workers", "3"]).engine.num_threads == 5
+    assert parse_config(["--model", vl, "--tokenizer-workers", "9"]).engine.num_threads == 1  # at least one
+    assert parse_config(["--model", vl, "--limit-mm-per-prompt", "0", "--tokenizer-workers", "3"]).engine.num_threads \
+        == parse_config(["--model", text]).engine.num_threads  # no images: every core
+    assert parse_config(["--model", vl, "--num-threads", "7"]).engine.num_threads == 7  # given: as given
 
 
 def test_a_bad_size_is_an_argparse_error(capsys):

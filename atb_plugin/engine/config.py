@@ -18,6 +18,7 @@ from atb_plugin.multimodal.wire import DEFAULT_WIRE_DTYPE, check_wire_dtype
 from atb_plugin.pooling.config import resolve_runner, sentence_transformers_max_len
 from atb_plugin.platform import platform_for
 from atb_plugin.platform.base import DTYPES as TORCH_DTYPES
+from atb_plugin.utils import available_cores
 
 DTYPES = ("auto", *TORCH_DTYPES)
 DEVICES = ("auto", "cpu", "cuda", "npu")
@@ -83,6 +84,9 @@ class EngineConfig:
     shm_instances: tuple[str, ...] = ()
     gpu_memory_utilization: float = 0.9  # NPU / CUDA: the share of device memory this engine may use
     limit_mm_per_prompt: int | None = None  # images per prompt; None: the model's own limit
+    # torch intra-op threads of the engine (the process that runs the model); None: every core
+    # this process may use. The frontend processes keep one each (docs/architecture.md, Threads).
+    num_threads: int | None = None
     # How the frontends ship images through shm (atb_plugin.multimodal.wire): "uint8" resized
     # images normalised on the device, or "float32" pixel values (MindIE's form). The model reads
     # either (the segment header says which); this picks what the builders write and what the
@@ -126,6 +130,10 @@ class EngineConfig:
         if self.limit_mm_per_prompt is not None:
             _check_int("limit_mm_per_prompt", self.limit_mm_per_prompt, 0)
         check_wire_dtype(self.mm_wire_dtype, "EngineConfig.mm_wire_dtype (--mm-wire-dtype)")
+        if self.num_threads is None:
+            set_(self, "num_threads", available_cores())
+        else:
+            _check_int("num_threads", self.num_threads, 1)
 
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ValueError(f"EngineConfig.hf_overrides must be a dict of config.json keys, got {self.hf_overrides!r}")

@@ -54,6 +54,8 @@ def load_model(config: EngineConfig, device):
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
+        # The engine owns the intra-op threads (the frontend processes keep one each).
+        torch.set_num_threads(config.num_threads)
         device = platform_for(config.device).device()
         self.model, self.pooler = load_model(config, device)
         self.kv_cache_blocks = config.kv_cache_blocks or self._blocks_for_budget()

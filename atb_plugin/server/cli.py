@@ -21,6 +21,7 @@ from atb_plugin.engine.config import DEFAULT_KV_CACHE_BYTES, DEVICES, DTYPES, En
 from atb_plugin.multimodal.wire import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 from atb_plugin.pooling.config import CONVERT_TYPES, RUNNER_TYPES
 from atb_plugin.server.config import ServerConfig, default_tokenizer_workers
+from atb_plugin.utils import available_cores
 
 logger = logging.getLogger("atb_plugin.server")
 
@@ -86,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--limit-mm-per-prompt", type=int,
         help="images per prompt (default: the family's limit, which it may not exceed); the start-up memory "
              "profile sizes the KV cache for this many of the largest images")
+    add("--num-threads", type=int, default=None,
+        help="torch intra-op threads of the engine process (default: every core it may use, less one per "
+             "tokenizer worker for a model that takes images); the tokenizer workers keep one each")
     add("--mm-wire-dtype", choices=WIRE_DTYPES, default=DEFAULT_WIRE_DTYPE,
         help="how images cross shared memory: uint8 = the resized image, normalised on the device (4x fewer "
              "bytes, 8x for Qwen2-VL); float32 = normalised pixel values, MindIE's form")
@@ -146,8 +150,15 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                           enable_prefix_caching=values["enable_prefix_caching"],
                           gpu_memory_utilization=values["gpu_memory_utilization"],
                           limit_mm_per_prompt=values["limit_mm_per_prompt"], mm_wire_dtype=values["mm_wire_dtype"],
+                          num_threads=values["num_threads"],
                           runner=values["runner"],
                           convert=values["convert"], hf_overrides=values["hf_overrides"])
+    if values["num_threads"] is None and engine.limit_mm_per_prompt > 0:
+        # Images keep the tokenizer workers busy: leave them their cores. An OpenMP pool sharing
+        # a core with a busy process stalls at every barrier (measured: 2 threads next to one
+        # preprocessing worker on 2 cores decode 3x slower than 1 thread; docs/architecture.md).
+        workers = values["tokenizer_workers"] or default_tokenizer_workers()
+        engine = engine.replace(num_threads=max(1, available_cores() - workers))
     return ServerConfig(
         engine=engine, served_model_name=values["served_model_name"], host=values["host"], port=values["port"],
         api_key=values["api_key"], tokenizer_workers=values["tokenizer_workers"],

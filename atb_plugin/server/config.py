@@ -13,11 +13,12 @@ import os
 from dataclasses import dataclass, field
 
 from atb_plugin.engine.config import EngineConfig
+from atb_plugin.utils import available_cores
 
 
 def default_tokenizer_workers() -> int:
     # One core stays with the engine core's busy loop; preprocessing images is the workers' job.
-    return max(1, min(4, (os.cpu_count() or 2) - 1))
+    return max(1, min(4, available_cores() - 1))
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -57,6 +58,12 @@ def run_tokenizer_worker(index: int, settings: WorkerSettings, job_address: str,
     # before it has drained); a worker exits by itself when the API process is gone.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    # One compute thread: the cores belong to the engine (docs/architecture.md, "Threads"); N
+    # workers each spinning up a full OpenMP pool for a resize or a tokenizer call would
+    # oversubscribe them and slow the decode of every running request.
+    from atb_plugin.utils import limit_compute_threads
+
+    limit_compute_threads(1)
     import shm
     from routers import get_router
 
@@ -114,7 +121,9 @@ def _run_job(job: dict, router, builder, store) -> dict:
         elif op == "detokenize":
             reply["ok"] = router.tokenizer.decode(job["tokens"])
         elif op == "stats":
-            reply["ok"] = store.stats()
+            torch = sys.modules.get("torch")
+            threads = torch.get_num_threads() if torch is not None else int(os.environ["OMP_NUM_THREADS"])
+            reply["ok"] = {**store.stats(), "compute_threads": threads}
         else:
             raise RuntimeError(f"unknown job {op!r}")
         if op in ("chat", "prompt") and job.get("release_now"):
