@@ -865,3 +865,24 @@ def test_fake_paged_attention_takes_a_keyword_only_workspace(npu):
     positional = list(_paged_args().values())
     with pytest.raises(TypeError):
         npu._npu_paged_attention(*positional, torch.empty(64, dtype=torch.uint8))
+
+
+def test_a_cpu_prefill_chunk_after_cached_tokens_equals_the_masked_attention():
+    """The two-kernel path (cached keys all visible + the chunk's own keys causal, merged by
+    log-sum-exp) against one masked SDPA over the same keys: equal within float32 rounding."""
+    import torch.nn.functional as F
+
+    from atb_plugin.ops.torch_kernels import _chunk_after_prefix
+
+    generator = torch.Generator().manual_seed(5)
+    q_len, seq_len, heads, kv_heads, dim = 37, 100, 6, 2, 16
+    query = torch.randn(q_len, heads, dim, generator=generator)
+    key = torch.randn(seq_len, kv_heads, dim, generator=generator)
+    value = torch.randn(seq_len, kv_heads, dim, generator=generator)
+    positions = torch.arange(seq_len - q_len, seq_len)
+    mask = torch.arange(seq_len)[None, :] <= positions[:, None]
+    expected = F.scaled_dot_product_attention(query.transpose(0, 1)[None], key.transpose(0, 1)[None],
+                                              value.transpose(0, 1)[None], attn_mask=mask, scale=0.25,
+                                              enable_gqa=True)[0].transpose(0, 1)
+    got = _chunk_after_prefix(query, key, value, 0.25, seq_len - q_len)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)

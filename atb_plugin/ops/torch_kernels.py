@@ -70,7 +70,9 @@ class _Chunk:
         # keys 0 .. that position (bottom-right causal).
         self.causal = q_len == seq_len and q_len > 1
         self.mask = None
-        if 1 < q_len < seq_len:
+        # On the CPU a chunk after cached tokens is two mask-free kernels (_chunk_after_prefix).
+        self.split_at = seq_len - q_len if 1 < q_len < seq_len and device.type == "cpu" else None
+        if 1 < q_len < seq_len and self.split_at is None:
             query_pos = torch.arange(seq_len - q_len, seq_len)
             self.mask = (torch.arange(seq_len)[None, :] <= query_pos[:, None]).to(device)
 
@@ -119,8 +121,32 @@ def paged_attention(query, key_cache, value_cache, metadata, scale) -> torch.Ten
     for chunk in step.chunks:
         key = key_cache[chunk.blocks].flatten(0, 1)[:chunk.seq_len]  # (seq_len, num_kv_heads, head_dim)
         value = value_cache[chunk.blocks].flatten(0, 1)[:chunk.seq_len]
-        out[chunk.start:chunk.end] = _sdpa(query[chunk.start:chunk.end], key, value, scale, chunk.mask, chunk.causal)
+        if chunk.split_at is not None:
+            out[chunk.start:chunk.end] = _chunk_after_prefix(query[chunk.start:chunk.end], key, value, scale,
+                                                            chunk.split_at)
+        else:
+            out[chunk.start:chunk.end] = _sdpa(query[chunk.start:chunk.end], key, value, scale, chunk.mask,
+                                               chunk.causal)
     return out
+
+
+def _chunk_after_prefix(query, key, value, scale, prefix: int):
+    """A prefill chunk after ``prefix`` cached tokens (chunked prefill), on the CPU: every cached
+    key is visible to every new token, the chunk's own keys causally. Rather than one SDPA call
+    with a ``(q_len, seq_len)`` mask (the masked path: 1.4x slower at 2k new x 8k keys), two
+    mask-free flash calls whose outputs are merged by their log-sum-exps (the softmax over the
+    union): ``out = (o1 e^(l1-m) + o2 e^(l2-m)) / (e^(l1-m) + e^(l2-m))``, ``m = max(l1, l2)``."""
+    heads, kv_heads = query.shape[1], key.shape[1]
+    q = query.transpose(0, 1)[None]  # (1, H, q_len, D)
+    k = key.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)[None]  # the op takes no GQA
+    v = value.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)[None]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    cached_out, cached_lse = flash(q, k[:, :, :prefix], v[:, :, :prefix], scale=scale)[:2]
+    own_out, own_lse = flash(q, k[:, :, prefix:], v[:, :, prefix:], is_causal=True, scale=scale)[:2]
+    top = torch.maximum(cached_lse, own_lse)
+    cached_w, own_w = torch.exp(cached_lse - top).unsqueeze(-1), torch.exp(own_lse - top).unsqueeze(-1)
+    out = (cached_out * cached_w + own_out * own_w) / (cached_w + own_w)
+    return out[0].transpose(0, 1)  # (q_len, H, D)
 
 
 def varlen_attention(query, key, value, cu_seqlens, scale, causal=False) -> torch.Tensor:
