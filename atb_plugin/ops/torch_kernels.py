@@ -170,14 +170,27 @@ def rms_norm(x, weight, eps) -> torch.Tensor:
     return weight * hidden.to(input_dtype)
 
 
-def _rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+_ROTARY_ATTR = "_atb_plugin_rotary_tables"
+
+
+def _rotary_tables(cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos`` and ``sin`` with its first half negated, both ``(T, 1, D)``: built once per step
+    (every layer gets the same ``cos`` tensor; kept on it with its version)."""
+    key = (cos._version, sin._version, sin.data_ptr())
+    cached = getattr(cos, _ROTARY_ATTR, None)
+    if cached is None or cached[0] != key:
+        half = sin.shape[-1] // 2
+        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+        cached = (key, (cos.unsqueeze(1), signed_sin.unsqueeze(1)))
+        setattr(cos, _ROTARY_ATTR, cached)
+    return cached[1]
 
 
 def apply_rotary(x, cos, sin) -> torch.Tensor:
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return x * cos + _rotate_half(x) * sin
+    # rotate_half(x) * sin == roll(x, half) * signed_sin exactly (the negation moves from x's
+    # second half to sin's first half), and it is one op per layer instead of four.
+    cos, signed_sin = _rotary_tables(cos, sin)
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def silu_and_mul(x) -> torch.Tensor:
