@@ -17,18 +17,22 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value.to(value_cache.dtype))
 
 
-_VALID_ATTR = "_atb_plugin_all_slots_valid"
+def _once_per_step(tensor: torch.Tensor, attr: str, key: tuple, build):
+    """``build()`` kept on ``tensor`` (under ``attr``, with ``key``): every layer of a step receives
+    the same tensor object, so the step pays for it once. ``key`` holds the versions it derives
+    from, so a tensor updated in place is derived afresh."""
+    cached = getattr(tensor, attr, None)
+    if cached is None or cached[0] != key:
+        cached = (key, build())
+        setattr(tensor, attr, cached)
+    return cached[1]
 
 
 def _all_slots_valid(slot_mapping: torch.Tensor) -> bool:
-    """No -1 (padding) slot: checked once per step, not once per layer (every layer gets the same
-    tensor; on CUDA each check would be a device sync). Kept on the tensor with its version."""
+    """No -1 (padding) slot (on CUDA each check would be a device sync, once per step now)."""
     key = (slot_mapping._version, slot_mapping.data_ptr(), tuple(slot_mapping.shape))
-    cached = getattr(slot_mapping, _VALID_ATTR, None)
-    if cached is None or cached[0] != key:
-        cached = (key, bool((slot_mapping >= 0).all()))
-        setattr(slot_mapping, _VALID_ATTR, cached)
-    return cached[1]
+    return _once_per_step(slot_mapping, "_atb_plugin_all_slots_valid", key,
+                          lambda: bool((slot_mapping >= 0).all()))
 
 
 def _sdpa(query, key, value, scale, mask, causal: bool = False):
@@ -170,20 +174,13 @@ def rms_norm(x, weight, eps) -> torch.Tensor:
     return weight * hidden.to(input_dtype)
 
 
-_ROTARY_ATTR = "_atb_plugin_rotary_tables"
-
-
 def _rotary_tables(cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos`` and ``sin`` with its first half negated, both ``(T, 1, D)``: built once per step
-    (every layer gets the same ``cos`` tensor; kept on it with its version)."""
-    key = (cos._version, sin._version, sin.data_ptr())
-    cached = getattr(cos, _ROTARY_ATTR, None)
-    if cached is None or cached[0] != key:
+    """``cos`` and ``sin`` with its first half negated, both ``(T, 1, D)``, once per step."""
+    def build():
         half = sin.shape[-1] // 2
-        signed_sin = torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-        cached = (key, (cos.unsqueeze(1), signed_sin.unsqueeze(1)))
-        setattr(cos, _ROTARY_ATTR, cached)
-    return cached[1]
+        return cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1)
+
+    return _once_per_step(cos, "_atb_plugin_rotary_tables", (cos._version, sin._version, sin.data_ptr()), build)
 
 
 def apply_rotary(x, cos, sin) -> torch.Tensor:
