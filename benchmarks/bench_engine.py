@@ -154,10 +154,10 @@ class _Timer:
                 self.calls[label] += 1
 
         setattr(owner, name, timed)
-        self._undo.append((owner, name, original, name in vars(owner) if not isinstance(owner, type) else True))
+        self._undo.append((owner, name, original))
 
     def restore(self) -> None:
-        for owner, name, original, _ in reversed(self._undo):
+        for owner, name, original in reversed(self._undo):
             setattr(owner, name, original)
 
 

@@ -120,6 +120,13 @@ class PoolingRoutes:
                 raise APIError(400, f"{label}[{i}]: {error}" if len(prompts) > 1 else str(error), param=label) from None
         return result
 
+    async def pool_prompts(self, raw: Request, engine: AsyncEngine, request_id: str, req,
+                           params: PoolingParams) -> tuple[list[list[int]], list[np.ndarray]]:
+        """The request's ``prompts`` (truncated as it asks), each pooled on its own: their ids and
+        tensors, in input order (/v1/embeddings, /pooling, /classify)."""
+        ids = await self.prompt_ids(engine, request_id, req.prompts, self.truncate_to(req.truncate_prompt_tokens))
+        return ids, await self.run(raw, engine, request_id, [(i, None) for i in ids], params)
+
     async def run(self, raw: Request, engine: AsyncEngine, request_id: str, prompts: list[tuple[list[int], int | None]],
                   params: PoolingParams) -> list[np.ndarray]:
         """Each ``(ids, token_type_start)`` as its own engine request, all at once; their tensors
@@ -168,8 +175,7 @@ class PoolingRoutes:
     async def embeddings(self, raw: Request):
         req, engine, request_id = await self.admit(raw, pp.EmbeddingRequest, "embd")
         params = self.params("embed", dimensions=req.dimensions, normalize=req.normalize)
-        ids = await self.prompt_ids(engine, request_id, req.prompts, self.truncate_to(req.truncate_prompt_tokens))
-        arrays = await self.run(raw, engine, request_id, [(i, None) for i in ids], params)
+        ids, arrays = await self.pool_prompts(raw, engine, request_id, req, params)
         data = [pp.EmbeddingResponseData(index=i, embedding=encode_array(a, req.encoding_format))
                 for i, a in enumerate(arrays)]
         return self.respond(pp.EmbeddingResponse(id=request_id, model=self.model_name, data=data, usage=_usage(ids)))
@@ -181,8 +187,7 @@ class PoolingRoutes:
         default = self.engine_config.tasks[0] if self.engine_config.runner == "pooling" else "embed"
         params = self.params(req.task or default, dimensions=req.dimensions, normalize=req.normalize,
                              activation=req.activation)
-        ids = await self.prompt_ids(engine, request_id, req.prompts, self.truncate_to(req.truncate_prompt_tokens))
-        arrays = await self.run(raw, engine, request_id, [(i, None) for i in ids], params)
+        ids, arrays = await self.pool_prompts(raw, engine, request_id, req, params)
         data = [pp.PoolingResponseData(index=i, data=encode_array(a, req.encoding_format))
                 for i, a in enumerate(arrays)]
         return self.respond(pp.PoolingResponse(id=request_id, model=self.model_name, data=data, usage=_usage(ids)))
@@ -190,8 +195,7 @@ class PoolingRoutes:
     async def classify(self, raw: Request):
         req, engine, request_id = await self.admit(raw, pp.ClassificationRequest, "classify")
         params = self.params("classify", activation=req.activation)
-        ids = await self.prompt_ids(engine, request_id, req.prompts, self.truncate_to(req.truncate_prompt_tokens))
-        arrays = await self.run(raw, engine, request_id, [(i, None) for i in ids], params)
+        ids, arrays = await self.pool_prompts(raw, engine, request_id, req, params)
         data = []
         for i, probs in enumerate(arrays):
             best = int(np.argmax(probs))

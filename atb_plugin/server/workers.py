@@ -32,6 +32,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from atb_plugin.multimodal.wire import DEFAULT_WIRE_DTYPE
 from atb_plugin.server import processes
 from atb_plugin.server.errors import APIError
 
@@ -45,7 +46,7 @@ class WorkerSettings:
     model: str
     media_config: object
     max_images_per_prompt: int | None = None
-    mm_wire_dtype: str = "uint8"  # what the builders write to shm (EngineConfig.mm_wire_dtype)
+    mm_wire_dtype: str = DEFAULT_WIRE_DTYPE  # what the builders write to shm (EngineConfig.mm_wire_dtype)
     chat_template: str | None = None
     shm_capacity_bytes: int | None = None
     shm_cache_bytes: int | None = None  # None: the store's own default (a quarter of /dev/shm, <= 1 GiB)
