@@ -179,8 +179,20 @@ class DecoderForCausalLM(PretrainedModel):
         return self.model(positions, kv_caches, attn_metadata, inputs_embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return hidden @ weight.t()
+        if self.lm_head is None:  # tied word embeddings: the input embedding is the output projection
+            return hidden @ self.model.embed_tokens.weight.t()
+        return self.lm_head(hidden)
+
+    def share_tied_lm_head(self) -> None:
+        """Give a tied head a module of its own over the embedding's weight (the same tensor, not
+        a copy), so that a platform swapping linear layers (the CPU's ``pack_linear_layers``)
+        swaps the head too. Called after loading (the checkpoint fills the embedding; a tied
+        checkpoint's ``lm_head.weight`` stays ignored), and only for a model that generates."""
+        if self.lm_head is None and self.config.tie_word_embeddings:
+            embedding = self.model.embed_tokens.weight
+            head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
+            head.weight = embedding
+            self.lm_head = head
 
     def make_kv_caches(self, num_blocks: int, block_size: int, dtype=None, device=None) -> list[KVCache]:
         weight = self.model.embed_tokens.weight

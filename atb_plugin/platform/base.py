@@ -110,6 +110,13 @@ class Platform:
         self.check_block_size(block_size, head_size)
         return dtype, block_size
 
+    # --- the loaded model ----------------------------------------------------------------------
+
+    def prepare_model(self, model, *, pack_weights: bool) -> None:
+        """Rewrite the loaded model for this platform's kernels, before the memory profile and
+        the first step: the CPU packs linear weights for oneDNN (``atb_plugin.ops.packed_linear``)
+        when ``pack_weights``; nothing by default."""
+
     # --- memory (the start-up profile, atb_plugin.multimodal.profiling, sizes the KV cache) ------
 
     def total_memory(self) -> int | None:

@@ -18,3 +18,9 @@ class CpuPlatform(Platform):
 
     def is_available(self) -> bool:
         return True
+
+    def prepare_model(self, model, *, pack_weights: bool) -> None:
+        if pack_weights:
+            from atb_plugin.ops.packed_linear import pack_linear_layers  # torch ops: load on use
+
+            pack_linear_layers(model)
