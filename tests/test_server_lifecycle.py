@@ -46,6 +46,14 @@ def wait_until(condition, timeout: float = 20.0, what: str = "condition") -> Non
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def ipc_sockets_of(server: ServerProcess) -> list[str]:
+    """The ZeroMQ ipc:// socket files the service (named by its API process id) left in the temp directory."""
+    import glob
+    import tempfile
+
+    return glob.glob(os.path.join(tempfile.gettempdir(), f"atb-plugin-{server.process.pid}-*"))
+
+
 def segments_of(server: ServerProcess) -> list[str]:
     instances = server.shm_instances()
     return [name for name in list_segment_names() if any(name.startswith("psm_" + i) for i in instances)]
@@ -121,6 +129,7 @@ def test_a_dead_engine_core_fails_requests_and_the_service_exits_nonzero(server)
     server.process.wait(30)
     assert server.process.returncode == 1, server.log()
     assert segments_of(server) == [], "the workers unlink their segments on the way out"
+    assert ipc_sockets_of(server) == []
 
 
 def test_a_dead_tokenizer_worker_is_replaced_and_its_segments_reaped(server):
@@ -141,6 +150,7 @@ def test_a_dead_tokenizer_worker_is_replaced_and_its_segments_reaped(server):
     assert server.get("/health").status_code == 200
     assert server.stop() == 0
     assert segments_of(server) == []
+    assert ipc_sockets_of(server) == [], "the dead worker's endpoint is unlinked too"
 
 
 def test_sigterm_drains_in_flight_requests_and_exits_zero(server):

@@ -256,6 +256,7 @@ class TokenizerPool:
                 future.set_exception(APIError(500, f"tokenizer worker {worker.index} died while preparing "
                                                    "this request; retry it"))
         worker.jobs.close(linger=0)
+        processes.unlink_ipc([worker.address])  # its replacement binds a fresh one
         self.on_worker_death(worker.index, worker.instance_id)
         self._workers[worker.index] = None
         asyncio.ensure_future(self._replace(worker.index))
