@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import statistics
 import subprocess
@@ -70,7 +69,7 @@ def worker_prompts(args) -> dict:
 
 
 def worker_ours(args) -> dict:
-    """bench_engine's own measurement functions, on the engine built as the brief of run_peers says."""
+    """bench_engine's own ``ours_single`` / ``ours_batch`` on our engine, built as the module docstring says."""
     import importlib.metadata
 
     import torch
@@ -160,9 +159,7 @@ def run_once(engine: Engine, timeout: float, log_dir: Path, run: int) -> None:
         done = subprocess.run(engine.command, capture_output=True, text=True, timeout=timeout, cwd=REPO)
         stdout, stderr, code = done.stdout, done.stderr, done.returncode
     except subprocess.TimeoutExpired as expired:
-        stdout = expired.stdout.decode(errors="replace") if isinstance(expired.stdout, bytes) else (expired.stdout or "")
-        stderr = expired.stderr.decode(errors="replace") if isinstance(expired.stderr, bytes) else (expired.stderr or "")
-        code = None
+        stdout, stderr, code = as_text(expired.stdout), as_text(expired.stderr), None
     seconds = time.monotonic() - start
     log = log_dir / f"{engine.name.replace(' ', '_')}-run{run}.log"
     log.write_text(f"$ {shlex.join(engine.command)}\n--- stdout\n{stdout}\n--- stderr\n{stderr}\n")
@@ -178,10 +175,16 @@ def run_once(engine: Engine, timeout: float, log_dir: Path, run: int) -> None:
     else:
         engine.results.append(result)
         engine.info = engine.info or {k: result.get(k) for k in ("version", "model", "config", "prompt_source")}
-        print(f"  {engine.name:<15} {result['single_tok_s']:7.1f} tok/s single, TTFT {result['single_ttft_ms']:6.1f} ms, "
-              f"batch {fmt(result.get('batch_tok_s'))} tok/s  ({seconds:.0f} s)", flush=True)
+        print(f"  {engine.name:<15} {result['single_tok_s']:7.1f} tok/s single, TTFT "
+              f"{result['single_ttft_ms']:6.1f} ms, batch {fmt(result.get('batch_tok_s'))} tok/s  ({seconds:.0f} s)",
+              flush=True)
         return
     print(f"  {engine.name:<15} {engine.failure}", flush=True)
+
+
+def as_text(output: bytes | str | None) -> str:
+    """A timed-out child's partial output (bytes even in text mode, or None)."""
+    return output.decode(errors="replace") if isinstance(output, bytes) else (output or "")
 
 
 def tail(text: str, lines: int = 3) -> str:
@@ -219,6 +222,7 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def report(args, engines: list[Engine], prompt_lengths: list[int]) -> dict:
     ours = engines[0]
+    compared = min(args.match_tokens, args.tokens)
     print()
     print(f"SmolLM2-135M-Instruct, {args.threads} compute thread(s), single stream {args.tokens} tokens, "
           f"batch {args.batch} x {args.tokens}; medians of {args.runs} interleaved run(s); prompt "
@@ -231,14 +235,14 @@ def report(args, engines: list[Engine], prompt_lengths: list[int]) -> dict:
     summary = {}
     for engine in engines:
         med = {key: median(engine, key) for key in ("single_tok_s", "single_ttft_ms", "batch_tok_s")}
-        match = token_match(ours, engine, args.match_tokens)
+        match = token_match(ours, engine, compared)
         ratios = {key: ratio(median(ours, key), med[key]) for key in med} if engine is not ours else {}
         if engine.results:
             if match is None:
                 agreement = "(reference)"
             else:
-                first = "same" if match[f"single_first_{args.match_tokens}_match"] else "DIFFER"
-                agreement = (f"first {args.match_tokens}: {first} ({match['single_common_prefix']} agree); batch "
+                first = "same" if match[f"single_first_{compared}_match"] else "DIFFER"
+                agreement = (f"first {compared}: {first} ({match['single_common_prefix']} agree); batch "
                              f"{match[f'batch_first_{BATCH_MATCH_TOKENS}_match']}/{match['batch_prompts']}")
             print(f"{engine.name:<15} {fmt(med['single_tok_s']):>12} {fmt(med['single_ttft_ms']):>8} "
                   f"{fmt(med['batch_tok_s']):>11} | {fmt(ratios.get('single_tok_s'), 2):>7} "

