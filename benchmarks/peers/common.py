@@ -96,6 +96,15 @@ def decode_rate(tokens: int, first_at: float, end: float) -> float:
     return (tokens - 1) / max(end - first_at, 1e-9)
 
 
+def measurement(*, version: str, model: str, config: str, prompt_source: str, ttft_s: float,
+                single_tok_s: float, batch_tok_s: float, single_tokens: list[int],
+                batch_tokens: list[list[int]], **extra) -> dict:
+    """One runner's result, in the fields run_peers reads (``extra``: engine-specific facts)."""
+    return {"version": version, "model": model, "config": config, **extra, "prompt_source": prompt_source,
+            "single_ttft_ms": ttft_s * 1e3, "single_tok_s": single_tok_s, "batch_tok_s": batch_tok_s,
+            "single_tokens": single_tokens, "batch_tokens": batch_tokens}
+
+
 def emit(result: dict) -> None:
     """Print the result as the last stdout line (the orchestrator reads only that line)."""
     sys.stdout.flush()

@@ -210,19 +210,15 @@ def main(args) -> dict:
     runner.close()
 
     model_name = Path(args.gguf).name
-    return {
-        "version": f"llama-cpp-python {lib.__version__}",
-        "model": model_name,
-        "config": f"{model_name}, n_threads={args.threads}, n_threads_batch={args.threads}, "
-                  f"n_batch={args.n_batch}, KV {args.kv_type}, batch: one context, n_seq_max={args.batch}",
-        "system_info": lib.llama_print_system_info().decode().strip(),
-        "prompt_source": source,
-        "single_ttft_ms": ttft * 1e3,
-        "single_tok_s": single_tok_s,
-        "batch_tok_s": batch_tok_s,
-        "single_tokens": single_tokens,
-        "batch_tokens": batch_tokens,
-    }
+    return common.measurement(
+        version=f"llama-cpp-python {lib.__version__}",
+        model=model_name,
+        config=f"{model_name}, n_threads={args.threads}, n_threads_batch={args.threads}, "
+               f"n_batch={args.n_batch}, KV {args.kv_type}, batch: one context, n_seq_max={args.batch}",
+        system_info=lib.llama_print_system_info().decode().strip(),
+        prompt_source=source, ttft_s=ttft, single_tok_s=single_tok_s, batch_tok_s=batch_tok_s,
+        single_tokens=single_tokens, batch_tokens=batch_tokens,
+    )
 
 
 if __name__ == "__main__":

