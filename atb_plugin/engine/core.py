@@ -47,11 +47,11 @@ def load_model(config: EngineConfig, device):
     model = model_cls.from_pretrained(config.model, dtype=_TORCH_DTYPES[config.dtype], device=device)
     if not pooling:
         model.get_language_model().share_tied_lm_head()  # a swapped-in head (packing) is the tied one too
+    # Before the pooler is built: it must hold the modules the platform swapped in.
     platform_for(config.device).prepare_model(model, pack_weights=config.pack_weights)
-    if not pooling:
-        return model, None
-    return model, model.build_pooler(pooler_config(config.model, model_cls.default_pooling_type,
-                                                   hf_config.get("pooler_config")))
+    pooler = model.build_pooler(pooler_config(config.model, model_cls.default_pooling_type,
+                                              hf_config.get("pooler_config"))) if pooling else None
+    return model, pooler
 
 
 class EngineCore:

@@ -189,9 +189,8 @@ class DecoderForCausalLM(PretrainedModel):
         swaps the head too. Called after loading (the checkpoint fills the embedding; a tied
         checkpoint's ``lm_head.weight`` stays ignored), and only for a model that generates."""
         if self.lm_head is None and self.config.tie_word_embeddings:
-            embedding = self.model.embed_tokens.weight
             head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
-            head.weight = embedding
+            head.weight = self.model.embed_tokens.weight
             self.lm_head = head
 
     def make_kv_caches(self, num_blocks: int, block_size: int, dtype=None, device=None) -> list[KVCache]:
