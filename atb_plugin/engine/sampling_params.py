@@ -10,9 +10,10 @@ as ``int``, ``stop`` / ``stop_token_ids`` as fresh lists.
 
 from __future__ import annotations
 
+import json
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 _SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes [0, 2**64) (and negatives, which we refuse)
@@ -56,9 +57,69 @@ def _list(name: str, value, accepted: str) -> list:
     return list(value)
 
 
+_BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value
+
+
+@dataclass
+class StructuredOutputsParams:
+    """What the output must match (vLLM's ``StructuredOutputsParams``): exactly one of
+
+    - ``json``: a JSON schema, as JSON text (a dict is serialised on construction);
+    - ``json_object``: any JSON object (``response_format={"type": "json_object"}``);
+    - ``regex``: a regular expression the whole output matches;
+    - ``choice``: one of these strings, verbatim;
+    - ``grammar``: an EBNF grammar (xgrammar's dialect, root rule ``root``).
+
+    Only the shape is checked here (no grammar engine in this module): the server compiles the
+    grammar without a tokenizer before it admits the request (``structured_output.check``), the
+    engine core compiles it against the vocabulary when the request arrives.
+    """
+
+    json: str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.json, Mapping):
+            self.json = json.dumps(self.json)
+        if self.json is not None and not isinstance(self.json, str):
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {_describe(self.json)}")
+        self.json_object = _bool("structured_outputs.json_object", self.json_object)
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {_describe(value)}")
+        if self.choice is not None:
+            choice = _list("structured_outputs.choice", self.choice, "of non-empty strings")
+            if not choice or not all(isinstance(c, str) and c for c in choice):
+                raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
+                                 f"got {self.choice!r}")
+            self.choice = choice
+        kinds = self.kinds
+        if len(kinds) != 1:
+            raise ValueError("structured_outputs must set exactly one of json, json_object, regex, choice, grammar; "
+                             f"got {', '.join(kinds) if kinds else 'none'}")
+
+    @property
+    def kinds(self) -> list[str]:
+        return [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None] + (
+            ["json_object"] if self.json_object else [])
+
+    @property
+    def key(self) -> tuple[str, str]:
+        """(kind, spec): equal keys compile to the same grammar (the compile cache's key)."""
+        kind = self.kinds[0]
+        if kind == "json_object":
+            return kind, ""
+        value = getattr(self, kind)
+        return kind, json.dumps(value) if kind == "choice" else value
+
+
 @dataclass
 class SamplingParams:
-    n: int = 1  # only 1
+    n: int = 1  # parallel samples of one prompt: the frontend runs n requests (seeds seed, seed+1, ...)
     temperature: float = 1.0  # >= 0; 0: greedy
     top_p: float = 1.0  # (0, 1]
     top_k: int = 0  # 0 or -1: disabled; else >= 1
@@ -73,12 +134,24 @@ class SamplingParams:
     # vLLM's: keep the stop string, or the text of the EOS / stop_token_ids token that ended the
     # request, in the output text (by default both are dropped).
     include_stop_str_in_output: bool = False
+    # Penalties and biases, vLLM's semantics and ranges (applied by the sampler, in this order:
+    # allowed_token_ids, bad words, logit_bias, min_tokens, penalties, temperature, min_p, top-k/p).
+    presence_penalty: float = 0.0  # [-2, 2]: - penalty once for every token already in the output
+    frequency_penalty: float = 0.0  # [-2, 2]: - penalty x the token's count in the output
+    repetition_penalty: float = 1.0  # (0, 2]: tokens in the prompt or output: logit / p if > 0 else * p
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, [-100, 100]
+    min_p: float = 0.0  # [0, 1]: drop tokens whose probability is below min_p x the top one's
+    allowed_token_ids: list[int] | None = None  # only these may be sampled (non-empty)
+    # Token sequences that may not be generated: the last token of each is blocked when the output
+    # ends with the rest (the frontend tokenises the request's bad_words strings into these).
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)
+    prompt_logprobs: int | None = None  # None: none; 0: each prompt token's; N: plus the top N
+    structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
-        n = _int("n", self.n, "(only n=1 is supported)")
-        if n != 1:
-            raise ValueError(f"n={n}: only n=1 is supported; send n separate requests")
-        self.n = n
+        self.n = _int("n", self.n, ">= 1")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n!r}")
         self.temperature = _float("temperature", self.temperature, ">= 0 (0: greedy)")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
@@ -109,6 +182,77 @@ class SamplingParams:
         self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
         self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
         self.include_stop_str_in_output = _bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        self._check_penalties()
+        self.logit_bias = self._logit_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = self._token_ids("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must not be empty (null: every token is allowed)")
+        self.bad_words_token_ids = [self._token_ids("bad_words_token_ids", ids) for ids in
+                                    _list("bad_words_token_ids", self.bad_words_token_ids or [], "of token-id lists")]
+        if any(not ids for ids in self.bad_words_token_ids):
+            raise ValueError("bad_words_token_ids must not hold an empty list")
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, ">= 0 or None")
+            if not 0 <= self.prompt_logprobs <= _COUNT_LIMIT:
+                raise ValueError(f"prompt_logprobs must be in [0, {_COUNT_LIMIT}] or None, got {self.prompt_logprobs!r}")
+        if isinstance(self.structured_outputs, Mapping):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
+                             f"{_describe(self.structured_outputs)}")
+
+    def _check_penalties(self) -> None:
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = _float(name, getattr(self, name), "in [-2, 2]")
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
+            setattr(self, name, value)
+        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty, "in (0, 2]")
+        if not 0.0 < self.repetition_penalty <= 2.0:
+            raise ValueError(f"repetition_penalty must be in (0, 2] (1: off), got {self.repetition_penalty!r}")
+        self.min_p = _float("min_p", self.min_p, "in [0, 1]")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
+
+    @staticmethod
+    def _logit_bias(value) -> dict[int, float]:
+        if value is None:
+            return {}
+        if not isinstance(value, Mapping):
+            raise ValueError(f"logit_bias must be a map of token id -> bias, got {_describe(value)}")
+        bias = {}
+        for token, amount in value.items():
+            if isinstance(token, str) and token.lstrip("-").isdigit():
+                token = int(token)  # JSON object keys are strings
+            if isinstance(token, bool) or not isinstance(token, numbers.Integral) or not 0 <= token < _TOKEN_ID_LIMIT:
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {_describe(token)}")
+            amount = _float("logit_bias", amount, f"in [-{_BIAS_LIMIT:g}, {_BIAS_LIMIT:g}]")
+            if not -_BIAS_LIMIT <= amount <= _BIAS_LIMIT:
+                raise ValueError(f"logit_bias values must be in [-{_BIAS_LIMIT:g}, {_BIAS_LIMIT:g}], "
+                                 f"got {amount!r} for token {token}")
+            bias[int(token)] = amount
+        return bias
+
+    @staticmethod
+    def _token_ids(name: str, value) -> list[int]:
+        accepted = "of token ids (ints in [0, 2**63))"
+        ids = _list(name, value, accepted)
+        for t in ids:
+            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < _TOKEN_ID_LIMIT:
+                raise ValueError(f"{name} must be a list {accepted}, got {_describe(t)} in {value!r}")
+        return [int(t) for t in ids]
+
+    def max_token_id(self) -> int | None:
+        """The largest token id this request names (logit_bias, allowed / bad / stop ids), for the
+        vocabulary check of whoever knows the vocabulary; None when it names none."""
+        ids = [*self.logit_bias, *(self.allowed_token_ids or ()), *self.stop_token_ids,
+               *(t for word in self.bad_words_token_ids for t in word)]
+        return max(ids) if ids else None
+
+    @property
+    def uses_penalties(self) -> bool:
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @staticmethod
     def _stop(value) -> list[str]:
@@ -123,16 +267,9 @@ class SamplingParams:
                                  f"in {value!r}")
         return stop
 
-    @staticmethod
-    def _stop_token_ids(value) -> list[int]:
-        if value is None:
-            return []
-        accepted = "of token ids (ints in [0, 2**63))"
-        ids = _list("stop_token_ids", value, accepted)
-        for t in ids:
-            if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < _TOKEN_ID_LIMIT:
-                raise ValueError(f"stop_token_ids must be a list {accepted}, got {_describe(t)} in {value!r}")
-        return [int(t) for t in ids]
+    @classmethod
+    def _stop_token_ids(cls, value) -> list[int]:
+        return [] if value is None else cls._token_ids("stop_token_ids", value)
 
     @property
     def greedy(self) -> bool:
