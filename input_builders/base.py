@@ -24,7 +24,10 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from jinja2 import TemplateError, TemplateSyntaxError
+
 from input_builders.conversation import (
+    ChatTemplateError,
     ContextTooLongError,
     ConversationError,
     ImagePart,
@@ -123,7 +126,10 @@ class InputBuilder:
     def make_context(self, rank: int, conversation, add_generation_prompt: bool = True,
                      adapt_to_max_length: bool = False, **kwargs) -> list[int]:
         """Chat template + media blocks. kwargs: ``request_id``, ``max_length``, ``truncate``,
-        ``chat_template_kwargs`` (extra variables for the template, e.g. ``enable_thinking``).
+        ``chat_template_kwargs`` (extra variables for the template, e.g. ``enable_thinking``),
+        ``tools`` (OpenAI's list of ``{"type": "function", "function": {...}}``, given to the
+        template as ``tools``; a template that does not use them renders without them, as in
+        transformers).
 
         With ``adapt_to_max_length`` the oldest turns are dropped (the system prompt stays) until
         the prompt fits ``max_length``; if the last user turn alone is too long the call raises
@@ -134,6 +140,13 @@ class InputBuilder:
         template_kwargs = kwargs.get("chat_template_kwargs") or {}
         if not isinstance(template_kwargs, dict):
             raise InputBuilderError(f"chat_template_kwargs must be an object, got {type(template_kwargs).__name__}")
+        tools = kwargs.get("tools")
+        if tools is not None:
+            if not isinstance(tools, (list, tuple)) or not all(isinstance(tool, dict) for tool in tools):
+                raise InputBuilderError('tools must be a list of {"type": "function", "function": {...}} objects')
+            # A template variable like any other (so the history window renders with it too); the
+            # explicit argument wins over a "tools" key in chat_template_kwargs.
+            template_kwargs = {**template_kwargs, "tools": list(tools)}
         images = self._load_images([part for message in messages for part in message.images])
         max_length = kwargs.get("max_length", self.max_length)
         if adapt_to_max_length and max_length is None:
@@ -168,6 +181,21 @@ class InputBuilder:
         """How image ``index`` (0-based) appears in a non-chat prompt; defaults to the anchor."""
         return self.image_anchor
 
+    def template_message(self, message: Message) -> dict:
+        """A message as the chat template expects it: role and content, an assistant's
+        ``tool_calls`` in OpenAI's shape but with ``arguments`` as a mapping (what vLLM hands the
+        template, and what Qwen2.5's renders with ``tojson``), a tool message's ``tool_call_id``."""
+        rendered = {"role": message.role, "content": self.template_content(message)}
+        if message.tool_calls:
+            rendered["tool_calls"] = [
+                {**({"id": call.id} if call.id is not None else {}), "type": "function",
+                 "function": {"name": call.name, "arguments": call.arguments_object}}
+                for call in message.tool_calls
+            ]
+        if message.tool_call_id is not None:
+            rendered["tool_call_id"] = message.tool_call_id
+        return rendered
+
     def template_content(self, message: Message):
         """A message's content as the chat template expects it."""
         if not self.max_images_per_prompt:
@@ -191,9 +219,17 @@ class InputBuilder:
 
     def render_text(self, messages: list[Message], add_generation_prompt: bool, template_kwargs=None) -> str:
         """The prompt text with one anchor per image: the checkpoint's chat template by default."""
-        chat = [{"role": m.role, "content": self.template_content(m)} for m in messages]
-        return self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                                  **(template_kwargs or {}))
+        chat = [self.template_message(m) for m in messages]
+        try:
+            return self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                                      **(template_kwargs or {}))
+        except TemplateSyntaxError:
+            raise  # the template itself is broken: the server's fault, not the request's
+        except TemplateError as error:  # the template's raise_exception: it refuses this conversation
+            hint = ""
+            if any(m.role == "tool" or m.tool_calls for m in messages):
+                hint = "; the conversation has tool calls or tool messages, which this model's template may not support"
+            raise ChatTemplateError(f"the chat template cannot render this conversation: {error}{hint}") from error
 
     def _render(self, messages: list[Message], add_generation_prompt: bool, template_kwargs=None) -> list[int]:
         text = self.render_text(messages, add_generation_prompt, template_kwargs)

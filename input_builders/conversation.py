@@ -7,15 +7,20 @@ Accepted, and freely mixed within one conversation or one message:
                                           {"type": "text", "text": "What is this?"}]}
     text:    {"role": "user", "content": "What is this?"}
 
+and OpenAI's tool calling: an assistant message may carry ``tool_calls`` (``[{"id", "type":
+"function", "function": {"name", "arguments": <JSON text>}}]``) with null or empty content; a
+``{"role": "tool", "tool_call_id": ..., "content": <text or text parts>}`` message answers one.
+
 Everything else is refused with a ``ConversationError`` that says which message and part is wrong.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Union
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 class InputBuilderError(ValueError):
@@ -38,6 +43,10 @@ class ContextTooLongError(InputBuilderError):
     """The prompt does not fit ``max_length`` even after dropping history."""
 
 
+class ChatTemplateError(InputBuilderError):
+    """The checkpoint's chat template refused the conversation (its ``raise_exception``)."""
+
+
 @dataclass(frozen=True)
 class TextPart:
     text: str
@@ -52,9 +61,54 @@ Part = Union[TextPart, ImagePart]
 
 
 @dataclass(frozen=True)
+class AssistantToolCall:
+    """One call an assistant message made. ``arguments`` is the JSON text of an object, as OpenAI
+    sends it; ``arguments_object`` is the mapping chat templates render (Qwen2.5's with ``tojson``)."""
+
+    name: str
+    arguments: str = "{}"
+    id: str | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ConversationError("a tool call needs a non-empty function name")
+        if self.id is not None and not isinstance(self.id, str):
+            raise ConversationError(f"a tool call's id must be a string, got {type(self.id).__name__}")
+        _json_object(self.arguments, self.name)  # refused here, not when the template renders it
+
+    @property
+    def arguments_object(self) -> dict:
+        return _json_object(self.arguments, self.name)
+
+
+def _json_object(arguments, name: str) -> dict:
+    try:
+        value = json.loads(arguments)
+    except (TypeError, ValueError, RecursionError):
+        value = None
+    if not isinstance(value, dict):
+        raise ConversationError(
+            f"the arguments of the call to {name!r} must be the JSON text of an object, got {_short(arguments)}"
+        )
+    return value
+
+
+@dataclass(frozen=True)
 class Message:
     role: str
     parts: tuple[Part, ...]
+    tool_calls: tuple[AssistantToolCall, ...] = ()  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+    def __post_init__(self):
+        if self.role not in ROLES:
+            raise ConversationError(f"role {self.role!r} is not one of {', '.join(ROLES)}")
+        if self.tool_calls and self.role != "assistant":
+            raise ConversationError(f"only an assistant message can have tool_calls, not a {self.role!r} one")
+        if self.tool_call_id is not None and self.role != "tool":
+            raise ConversationError(f"only a tool message can have a tool_call_id, not a {self.role!r} one")
+        if self.role == "tool" and self.images:
+            raise UnsupportedContentError("a tool message's content must be text; it has image parts")
 
     @property
     def images(self) -> list[ImagePart]:
@@ -66,6 +120,11 @@ class Message:
 
 
 _UNSUPPORTED_KINDS = ("video", "audio", "video_url", "audio_url", "input_audio")
+
+
+def _short(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def parse_part(item, where: str) -> Part:
@@ -118,19 +177,57 @@ def parse_content(content, where: str) -> tuple[Part, ...]:
     raise ConversationError(f"{where}: content must be a string or a list of parts, got {type(content).__name__}")
 
 
+def parse_tool_call(item, where: str) -> AssistantToolCall:
+    """One entry of an assistant's ``tool_calls`` in OpenAI's shape. ``arguments`` may also be a
+    mapping (some clients send one); null or empty means no arguments."""
+    if not isinstance(item, dict) or not isinstance(item.get("function"), dict):
+        raise ConversationError(
+            f'{where}: expected {{"id": ..., "type": "function", "function": {{"name": ..., "arguments": "<JSON>"}}}}'
+        )
+    if item.get("type", "function") != "function":
+        raise ConversationError(f"{where}: type must be 'function', got {_short(item.get('type'))}")
+    function = item["function"]
+    arguments = function.get("arguments")
+    if isinstance(arguments, dict):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    elif arguments is None or arguments == "":
+        arguments = "{}"  # as vLLM: a call without arguments renders as {}
+    elif not isinstance(arguments, str):
+        raise ConversationError(f"{where}: function.arguments must be JSON text, got {type(arguments).__name__}")
+    try:
+        return AssistantToolCall(function.get("name"), arguments, item.get("id"))
+    except ConversationError as error:
+        raise ConversationError(f"{where}: {error}") from None
+
+
+def parse_message(message, where: str) -> Message:
+    """One message: ``role`` and ``content`` (null or absent only for an assistant), plus an
+    assistant's ``tool_calls`` or a tool message's ``tool_call_id``."""
+    if not isinstance(message, dict) or "role" not in message:
+        raise ConversationError(f"{where}: expected a dict with 'role' and 'content'")
+    role, content = message["role"], message.get("content")
+    if content is None and role != "assistant":
+        raise ConversationError(f"{where}: expected a dict with 'role' and 'content' (null or absent "
+                                "content only on an assistant message)")
+    parts = () if content is None else parse_content(content, where)
+    tool_calls = message.get("tool_calls") or ()
+    if not isinstance(tool_calls, (list, tuple)):
+        raise ConversationError(f"{where}: tool_calls must be a list, got {type(tool_calls).__name__}")
+    calls = tuple(parse_tool_call(call, f"{where}, tool call {i}") for i, call in enumerate(tool_calls))
+    tool_call_id = message.get("tool_call_id")
+    if tool_call_id is not None and not isinstance(tool_call_id, str):
+        raise ConversationError(f"{where}: tool_call_id must be a string, got {type(tool_call_id).__name__}")
+    try:
+        return Message(role, parts, calls, tool_call_id)
+    except InputBuilderError as error:  # the same kind of error, now saying which message
+        raise type(error)(f"{where}: {error}") from None
+
+
 def parse_conversation(conversation) -> list[Message]:
     """Normalise and validate a chat: roles known, content parsed, at least one message."""
     if not isinstance(conversation, (list, tuple)) or not conversation:
         raise ConversationError("the conversation must be a non-empty list of {'role': ..., 'content': ...} messages")
-    messages = []
-    for index, message in enumerate(conversation):
-        where = f"message {index}"
-        if not isinstance(message, dict) or "role" not in message or "content" not in message:
-            raise ConversationError(f"{where}: expected a dict with 'role' and 'content'")
-        role = message["role"]
-        if role not in ROLES:
-            raise ConversationError(f"{where}: role {role!r} is not one of {', '.join(ROLES)}")
-        messages.append(Message(role, parse_content(message["content"], where)))
+    messages = [parse_message(message, f"message {index}") for index, message in enumerate(conversation)]
     if messages[-1].role == "system":
         raise ConversationError("the conversation has only system messages at its end; add a user message")
     return messages

@@ -34,8 +34,10 @@ def test_chat_matches_the_offline_engine(client):
     response = client.chat.completions.create(model="tiny-qwen2", messages=MESSAGES, max_tokens=12, temperature=0)
     choice = response.choices[0]
     assert choice.message.role == "assistant" and choice.finish_reason in ("stop", "length")
+    # The server applies the checkpoint's generation_config.json defaults to unset fields, as vLLM
+    # does: the tiny Qwen2's repetition_penalty is 1.05.
     with LLM(tiny_checkpoint("qwen2"), block_size=16) as llm:
-        offline = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=12))[0]
+        offline = llm.chat(MESSAGES, SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.05))[0]
     assert choice.message.content == offline.outputs[0].text
     usage = response.usage
     assert usage.prompt_tokens == len(offline.prompt_token_ids)
@@ -103,8 +105,11 @@ def test_stop_strings_seed_and_logprobs(client):
     seeded = [client.completions.create(model="tiny-qwen2", prompt="hello", max_tokens=8, temperature=1.0, seed=42,
                                         extra_body={"ignore_eos": True}).choices[0].text for _ in range(2)]
     assert seeded[0] == seeded[1]
+    # Logprobs are the raw ones: with the checkpoint's default repetition penalty the greedy token
+    # need not be the raw top one, so the penalty is off here.
     chat = client.chat.completions.create(model="tiny-qwen2", messages=MESSAGES, max_tokens=4, temperature=0,
-                                          logprobs=True, top_logprobs=3, extra_body={"ignore_eos": True})
+                                          logprobs=True, top_logprobs=3,
+                                          extra_body={"ignore_eos": True, "repetition_penalty": 1.0})
     content = chat.choices[0].logprobs.content
     assert len(content) == 4 and all(len(entry.top_logprobs) == 3 for entry in content)
     assert all(entry.logprob <= 0 and entry.logprob == entry.top_logprobs[0].logprob for entry in content)

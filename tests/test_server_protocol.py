@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 
@@ -117,18 +118,10 @@ def test_unknown_fields_are_ignored_and_logged(caplog):
 
 
 @pytest.mark.parametrize("field, bad, good", [
-    ("presence_penalty", 0.5, 0.0),
-    ("frequency_penalty", -1.0, 0),
-    ("repetition_penalty", 1.1, 1.0),
-    ("logit_bias", {"42": 5.0}, {}),
-    ("min_p", 0.1, 0.0),
-    ("tools", [{"type": "function", "function": {"name": "f"}}], []),
-    ("tool_choice", "required", "none"),
-    ("response_format", {"type": "json_object"}, {"type": "text"}),
     ("use_beam_search", True, False),
-    ("echo", True, False),
-    ("prompt_logprobs", 1, None),
+    ("length_penalty", 0.5, 1.0),
     ("continue_final_message", True, False),
+    ("functions", [{"name": "f"}], None),
 ])
 def test_unsupported_sampling_fields_only_at_their_neutral_value(field, bad, good):
     message, param = chat_refused(**{field: bad})
@@ -138,11 +131,46 @@ def test_unsupported_sampling_fields_only_at_their_neutral_value(field, bad, goo
 
 
 def test_several_problems_are_reported_together():
-    message, param = chat_refused(temperature="hot", stop=5, presence_penalty=0.5)
+    message, param = chat_refused(temperature="hot", stop=5, use_beam_search=True)
     assert "temperature: Input should be a valid number" in message and "(got 'hot')" in message
     assert "stop must be a string or a list of strings, got 5" in message
-    assert "presence_penalty=0.5 is not supported yet" in message
+    assert "use_beam_search=True is not supported yet" in message
     assert param == "temperature"
+
+
+def test_penalties_bias_and_min_p_reach_the_sampling_params():
+    params = chat(presence_penalty=0.5, frequency_penalty=-1.0, repetition_penalty=1.1, logit_bias={"42": 5.0},
+                  min_p=0.1, allowed_token_ids=[1, 2], prompt_logprobs=3).to_sampling_params(100)
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty, params.min_p) == (
+        0.5, -1.0, 1.1, 0.1)
+    assert params.logit_bias == {42: 5.0} and params.allowed_token_ids == [1, 2] and params.prompt_logprobs == 3
+    neutral = chat().to_sampling_params(100)
+    assert (neutral.presence_penalty, neutral.frequency_penalty, neutral.repetition_penalty, neutral.min_p) == (
+        0.0, 0.0, 1.0, 0.0)
+    for fields, param in [({"presence_penalty": 2.5}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+                          ({"min_p": -0.1}, "min_p"), ({"logit_bias": {"x": 1}}, "logit_bias")]:
+        with pytest.raises(InvalidRequestError) as info:
+            chat(**fields).to_sampling_params(100)
+        assert info.value.param == param, fields
+
+
+def test_structured_output_fields_resolve_to_one_constraint():
+    assert chat().structured_outputs_params() is None
+    assert chat(response_format={"type": "text"}).structured_outputs_params() is None
+    spec, name = chat(response_format={"type": "json_object"}).structured_outputs_params()
+    assert spec.json_object and name == "response_format"
+    spec, name = chat(response_format={"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+                      ).structured_outputs_params()
+    assert json.loads(spec.json) == {"type": "object"} and name == "response_format"
+    assert chat(guided_choice=["a", "b"]).structured_outputs_params()[0].choice == ["a", "b"]
+    assert chat(structured_outputs={"regex": "a+"}).structured_outputs_params()[0].regex == "a+"
+    with pytest.raises(InvalidRequestError, match="send only one of them") as info:
+        chat(guided_regex="a", response_format={"type": "json_object"}).structured_outputs_params()
+    assert info.value.param == "response_format"
+    with pytest.raises(InvalidRequestError, match="unknown keys") as info:
+        chat(structured_outputs={"jsn": {}}).structured_outputs_params()
+    assert info.value.param == "structured_outputs"
+    assert chat_refused(response_format={"type": "json_schema"})[1] == "response_format"
 
 
 def test_logprob_fields():
@@ -182,9 +210,9 @@ def test_generation_defaults_apply_only_to_unset_fields():
     config = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.05, "do_sample": True,
               "bos_token_id": 1}
     params = chat().to_sampling_params(100, config)
-    assert (params.temperature, params.top_p, params.top_k) == (0.7, 0.8, 20)
-    params = chat(temperature=0, top_p=1.0, top_k=-1).to_sampling_params(100, config)
-    assert (params.temperature, params.top_p, params.top_k) == (0, 1.0, -1)
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (0.7, 0.8, 20, 1.05)
+    params = chat(temperature=0, top_p=1.0, top_k=-1, repetition_penalty=1.0).to_sampling_params(100, config)
+    assert (params.temperature, params.top_p, params.top_k, params.repetition_penalty) == (0, 1.0, -1, 1.0)
     params = chat().to_sampling_params(100)
     assert (params.temperature, params.top_p, params.top_k) == (1.0, 1.0, 0)
 
@@ -194,8 +222,8 @@ def test_generation_defaults_from_config():
         {"temperature": 0.6, "top_k": 50, "top_p": 1.0, "max_new_tokens": 256, "repetition_penalty": 1.05,
          "min_p": 0.0, "eos_token_id": [1, 2]})
     # transformers' own defaults (top_k 50, top_p 1.0) are dropped, as vLLM's to_diff_dict() does.
-    assert defaults == {"temperature": 0.6, "max_tokens": 256}
-    assert unsupported == ["repetition_penalty=1.05"]
+    assert defaults == {"temperature": 0.6, "max_tokens": 256, "repetition_penalty": 1.05, "min_p": 0.0}
+    assert unsupported == []
     assert generation_defaults_from_config(None) == ({}, [])
     assert generation_defaults_from_config({"top_k": "x"}) == ({}, ["top_k='x'"])
     # Idempotent: the filtered dict works as generation_defaults too.
@@ -217,14 +245,13 @@ def test_max_tokens():
 
 
 def test_sampling_params_errors_name_their_field():
-    for fields, param in [({"n": 2}, "n"), ({"temperature": -0.5}, "temperature"), ({"top_p": 0}, "top_p"),
+    for fields, param in [({"n": 0}, "n"), ({"temperature": -0.5}, "temperature"), ({"top_p": 0}, "top_p"),
                           ({"top_k": -3}, "top_k"), ({"min_tokens": 50, "max_tokens": 10}, "min_tokens")]:
         with pytest.raises(InvalidRequestError) as info:
             chat(**fields).to_sampling_params(100)
         assert info.value.param == param, fields
         assert isinstance(info.value, ValueError)
-    with pytest.raises(InvalidRequestError, match=r"^n=2: only n=1 is supported"):
-        chat(n=2).to_sampling_params(100)
+    assert chat(n=3).to_sampling_params(100).n == 3  # the server caps it (--max-parallel-samples)
 
 
 def test_chat_sampling_params_carry_every_field():
@@ -287,10 +314,10 @@ def test_completion_fields():
     assert CompletionRequest.model_validate({"prompt": "x", "logprobs": 3}).to_sampling_params(100).logprobs == 3
     assert CompletionRequest.model_validate({"prompt": "x"}).to_sampling_params(100).logprobs is None
     assert refused(CompletionRequest, {"prompt": "x", "logprobs": 21})[1] == "logprobs"
-    for field, value in [("echo", True), ("suffix", "end"), ("best_of", 2), ("frequency_penalty", 0.2)]:
+    for field, value in [("suffix", "end"), ("best_of", 2)]:
         message, param = refused(CompletionRequest, {"prompt": "x", field: value})
         assert "is not supported yet" in message and param == field
-    for field, value in [("echo", False), ("suffix", None), ("best_of", 1)]:
+    for field, value in [("echo", True), ("suffix", None), ("best_of", 1)]:
         CompletionRequest.model_validate({"prompt": "x", field: value})
 
 

@@ -99,12 +99,15 @@ EXPECTED_FILES = {
 # Pooling variants: a family's files with another head.
 POOLING_VARIANTS = {"qwen2_seq_cls": "qwen2", "qwen2_reward": "qwen2", "bert_cross_encoder": "bert"}
 EXPECTED_FILES["qwen2_seq_cls"] = EXPECTED_FILES["qwen2_reward"] = EXPECTED_FILES["qwen2"]
+# Template variants: a family's files with another chat template (and vocabulary additions).
+TEMPLATE_VARIANTS = {"qwen2_5": "qwen2"}
+EXPECTED_FILES["qwen2_5"] = EXPECTED_FILES["qwen2"]
 EXPECTED_FILES["bert_cross_encoder"] = {"config.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
                                         "model.safetensors"}
 
 
 def test_registry_lists_the_seven_families_and_the_pooling_variants():
-    assert set(FAMILIES) == set(EXPECTED_FILES) == {*HF_FAMILIES, "qwen_vl", *POOLING_VARIANTS}
+    assert set(FAMILIES) == set(EXPECTED_FILES) == {*HF_FAMILIES, "qwen_vl", *POOLING_VARIANTS, *TEMPLATE_VARIANTS}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -213,7 +216,7 @@ NAMED_IDS = {
              ("[MASK]", None)],
 }
 NAMED_IDS["qwen2_5_vl"] = NAMED_IDS["qwen2_vl"]
-for _variant, _family in POOLING_VARIANTS.items():
+for _variant, _family in {**POOLING_VARIANTS, **TEMPLATE_VARIANTS}.items():
     NAMED_IDS[_variant] = NAMED_IDS[_family]
 
 

@@ -5,6 +5,10 @@
              (append tokens, stop checks, free blocks) ─► [EngineCoreOutput]
     abort(ids) ──► Scheduler.finish(ABORTED)
 
+A structured-output request (``SamplingParams.structured_outputs``) has its grammar compiled on a
+background thread by the ``StructuredOutputManager``; the scheduler holds it back until then, the
+runner masks its logits to the grammar and advances its matcher with each sampled token.
+
 No tokenizer, no ``ShmStore``, no text: the frontend (the offline ``LLM`` in the same process,
 or the server's API process over IPC) owns those. Pixels are read by the model runner through
 ``atb_plugin.multimodal`` from the segments each request registered. The same class runs in both
@@ -23,6 +27,8 @@ from atb_plugin.engine.messages import EngineCoreOutput, EngineCoreRequest, Sche
 from atb_plugin.engine.model_runner import ModelRunner
 from atb_plugin.engine.request import Request, RequestStatus
 from atb_plugin.engine.scheduler import Scheduler
+from atb_plugin.engine.structured_output import StructuredOutputManager
+from atb_plugin.engine.structured_output import check as check_structured_outputs
 from atb_plugin.models import registry
 from atb_plugin.multimodal.profiling import MiB, kv_bytes_per_block, kv_cache_budget
 from atb_plugin.platform import platform_for
@@ -32,6 +38,9 @@ from atb_plugin.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
+# A step that ran nothing waits this long at most for a grammar compile, rather than spinning
+# (the engine process's loop reads aborts and new requests between steps).
+_COMPILE_WAIT_S = 0.05
 _TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -63,8 +72,12 @@ class EngineCore:
         self.model, self.pooler = load_model(config, device)
         self.kv_cache_blocks = config.kv_cache_blocks or self._blocks_for_budget()
         self.kv_cache_manager = KVCacheManager(self.kv_cache_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager)
-        self.runner = ModelRunner(self.model, config, self.kv_cache_blocks, self.pooler)
+        # Compiling a grammar on the CPU platform takes cores from the model's threads: one thread
+        # there (a slower compile), xgrammar's default 8 where the model runs on a device.
+        self.structured_output = StructuredOutputManager(config.model, config.vocab_size,
+                                                         compile_threads=1 if device.type == "cpu" else 8)
+        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.structured_output.is_ready)
+        self.runner = ModelRunner(self.model, config, self.kv_cache_blocks, self.pooler, self.structured_output)
         logger.info("engine core: %s on %s (runner %s%s), %d KV blocks of %d tokens", type(self.model).__name__, device,
                     config.runner, f", tasks {', '.join(self.pooler.tasks)}" if self.pooler else "",
                     self.kv_cache_blocks, config.block_size)
@@ -101,18 +114,27 @@ class EngineCore:
 
     def add_request(self, message: EngineCoreRequest) -> None:
         """Queue a request. ``ValueError`` for one the core can never run (the prompt fills the
-        context window, or it can outgrow the KV cache): the caller's mistake, reported to it."""
+        context window, or it can outgrow the KV cache, or it names token ids outside the vocabulary):
+        the caller's mistake, reported to it."""
         vocab = self.config.vocab_size
         bad = [t for t in message.prompt_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"token ids {bad[:5]} are outside the vocabulary (size {vocab})")
+        params = message.sampling_params
+        if params is not None:
+            params.check_vocabulary(vocab)
+            if params.structured_outputs is not None:
+                check_structured_outputs(params.structured_outputs)  # the compile itself runs later, off the loop
         self.config.check_task(message.pooling_params)
-        self.scheduler.add_request(Request.from_engine_core_request(message))
+        request = Request.from_engine_core_request(message)
+        self.scheduler.add_request(request)
+        self.structured_output.register(request)
 
     def abort(self, request_ids) -> None:
         """End these requests now (unknown or finished ids are ignored: an abort can race a finish)."""
         for request_id in request_ids:
             self.scheduler.finish(request_id, RequestStatus.FINISHED_ABORTED)
+            self.structured_output.remove(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -122,8 +144,15 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         scheduled = self.scheduler.schedule()
         result = self.runner.execute(scheduled)
-        return self.scheduler.update_from_output(scheduled, result.sampled, result.logprobs, result.failed,
-                                                 result.pooled)
+        result.failed.update(self.structured_output.pop_compile_errors())
+        outputs = self.scheduler.update_from_output(scheduled, result.sampled, result.logprobs, result.failed,
+                                                    result.pooled, prompt_logprobs=result.prompt_logprobs)
+        for output in outputs:
+            if output.finished:
+                self.structured_output.remove(output.request_id)
+        if not scheduled.num_scheduled_tokens:
+            self.structured_output.wait_for_compile(_COMPILE_WAIT_S)
+        return outputs
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -91,13 +91,16 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """The longest cached prefix of a request that holds no blocks: its block ids and the
-        number of tokens they cover (a multiple of block_size, at most ``num_tokens - 1``).
-        Takes no reference: pass the ids straight to ``allocate_slots``."""
+        number of tokens they cover (a multiple of block_size, at most ``num_tokens - 1``; none
+        for a request that needs its prompt logprobs). Takes no reference: pass the ids straight to ``allocate_slots``."""
         if request.request_id in self.req_to_blocks:
             raise RuntimeError(
                 f"request {request.request_id} already holds blocks; only a waiting request looks up the cache"
             )
-        if not self.enable_prefix_caching:
+        # A request still owing its prompt logprobs needs the logits of every prompt position,
+        # which a cached position would not have (vLLM skips the lookup too); it still publishes
+        # its own blocks for others.
+        if not self.enable_prefix_caching or request.needs_prompt_logprobs:
             return [], 0
         max_cache_hit_tokens = request.num_tokens - 1
         block_hashes = self._block_hashes(request, max_cache_hit_tokens)

@@ -19,6 +19,7 @@ from atb_plugin.engine.config import EngineConfig
 from atb_plugin.engine.core import EngineCore
 from atb_plugin.engine.messages import EngineCoreRequest
 from atb_plugin.engine.output_processor import CompletionOutput, OutputProcessor, RequestOutput
+from atb_plugin.engine.parallel_sampling import ParentRequest, fans_out
 from atb_plugin.engine.sampling_params import SamplingParams
 from atb_plugin.pooling import inputs as pooling_inputs
 from atb_plugin.pooling.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput,
@@ -258,7 +259,8 @@ class LLM:
 
     def _run(self, prompts, sampling_params, to_ids) -> list:
         """Add every prompt (``to_ids(prompt, request_id)`` -> ids, or ``(ids, token_type_start)``)
-        with its params and step until all finished; returns their final outputs in order."""
+        with its params and step until all finished; returns their final outputs in order. A
+        prompt with ``n > 1`` runs as n child requests merged into one output (parallel_sampling)."""
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if not isinstance(sampling_params, (list, tuple)) or len(sampling_params) != len(prompts):
@@ -271,7 +273,9 @@ class LLM:
         # checks each request again).
         self.engine.config.check_task(sampling_params[0] if kind is PoolingParams else None)
         engine = self.engine
-        added: list[str] = []
+        order: list[str] = []  # one request id per prompt
+        parents: dict[str, ParentRequest] = {}  # the prompts with n > 1
+        added: list[str] = []  # the engine's request ids (a parent's children in its place)
         finished: dict[str, RequestOutput] = {}
         try:
             for prompt, params in zip(prompts, sampling_params):
@@ -282,8 +286,15 @@ class LLM:
                     engine.shm_store.release(request_id)  # segments the builder made before failing
                     raise
                 ids, token_type_start = ids if isinstance(ids, tuple) else (ids, None)
-                engine.add_request(request_id, ids, params, prompt, token_type_start)
-                added.append(request_id)
+                order.append(request_id)
+                if fans_out(params):
+                    parents[request_id] = parent = ParentRequest(request_id, params)
+                    for child_id, child_params in parent.children:
+                        engine.add_request(child_id, ids, child_params, prompt, token_type_start)
+                        added.append(child_id)
+                else:
+                    engine.add_request(request_id, ids, params, prompt, token_type_start)
+                    added.append(request_id)
             while engine.has_unfinished_requests():
                 for output in engine.step():
                     if output.finished:
@@ -293,7 +304,15 @@ class LLM:
             for request_id in added:
                 if request_id not in finished:
                     engine.abort_request(request_id)
-        return [finished[request_id] for request_id in added]
+            # The prompt's images are leased to the parent's id (its children finish under their
+            # own ids, which hold no lease): released once all of them are done.
+            for request_id in parents:
+                engine.shm_store.release(request_id)
+        for parent in parents.values():
+            for child_id in parent.child_ids:
+                parent.add_child_output(finished[child_id])
+        return [parents[request_id].make_request_output() if request_id in parents else finished[request_id]
+                for request_id in order]
 
     def close(self) -> None:
         self.engine.close()

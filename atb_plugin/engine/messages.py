@@ -108,7 +108,9 @@ class EngineCoreOutput:
     pooling request its ``pooled`` result (then it is finished, "stop"), and ``finish_reason``
     ("stop", "length", "abort", "error") once it ended, with ``error`` saying why for "error".
     ``queue_time`` (seconds from arrival to first scheduling) rides on the first output of a
-    request."""
+    request, and so does ``prompt_logprobs`` for a request that asked for them
+    (``SamplingParams.prompt_logprobs``): one entry per prompt token, None for the first
+    (nothing precedes it)."""
 
     request_id: str
     new_token_ids: list[int] = field(default_factory=list)
@@ -118,6 +120,7 @@ class EngineCoreOutput:
     num_cached_tokens: int = 0
     queue_time: float | None = None
     pooled: PooledData | None = None
+    prompt_logprobs: list[LogprobsEntry | None] | None = None
 
     @property
     def finished(self) -> bool:

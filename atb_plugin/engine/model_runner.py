@@ -4,7 +4,8 @@
                     ──► prepare_inputs (positions, slots, attention metadata: vectorised)
                     ──► embeddings (text + image features of the chunk's media blocks)
                     ──► model forward over the paged KV cache ──► logits of sampling requests
-                    ──► sampler ──► one token per sampling request
+                    ──► grammar bitmask (structured requests) ──► sampler ──► one token per
+                    sampling request ──► the structured requests' grammar matchers
                     (pooling runner: hidden states ──► DispatchPooler ──► one result per request)
 
 A request whose media block is bad fails alone (``RunnerOutput.failed``); the rest of the
@@ -13,17 +14,19 @@ batch runs.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from atb_plugin.engine.config import EngineConfig
 from atb_plugin.engine.input_batch import InputBatch
-from atb_plugin.engine.messages import PooledData
+from atb_plugin.engine.messages import LogprobsEntry, PooledData
 from atb_plugin.engine.prepare_inputs import prepare_inputs
 from atb_plugin.engine.request import Request
 from atb_plugin.engine.sampler import Sampler, make_generator
 from atb_plugin.engine.scheduler import SchedulerOutput
+from atb_plugin.engine.structured_output import GrammarViolation, StructuredOutputManager
 from atb_plugin.models.interfaces import SupportsMedia, SupportsMRoPE, SupportsTokenTypes
 from atb_plugin.multimodal import MediaBlockError, MultimodalPrompt
 from atb_plugin.pooling.poolers import DispatchPooler, PoolingBatch
@@ -35,6 +38,15 @@ class RunnerOutput:
     logprobs: dict[str, object] = field(default_factory=dict)
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why
     pooled: dict[str, PooledData] = field(default_factory=dict)
+    # Per request computing its prompt (SamplingParams.prompt_logprobs): the entries of the prompt
+    # tokens this step's chunk [start, end) predicts, i.e. of positions start + 1 .. (at most the
+    # prompt's end); [] for a chunk that predicts none (its only position is the prompt's last).
+    prompt_logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
+
+
+# Prompt positions whose logits are computed at once: a 2048-token chunk would otherwise need
+# 2048 x vocab floats (1.2 GiB for a 150k vocabulary) next to the step's activations.
+_PROMPT_LOGITS_ROWS = 256
 
 
 @dataclass
@@ -50,9 +62,12 @@ class ModelRunner:
     it keeps per-request device state (batch row, media features, M-RoPE positions, sampling
     generator) from a request's first scheduling until the scheduler reports it finished.
     With a ``pooler`` (the pooling runner) its requests' hidden states are pooled instead of
-    sampled."""
+    sampled. With a ``structured_output`` manager, a structured request's logits are masked to
+    its grammar before sampling and its sampled token advances its matcher; a token the grammar
+    refuses (other constraints left it no choice) fails that request alone."""
 
-    def __init__(self, model, config: EngineConfig, num_blocks: int, pooler: DispatchPooler | None = None):
+    def __init__(self, model, config: EngineConfig, num_blocks: int, pooler: DispatchPooler | None = None,
+                 structured_output: StructuredOutputManager | None = None):
         self.model = model
         self.config = config
         self.device = next(model.parameters()).device
@@ -63,6 +78,7 @@ class ModelRunner:
         self.layout = model.media_layout if isinstance(model, SupportsMedia) else None
         self.uses_mrope = isinstance(model, SupportsMRoPE)
         self.pooler = pooler
+        self.structured_output = structured_output
         self.uses_token_types = isinstance(model, SupportsTokenTypes)
         self.states: dict[str, _RequestState] = {}
         # Per request, made once and advanced only by its own sampling, kept across preemption:
@@ -143,23 +159,59 @@ class ModelRunner:
         if self.pooler is not None:  # a pooling runner: every request pools (EngineConfig.check_task)
             self._pool(hidden, prepared, spans, result)
             return result
+        self._prompt_logprobs(hidden, spans, result)
         sampling = [i for i, samples in enumerate(prepared.samples) if samples]
         if sampling:
             logits = self.model.compute_logits(hidden[prepared.logits_indices[sampling]])
             states = [self.states[request_ids[i]] for i in sampling]
+            if self.structured_output is not None:
+                self.structured_output.apply_bitmask(logits, [s.request for s in states])
             sampled = self.sampler.sample(
                 logits,
                 [s.request.sampling_params for s in states],
                 [self.generators[s.request.request_id] for s in states],
                 [s.request.num_output_tokens for s in states],
                 [s.request.eos_token_ids for s in states],
+                # For penalties and bad words (negative media-handle prompt ids are ignored there).
+                prompt_token_ids=[s.request.prompt_token_ids for s in states],
+                output_token_ids=[s.request.output_token_ids for s in states],
             )
             for state, token, logprobs in zip(states, sampled.token_ids, sampled.logprobs):
                 request_id = state.request.request_id
+                if self.structured_output is not None:
+                    # Preemption recomputes the KV but keeps the output tokens, which the matcher
+                    # has accepted already: it never needs a rollback.
+                    try:
+                        self.structured_output.accept(state.request, token)
+                    except GrammarViolation as error:
+                        result.failed[request_id] = str(error)
+                        continue
                 result.sampled[request_id] = token
                 result.logprobs[request_id] = logprobs
                 self.input_batch.append_token(request_id, token)
         return result
+
+    def _prompt_logprobs(self, hidden, spans, result: RunnerOutput) -> None:
+        """For each request that owes its prompt logprobs and runs a prompt chunk [start, end):
+        the raw logprobs (log_softmax of the logits, as for sampled tokens) of prompt token p + 1
+        at each position p of the chunk whose successor is still in the prompt, with the top
+        ``prompt_logprobs`` entries. Logits are made ``_PROMPT_LOGITS_ROWS`` positions at a time."""
+        for state, offset, start, end in spans:
+            request = state.request
+            if not request.needs_prompt_logprobs or start >= request.num_prompt_tokens:
+                continue
+            last = min(end, request.num_prompt_tokens - 1)  # positions [start, last) predict a prompt token
+            prompt = state.media.token_ids if state.media is not None else torch.tensor(request.prompt_token_ids)
+            targets = prompt[start + 1:last + 1].to(self.device)
+            # The sampler's entries (rank, top-k), with the request's prompt_logprobs as its top-N.
+            params = [dataclasses.replace(request.sampling_params, logprobs=request.sampling_params.prompt_logprobs)]
+            entries: list[LogprobsEntry] = []
+            for first in range(start, last, _PROMPT_LOGITS_ROWS):
+                rows = slice(first - start, min(first + _PROMPT_LOGITS_ROWS, last) - start)
+                logits = self.model.compute_logits(hidden[offset + rows.start:offset + rows.stop])
+                raw_logprobs = torch.log_softmax(logits.float(), dim=-1)
+                entries += Sampler.gather_logprobs(raw_logprobs, targets[rows], params * raw_logprobs.shape[0])
+            result.prompt_logprobs[request.request_id] = entries
 
     def _pool(self, hidden, prepared, spans, result: RunnerOutput) -> None:
         """Pool the step's hidden states: each request ran its whole prompt in this step."""

@@ -50,6 +50,9 @@ class RequestOutput:
     error: str | None = None
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first scheduling, once known
+    # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), from the
+    # first output on; None when not asked for (or before the prompt has been computed).
+    prompt_logprobs: list[LogprobsEntry | None] | None = None
 
 
 @dataclass
@@ -69,6 +72,7 @@ class _RequestState:
     logprobs: list[LogprobsEntry] = field(default_factory=list)
     num_cached_tokens: int = 0
     queue_time: float | None = None
+    prompt_logprobs: list[LogprobsEntry | None] | None = None
 
 
 @dataclass
@@ -124,6 +128,8 @@ class OutputProcessor:
             state.num_cached_tokens = out.num_cached_tokens
             if out.queue_time is not None:
                 state.queue_time = out.queue_time
+            if out.prompt_logprobs is not None:
+                state.prompt_logprobs = out.prompt_logprobs
             finish_reason = out.finish_reason
             if finish_reason is None and state.detokenizer.stopped_by is not None:
                 finish_reason = "stop"
@@ -160,7 +166,8 @@ class OutputProcessor:
             list(state.logprobs) if state.params.logprobs is not None else None, finish_reason,
             delta, list(new_ids), delta_logprobs)
         output = RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion],
-                               finish_reason is not None, error, state.num_cached_tokens, state.queue_time)
+                               finish_reason is not None, error, state.num_cached_tokens, state.queue_time,
+                               state.prompt_logprobs)
         if finish_reason is not None and self.on_finish is not None:
             self.on_finish(output)
         return output

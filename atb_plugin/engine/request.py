@@ -43,6 +43,9 @@ class Request:
     first_scheduled_time: float | None = None
     pooling_params: PoolingParams | None = None
     token_type_start: int | None = None  # cross-encoder pairs: first token of segment B
+    # Logprobs of the prompt tokens computed so far (SamplingParams.prompt_logprobs): gathered
+    # over the prefill chunks, handed to the first output, then dropped.
+    prompt_logprobs: list | None = None
 
     def __post_init__(self):
         if not self.prompt_token_ids:
@@ -60,6 +63,14 @@ class Request:
     def is_pooling(self) -> bool:
         """Prefill only: its whole prompt runs in one step, the step's pooled output ends it."""
         return self.pooling_params is not None
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """It asked for prompt logprobs and has not sent them yet (they ride on its first output
+        token): its prompt must be computed here, not taken from the prefix cache. Once sent, a
+        recompute after preemption may use the cache like any request."""
+        return (self.sampling_params is not None and self.sampling_params.prompt_logprobs is not None
+                and not self.output_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:

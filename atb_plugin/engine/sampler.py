@@ -4,14 +4,24 @@ Per step, for the B requests that sample (vLLM v1's order)::
 
     logits (B, V) ──► raw logprobs = log_softmax(logits)          (only if a request asked for them)
           │
+          ├─► allowed_token_ids: every other id -> -inf
+          ├─► bad words: for each [t1..tk], tk -> -inf when the output ends with t1..t(k-1)
+          ├─► logit_bias: + bias at its ids
           ├─► min_tokens: EOS and stop ids -> -inf while a request is short of min_tokens
+          ├─► penalties: repetition (ids in prompt or output: / p if > 0 else * p), then
+          │   - frequency x count in the output, - presence once if in the output
           │
           ├─► greedy rows (temperature 0, or below 1e-5): argmax
           │
-          └─► random rows: / temperature ─► sort once (descending) ─► top-k by rank, top-p by
-              cumulative probability, per-row k and p as tensors ─► softmax ─► exponential race:
+          └─► random rows: / temperature ─► min_p (probability < min_p x the row's top -> -inf)
+              ─► sort once (descending) ─► top-k by rank, top-p by cumulative probability,
+              per-row k and p as tensors ─► back to vocabulary order ─► softmax ─► exponential race:
               argmax(probs / q) with q ~ Exp(1) drawn from the request's own generator
               (one draw of V values per row per step), else from torch's global generator
+
+Each stage runs only on the rows that use it, and is skipped outright when none does (the
+default request pays for none of them). Index lists are built per request in Python, the
+masks, counts and arithmetic are one tensor operation per stage over those rows.
 
 ``argmax(p_i / q_i)`` with i.i.d. ``q_i ~ Exp(1)`` picks ``i`` with probability ``p_i`` (vLLM's
 sampler uses it too): it needs no per-row ``torch.multinomial`` call, and a seeded row consumes
@@ -26,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import torch
 
@@ -65,6 +76,10 @@ class Sampler:
     ``params[i]``; ``generators[i]`` is request i's generator (``make_generator``) or None, and
     ``num_output_tokens[i]`` how many tokens request i has generated before this one (for
     min_tokens). ``eos_token_ids[i]``, when given, are request i's EOS ids (else the sampler's).
+    ``prompt_token_ids[i]`` and ``output_token_ids[i]`` (keyword-only) are request i's prompt and
+    the tokens it has generated so far: needed only when a row uses penalties (the prompt only
+    for repetition_penalty) or bad words, else they may be None (``RuntimeError`` if a row needs
+    them). Negative prompt ids (media handles) and ids outside the vocabulary are ignored.
     Stateless apart from the default EOS ids; never modifies ``logits``."""
 
     def __init__(self, eos_token_ids: Iterable[int] = ()):
@@ -77,6 +92,9 @@ class Sampler:
         generators: Sequence[torch.Generator | None],
         num_output_tokens: Sequence[int],
         eos_token_ids: Sequence[Collection[int]] | None = None,
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        output_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> SamplerOutput:
         if logits.dim() != 2:
             raise RuntimeError(f"logits must be (num_requests, vocab_size), got {tuple(logits.shape)}")
@@ -86,15 +104,44 @@ class Sampler:
                 f"one entry per row: {batch} rows of logits, {len(params)} params, "
                 f"{len(generators)} generators, {len(num_output_tokens)} output counts"
             )
+        for name, value in (("prompt_token_ids", prompt_token_ids), ("output_token_ids", output_token_ids)):
+            if value is not None and len(value) != batch:
+                raise RuntimeError(f"one entry per row: {batch} rows of logits, {len(value)} {name}")
         if batch == 0:
             return SamplerOutput([], [])
-        logits = logits.float()  # a copy for half inputs; fp32 softmax either way
+
+        # Which rows use which stage: one pass of attribute checks, all a default batch pays.
+        allowed_rows, bad_word_rows, bias_rows, penalty_rows = [], [], [], []
+        for i, p in enumerate(params):
+            if p.allowed_token_ids is not None:
+                allowed_rows.append(i)
+            if p.bad_words_token_ids:
+                bad_word_rows.append(i)
+            if p.logit_bias:
+                bias_rows.append(i)
+            if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0:
+                penalty_rows.append(i)
+        if (bad_word_rows or penalty_rows) and output_token_ids is None:
+            raise RuntimeError("output_token_ids is needed: a request uses penalties or bad words")
+        edits = bool(allowed_rows or bad_word_rows or bias_rows or penalty_rows)
+
+        # The stages below edit in place, so then take a copy (fp32 either way).
+        logits = logits.to(torch.float32, copy=edits)
         want_logprobs = [p.logprobs is not None for p in params]
         raw_logprobs = torch.log_softmax(logits, dim=-1) if any(want_logprobs) else None
 
         if eos_token_ids is None:
             eos_token_ids = [self.eos_token_ids] * batch
+        if allowed_rows:
+            self._apply_allowed_token_ids_(logits, params, allowed_rows)
+        if bad_word_rows:
+            self._apply_bad_words_(logits, params, bad_word_rows, output_token_ids)
+        if bias_rows:
+            self._apply_logit_bias_(logits, params, bias_rows)
         logits = self._apply_min_tokens(logits, params, num_output_tokens, eos_token_ids)
+        if penalty_rows:
+            self._apply_penalties_(logits, params, penalty_rows, prompt_token_ids, output_token_ids)
+
         token_ids = logits.argmax(dim=-1)  # every row (cheap); the random rows are overwritten below
         random_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_BELOW_TEMPERATURE]
         if random_rows:
@@ -104,10 +151,64 @@ class Sampler:
 
         logprobs: list[LogprobsEntry | None] = [None] * batch
         if raw_logprobs is not None:
-            logprobs = self._gather_logprobs(raw_logprobs, token_ids, params)
+            logprobs = self.gather_logprobs(raw_logprobs, token_ids, params)
         return SamplerOutput(token_ids.tolist(), logprobs)
 
     # -- steps -----------------------------------------------------------------------------------
+    # The ``_..._`` stages edit ``logits`` in place: ``sample`` hands them its own copy.
+
+    @staticmethod
+    def _apply_allowed_token_ids_(logits, params, rows) -> None:
+        """Only allowed_token_ids may be sampled: every other id of the row gets -inf."""
+        vocab = logits.shape[1]
+        mask_rows, mask_cols = [], []
+        for j, i in enumerate(rows):
+            ids = [t for t in params[i].allowed_token_ids if t < vocab]
+            mask_rows += [j] * len(ids)
+            mask_cols += ids
+        device = logits.device
+        blocked = torch.ones(len(rows), vocab, dtype=torch.bool, device=device)
+        blocked[torch.tensor(mask_rows, dtype=torch.long, device=device),
+                torch.tensor(mask_cols, dtype=torch.long, device=device)] = False
+        index = torch.tensor(rows, device=device)
+        logits[index] = logits[index].masked_fill(blocked, float("-inf"))
+
+    @staticmethod
+    def _apply_bad_words_(logits, params, rows, output_token_ids) -> None:
+        """vLLM's bad words: the last token of a bad word gets -inf when the output so far ends
+        with the rest of it (a one-token bad word is always blocked)."""
+        vocab = logits.shape[1]
+        block_rows, block_cols = [], []
+        for i in rows:
+            output = output_token_ids[i]
+            for word in params[i].bad_words_token_ids:
+                prefix = len(word) - 1
+                if word[-1] >= vocab or prefix > len(output):
+                    continue
+                if prefix == 0 or list(output[len(output) - prefix:]) == list(word[:-1]):
+                    block_rows.append(i)
+                    block_cols.append(word[-1])
+        if block_rows:
+            device = logits.device
+            logits.index_put_((torch.tensor(block_rows, device=device), torch.tensor(block_cols, device=device)),
+                              torch.tensor(float("-inf"), device=device))
+
+    @staticmethod
+    def _apply_logit_bias_(logits, params, rows) -> None:
+        """logit_bias[t] is added to token t's logit (ids beyond the vocabulary are ignored: the
+        engine core checks them against it first)."""
+        vocab = logits.shape[1]
+        bias_rows, bias_cols, values = [], [], []
+        for i in rows:
+            for token, bias in params[i].logit_bias.items():
+                if 0 <= token < vocab:
+                    bias_rows.append(i)
+                    bias_cols.append(token)
+                    values.append(bias)
+        if bias_rows:
+            device = logits.device
+            logits.index_put_((torch.tensor(bias_rows, device=device), torch.tensor(bias_cols, device=device)),
+                              torch.tensor(values, device=device, dtype=logits.dtype), accumulate=True)
 
     @staticmethod
     def _apply_min_tokens(logits, params, num_output_tokens, eos_token_ids) -> torch.Tensor:
@@ -126,16 +227,64 @@ class Sampler:
         # Out of place: ``logits`` may still be the caller's tensor.
         return logits.index_put(index, torch.tensor(float("-inf"), device=logits.device))
 
+    @classmethod
+    def _apply_penalties_(cls, logits, params, rows, prompt_token_ids, output_token_ids) -> None:
+        """vLLM's apply_penalties on the rows that use one: repetition_penalty on the ids in the
+        prompt or the output (logit / p if > 0, else logit * p), then - frequency_penalty x the
+        id's count in the output and - presence_penalty once if it occurs there."""
+        vocab, device = logits.shape[1], logits.device
+        picked = [params[i] for i in rows]
+        repetition_rows = [j for j, p in enumerate(picked) if p.repetition_penalty != 1.0]
+        if repetition_rows and prompt_token_ids is None:
+            raise RuntimeError("prompt_token_ids is needed: a request uses repetition_penalty")
+        index = torch.tensor(rows, device=device)
+        values = logits[index]  # (R, V), a copy
+        output_counts = cls._token_counts([output_token_ids[i] for i in rows], vocab, device)
+        output_mask = output_counts > 0
+        if repetition_rows:
+            prompts = [prompt_token_ids[i] if p.repetition_penalty != 1.0 else () for i, p in zip(rows, picked)]
+            seen = output_mask | (cls._token_counts(prompts, vocab, device) > 0)
+            penalty = torch.tensor([p.repetition_penalty for p in picked], device=device, dtype=values.dtype)[:, None]
+            values = torch.where(seen, torch.where(values > 0, values / penalty, values * penalty), values)
+        frequency = torch.tensor([p.frequency_penalty for p in picked], device=device, dtype=values.dtype)
+        presence = torch.tensor([p.presence_penalty for p in picked], device=device, dtype=values.dtype)
+        values = values - frequency[:, None] * output_counts - presence[:, None] * output_mask
+        logits[index] = values
+
+    @staticmethod
+    def _token_counts(sequences, vocab: int, device) -> torch.Tensor:
+        """(len(sequences), vocab) float counts of each id per sequence, by one scatter_add;
+        ids outside [0, vocab) (negative media handles) are ignored."""
+        lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
+        counts = torch.zeros(len(sequences) * vocab, dtype=torch.float32, device=device)
+        if int(lengths.sum()) == 0:
+            return counts.view(len(sequences), vocab)
+        ids = torch.tensor(list(chain.from_iterable(sequences)), dtype=torch.long)
+        row = torch.repeat_interleave(torch.arange(len(sequences)), lengths)
+        valid = (ids >= 0) & (ids < vocab)
+        flat = (row[valid] * vocab + ids[valid]).to(device)
+        counts.scatter_add_(0, flat, torch.ones(flat.shape, dtype=counts.dtype, device=device))
+        return counts.view(len(sequences), vocab)
+
     def _sample_random(self, logits, params, generators) -> torch.Tensor:
         vocab = logits.shape[1]
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
         logits = logits / temperature[:, None]
+        min_p = [p.min_p for p in params]
+        if any(m > 0.0 for m in min_p):
+            # vLLM's MinPLogitsProcessor, on the tempered probabilities. min_p = 0 rows: a zero
+            # threshold, below every probability.
+            probs = logits.softmax(dim=-1)
+            threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=device, dtype=probs.dtype)[:, None]
+            logits = logits.masked_fill(probs < threshold, float("-inf"))
         top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
         top_p = [p.top_p for p in params]
-        sorted_ids = None
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-            logits, sorted_ids = self._top_k_top_p_sorted(logits, top_k, top_p)
+            sorted_logits, sorted_ids = self._top_k_top_p_sorted(logits, top_k, top_p)
+            # Back to vocabulary order, so that a row's noise value i always races token i: a
+            # seeded row draws the same token whether or not a neighbour uses top-k/top-p.
+            logits = torch.empty_like(sorted_logits).scatter_(1, sorted_ids, sorted_logits)
         probs = logits.softmax(dim=-1)
 
         noise = torch.empty_like(probs)
@@ -146,10 +295,7 @@ class Sampler:
         for i, generator in enumerate(generators):
             if generator is not None:
                 noise[i].exponential_(generator=generator)
-        choice = (probs / noise).argmax(dim=-1)
-        if sorted_ids is not None:
-            choice = sorted_ids.gather(1, choice[:, None]).squeeze(1)
-        return choice
+        return (probs / noise).argmax(dim=-1)
 
     @staticmethod
     def _top_k_top_p_sorted(logits, top_k: list[int], top_p: list[float]):
@@ -171,7 +317,9 @@ class Sampler:
         return sorted_logits, sorted_ids
 
     @staticmethod
-    def _gather_logprobs(raw_logprobs, token_ids, params) -> list[LogprobsEntry | None]:
+    def gather_logprobs(raw_logprobs, token_ids, params) -> list[LogprobsEntry | None]:
+        """Row i's ``LogprobsEntry`` for ``token_ids[i]`` (its logprob, 1-based rank and the top
+        ``params[i].logprobs``), None where that is None. Also the runner's prompt logprobs."""
         vocab = raw_logprobs.shape[1]
         sampled = raw_logprobs.gather(1, token_ids[:, None])  # (B, 1)
         ranks = (raw_logprobs > sampled).sum(dim=-1) + 1

@@ -243,12 +243,17 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a list {accepted}, got {_describe(t)} in {value!r}")
         return [int(t) for t in ids]
 
-    def max_token_id(self) -> int | None:
-        """The largest token id this request names (logit_bias, allowed / bad / stop ids), for the
-        vocabulary check of whoever knows the vocabulary; None when it names none."""
-        ids = [*self.logit_bias, *(self.allowed_token_ids or ()), *self.stop_token_ids,
-               *(t for word in self.bad_words_token_ids for t in word)]
-        return max(ids) if ids else None
+    def check_vocabulary(self, vocab_size: int) -> None:
+        """ValueError, starting with the field's name, for a token id this request names
+        (logit_bias, allowed / bad-word / stop ids) outside ``[0, vocab_size)``: the sampler would
+        index past the logits, or silently never match."""
+        named = {"logit_bias": self.logit_bias, "allowed_token_ids": self.allowed_token_ids or (),
+                 "bad_words": [t for word in self.bad_words_token_ids for t in word],
+                 "stop_token_ids": self.stop_token_ids}
+        for name, ids in named.items():
+            bad = sorted({t for t in ids if t >= vocab_size})
+            if bad:
+                raise ValueError(f"{name} names token ids {bad[:5]} outside the vocabulary (size {vocab_size}: ids 0..{vocab_size - 1})")
 
     @property
     def uses_penalties(self) -> bool:

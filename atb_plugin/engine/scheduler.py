@@ -17,11 +17,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from atb_plugin.engine.kv_cache_manager import KVCacheManager
-from atb_plugin.engine.messages import EngineCoreOutput, PooledData, SchedulerStats
+from atb_plugin.engine.messages import EngineCoreOutput, LogprobsEntry, PooledData, SchedulerStats
 from atb_plugin.engine.request import Request, RequestStatus
 from atb_plugin.utils import cdiv
 
@@ -52,9 +52,15 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    """``is_ready(request)``, when given, holds a waiting request back while it is False (a
+    structured request whose grammar is still compiling): it keeps its place in the queue and the
+    requests behind it are admitted meanwhile."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
+                 is_ready: Callable[[Request], bool] | None = None):
         self.config = config
         self.kv_cache_manager = kv_cache_manager
+        self.is_ready = is_ready or (lambda request: True)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -146,8 +152,12 @@ class Scheduler:
 
         # Admit waiting requests only when nothing was preempted: a step that ran out of blocks
         # must not hand the freed ones to newcomers ahead of the preempted request.
+        not_ready: list[Request] = []
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            if not self.is_ready(request):
+                not_ready.append(self.waiting.popleft())
+                continue
             computed_block_ids, num_cached = self.kv_cache_manager.get_computed_blocks(request)
             num_new = self._num_new_tokens(request, budget, num_cached)
             if request.is_pooling and num_new < request.num_tokens - num_cached:
@@ -167,6 +177,7 @@ class Scheduler:
             scheduled[request.request_id] = num_new
             new_block_ids[request.request_id] = computed_block_ids + blocks
             budget -= num_new
+        self.waiting.extendleft(reversed(not_ready))  # back in front, in their order
 
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         return SchedulerOutput(scheduled, new_requests, new_block_ids, preempted, finished)
@@ -174,12 +185,14 @@ class Scheduler:
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
                            logprobs: dict[str, object] | None = None,
                            failed: dict[str, str] | None = None,
-                           pooled: dict[str, PooledData] | None = None) -> list[EngineCoreOutput]:
+                           pooled: dict[str, PooledData] | None = None,
+                           prompt_logprobs: dict[str, list[LogprobsEntry]] | None = None) -> list[EngineCoreOutput]:
         """Advance the step's requests: append each sampled token, decide each request's finish
         (``check_stop``) and free a finished request's blocks, all here, so a status is written
         once. ``failed`` requests (e.g. a bad media block) end with "error"; a pooling request
-        with its ``pooled`` result ends with "stop". Returns one ``EngineCoreOutput`` per request
-        that produced a token or a result, or ended, this step."""
+        with its ``pooled`` result ends with "stop". ``prompt_logprobs`` (the runner's, per prompt
+        chunk) are gathered on the request and sent whole with its first token. Returns one
+        ``EngineCoreOutput`` per request that produced a token or a result, or ended, this step."""
         outputs: list[EngineCoreOutput] = []
         for request_id, why in (failed or {}).items():
             if self.finish(request_id, RequestStatus.FINISHED_ERROR) is not None:
@@ -189,6 +202,7 @@ class Scheduler:
             request = self.requests.get(request_id)
             if request is None:
                 continue  # finished (failed, aborted) during the step
+            chunk_start = request.num_computed_tokens
             request.num_computed_tokens += num_tokens
             if request.is_pooling:
                 result = (pooled or {}).get(request_id)
@@ -199,6 +213,8 @@ class Scheduler:
                 self.finish(request_id, RequestStatus.FINISHED_STOPPED)
                 outputs.append(out)
                 continue
+            if prompt_logprobs and request_id in prompt_logprobs:
+                self._gather_prompt_logprobs(request, chunk_start, prompt_logprobs[request_id])
             token = sampled.get(request_id)
             if token is None:
                 request.check()
@@ -210,12 +226,28 @@ class Scheduler:
                                    num_cached_tokens=request.num_cached_tokens)
             if request.num_output_tokens == 1:
                 out.queue_time = self._queue_time(request)
+                out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
             status = check_stop(request, request.eos_token_ids, self.config.max_model_len)
             if status is not None:
                 self.finish(request_id, status)  # the one place a finished status is written
                 out.finish_reason = status.value
             outputs.append(out)
         return outputs
+
+    @staticmethod
+    def _gather_prompt_logprobs(request: Request, chunk_start: int, entries: list[LogprobsEntry]) -> None:
+        """Append the entries of one prompt chunk starting at ``chunk_start`` (those of prompt
+        tokens ``chunk_start + 1 ..``). Preemption policy: a chunk at position 0 restarts the
+        list, so a request preempted mid-prompt, recomputed from scratch (it takes no prefix-cache
+        hits while it owes these), neither repeats nor loses an entry; one preempted after its
+        first token has sent them and the runner computes none again."""
+        if chunk_start == 0:
+            request.prompt_logprobs = [None]  # the first prompt token: nothing precedes it
+        if request.prompt_logprobs is None or len(request.prompt_logprobs) != chunk_start + 1:
+            have = None if request.prompt_logprobs is None else len(request.prompt_logprobs)
+            raise RuntimeError(f"request {request.request_id}: prompt logprobs for a chunk at {chunk_start} "
+                               f"follow {have} entries, expected {chunk_start + 1}")
+        request.prompt_logprobs += entries
 
     def make_stats(self) -> SchedulerStats:
         """Gauges now, and the counters accumulated since the previous call."""

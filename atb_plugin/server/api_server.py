@@ -18,6 +18,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pydantic
 from fastapi import FastAPI, Request
@@ -25,14 +26,18 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from atb_plugin.engine import structured_output
 from atb_plugin.engine.llm import validate_client_token_ids
+from atb_plugin.engine.sampling_params import StructuredOutputsParams
 from atb_plugin.engine.output_processor import RequestOutput
 from atb_plugin.server import protocol
 from atb_plugin.server.async_engine import AsyncEngine
 from atb_plugin.server.config import ServerConfig
+from atb_plugin.server.dialects import ChatDialect, ChatOptions, CompletionDialect, usage_of
 from atb_plugin.server.engine_client import EngineClient
 from atb_plugin.server.errors import APIError
 from atb_plugin.server.metrics import ServerMetrics
+from atb_plugin.server import tool_parsers
 from atb_plugin.server.pooling_api import add_pooling_routes
 from atb_plugin.server.workers import TokenizerPool, WorkerSettings
 from shm.segment import SHM_DIR
@@ -294,15 +299,38 @@ def build_app(config: ServerConfig) -> FastAPI:
         finally:
             engine.num_preparing -= 1
 
-    def sampling_params(req, num_prompt_tokens: int):
+    def sampling_params(req, num_prompt_tokens: int, structured=None):
+        """The request's SamplingParams: context-window and KV-capacity checks, n's cap, bad
+        words as token ids, ids checked against the vocabulary, and the structured-output
+        constraint (the request's own, or ``structured`` = (params, field) a tool choice needs)."""
         max_model_len = config.engine.max_model_len
         try:
             protocol.check_context_length(num_prompt_tokens, max_model_len, req.requested_max_tokens,
                                           max_input_tokens=config.max_input_tokens,
                                           max_tokens_param=req.max_tokens_param)
             params = req.to_sampling_params(max_model_len - num_prompt_tokens, service.generation_config)
+            requested = req.structured_outputs_params()
         except ValueError as error:
             raise APIError(400, str(error), param=getattr(error, "param", None)) from None
+        if params.n > config.max_parallel_samples:
+            raise APIError(400, f"n={params.n} is above this server's limit of {config.max_parallel_samples} "
+                                "parallel samples (--max-parallel-samples)", param="n")
+        if requested is not None and structured is not None:
+            raise APIError(400, f"{requested[1]} cannot be combined with tool_choice={json.dumps(req.tool_choice)}: "
+                                "a forced tool call already constrains the output", param=requested[1])
+        structured = structured or requested
+        if structured is not None:
+            spec, field_name = structured
+            try:
+                structured_output.check(spec)
+            except ValueError as error:
+                raise APIError(400, f"{field_name}: {error}", param=field_name) from None
+            params.structured_outputs = spec
+        if req.bad_words:
+            params.bad_words_token_ids = bad_words_token_ids(req.bad_words)
+        if req.echo and req.logprobs and isinstance(req, protocol.CompletionRequest):
+            params.prompt_logprobs = params.logprobs  # echoed tokens get logprobs too (vLLM)
+        check_vocabulary(params)
         capacity = service.max_tokens_per_request
         if num_prompt_tokens + (params.max_tokens or 0) > capacity:
             if req.requested_max_tokens is not None:
@@ -315,13 +343,33 @@ def build_app(config: ServerConfig) -> FastAPI:
                                     "cache can hold for one request", param="input_tokens")
         return params
 
-    async def run(raw: Request, engine: AsyncEngine, request_id: str, ids, params, worker, instance, stream: bool):
-        """The request's outputs; for a non-stream request only the last, and a client that goes
-        away while waiting aborts it."""
-        generator = engine.generate(request_id, ids, params, worker, instance)
-        if stream:
-            return generator
-        consume = asyncio.ensure_future(_last(generator))
+    def bad_words_token_ids(words: list[str]) -> list[list[int]]:
+        """Each bad word as the tokens it is written with, alone and after a space (vLLM's two
+        spellings: a word mid-sentence is usually tokenised with its leading space)."""
+        sequences: list[list[int]] = []
+        for word in words:
+            for text in (word.lstrip(), " " + word.lstrip()):
+                ids = service.tokenizer.encode(text, add_special_tokens=False)
+                if ids and ids not in sequences:
+                    sequences.append(ids)
+        return sequences
+
+    def check_vocabulary(params) -> None:
+        try:
+            params.check_vocabulary(config.engine.vocab_size)
+        except ValueError as error:
+            raise APIError(400, str(error), param=str(error).split()[0]) from None
+
+    async def run(raw: Request, engine: AsyncEngine, request_id: str, ids, params, worker, instance):
+        """Every choice's last output, in index order; a client that goes away while waiting
+        aborts the request."""
+        async def last_outputs():
+            latest: dict[int, RequestOutput] = {}
+            async for index, output in engine.generate_choices(request_id, ids, params, worker, instance):
+                latest[index] = output
+            return [latest[i] for i in sorted(latest)]
+
+        consume = asyncio.ensure_future(last_outputs())
         try:
             while not consume.done():
                 await asyncio.wait({consume}, timeout=0.25)
@@ -334,10 +382,6 @@ def build_app(config: ServerConfig) -> FastAPI:
             return consume.result()
         finally:
             consume.cancel()  # a no-op once done; stops the consumer if this handler was cancelled
-
-    def usage(output: RequestOutput) -> protocol.UsageInfo:
-        return protocol.UsageInfo.from_counts(len(output.prompt_token_ids), len(output.outputs[0].token_ids),
-                                              output.num_cached_tokens or None)
 
     token_text = lambda token_id: service.tokenizer.decode([token_id])  # noqa: E731
 
@@ -372,47 +416,75 @@ def build_app(config: ServerConfig) -> FastAPI:
         body, content_type = service.metrics.render(raw.headers.get("accept"))
         return Response(body, media_type=content_type)
 
-    async def respond(raw: Request, req, engine: AsyncEngine, dialect, request_id: str, ids, worker, instance):
-        """Run a prepared request and answer in the route's dialect: one JSON body, or SSE."""
+    async def respond(raw: Request, req, engine: AsyncEngine, make_dialect, request_id: str, ids, worker, instance,
+                      structured=None):
+        """Run a prepared request and answer in the route's dialect (``make_dialect(n)``): one
+        JSON body, or SSE."""
         try:
-            params = sampling_params(req, len(ids))
+            params = sampling_params(req, len(ids), structured)
         except APIError:
             if worker is not None:
                 service.pool.release(worker, request_id)
             raise
         worker = 0 if worker is None else worker  # a token-id prompt holds no segments: releasing is a no-op
+        dialect = make_dialect(params.n)
         if not req.stream:
-            output = await run(raw, engine, request_id, ids, params, worker, instance, False)
-            if output.outputs[0].finish_reason == "error":
-                raise APIError(500, f"the request failed: {output.error}")
-            return JSONResponse(dialect.response(output, usage(output)).model_dump(exclude_none=True))
-        generator = await run(raw, engine, request_id, ids, params, worker, instance, True)
+            outputs = await run(raw, engine, request_id, ids, params, worker, instance)
+            failed = next((o for o in outputs if o.outputs[0].finish_reason == "error"), None)
+            if failed is not None:
+                raise APIError(500, f"the request failed: {failed.error}")
+            return JSONResponse(dialect.response(outputs).model_dump(exclude_none=True))
+        choices = engine.generate_choices(request_id, ids, params, worker, instance)
 
         async def events():
-            first = dialect.first_chunk()
-            if first is not None:
-                yield first.model_dump(exclude_none=True)
-            async for output in generator:
-                completion = output.outputs[0]
-                if completion.finish_reason == "error":
+            for chunk in dialect.first_chunks():
+                yield chunk.model_dump(exclude_none=True)
+            latest: dict[int, RequestOutput] = {}
+            async for index, output in choices:
+                latest[index] = output
+                if output.outputs[0].finish_reason == "error":
                     raise APIError(500, f"the request failed: {output.error}")
-                if completion.delta_text or completion.finish_reason or completion.delta_logprobs:
-                    chunk = dialect.delta_chunk(output, usage(output) if req.continuous_usage_stats else None)
+                continuous = usage_of(latest) if req.continuous_usage_stats else None
+                for chunk in dialect.delta_chunks(index, output, continuous):
                     yield chunk.model_dump(exclude_none=True)
-                if output.finished and req.include_usage:
-                    yield dialect.usage_chunk(usage(output)).model_dump(exclude_none=True)
+            if req.include_usage:
+                yield dialect.usage_chunk(usage_of(latest)).model_dump(exclude_none=True)
 
-        return StreamingResponse(sse(events(), generator), media_type="text/event-stream")
+        return StreamingResponse(sse(events(), choices), media_type="text/event-stream")
+
+    def chat_options(req: protocol.ChatCompletionRequest) -> tuple[ChatOptions, Any]:
+        """How the answer's text is read (tool calls, reasoning, echo), and the structured-output
+        constraint a forced tool call needs ((params, "tool_choice") or None)."""
+        choice = req.effective_tool_choice
+        try:
+            tool_parsers.check_tools(req.tool_dicts, choice)
+        except ValueError as error:
+            raise APIError(400, str(error), param="tool_choice" if "tool_choice" in str(error) else "tools") from None
+        if choice == "auto" and req.tools and not (config.enable_auto_tool_choice and config.tool_call_parser):
+            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
+                                "set on the server; send tool_choice \"none\", \"required\" or a named function, "
+                                "or start the server with those flags", param="tool_choice")
+        mode = "none" if not req.tools or choice == "none" else choice if isinstance(choice, str) else "named"
+        structured = None
+        if mode in ("required", "named"):
+            schema = tool_parsers.tool_choice_schema(req.tool_dicts, choice, req.parallel_tool_calls is not False)
+            structured = (StructuredOutputsParams(json=schema), "tool_choice")
+        last = req.messages[-1]
+        echo = last.content if req.echo and last.role == "assistant" and isinstance(last.content, str) else None
+        return ChatOptions(tool_mode=mode, tools=req.tool_dicts, tool_choice=choice,
+                           tool_parser=config.tool_call_parser if mode == "auto" else None,
+                           reasoning_parser=config.reasoning_parser, echo=echo or None), structured
 
     @app.post("/v1/chat/completions")
     async def chat_completions(raw: Request):
         req, engine, request_id = await admit(raw, protocol.ChatCompletionRequest, "chatcmpl")
         check_generates()
+        options, structured = chat_options(req)
         worker, instance, ids = await prepare(engine, "chat", request_id, messages=req.to_conversation(),
                                               add_generation_prompt=req.add_generation_prompt,
-                                              chat_template_kwargs=req.chat_template_kwargs)
-        dialect = ChatDialect(request_id, config.served_model_name, token_text)
-        return await respond(raw, req, engine, dialect, request_id, ids, worker, instance)
+                                              chat_template_kwargs=req.chat_template_kwargs, tools=req.tool_dicts)
+        make_dialect = lambda n: ChatDialect(request_id, config.served_model_name, token_text, n, options)  # noqa: E731
+        return await respond(raw, req, engine, make_dialect, request_id, ids, worker, instance, structured)
 
     @app.post("/v1/completions")
     async def completions(raw: Request):
@@ -427,8 +499,11 @@ def build_app(config: ServerConfig) -> FastAPI:
         else:
             worker, instance, ids = await prepare(engine, "prompt", request_id, prompt=req.prompt,
                                                   add_special_tokens=req.add_special_tokens)
-        dialect = CompletionDialect(request_id, config.served_model_name, token_text)
-        return await respond(raw, req, engine, dialect, request_id, ids, worker, instance)
+        echo = None
+        if req.echo:
+            echo = req.prompt if isinstance(req.prompt, str) else service.tokenizer.decode(ids)
+        make_dialect = lambda n: CompletionDialect(request_id, config.served_model_name, token_text, n, echo)  # noqa: E731
+        return await respond(raw, req, engine, make_dialect, request_id, ids, worker, instance)
 
     @app.post("/tokenize")
     async def tokenize(raw: Request):
@@ -455,83 +530,6 @@ def build_app(config: ServerConfig) -> FastAPI:
 
     add_pooling_routes(app, service, admit, prepare)
     return app
-
-
-class ChatDialect:
-    """How /v1/chat/completions shapes a request's outputs (a role chunk first, then deltas)."""
-
-    def __init__(self, request_id: str, model: str, token_text):
-        self.request_id, self.model, self.token_text = request_id, model, token_text
-        self.created = int(time.time())
-
-    def _logprobs(self, entries):
-        return protocol.chat_logprobs(entries, self.token_text) if entries is not None else None
-
-    def response(self, output: RequestOutput, usage_info) -> protocol.ChatCompletionResponse:
-        completion = output.outputs[0]
-        choice = protocol.ChatCompletionResponseChoice(
-            index=0, message=protocol.ChatMessage(role="assistant", content=completion.text),
-            logprobs=self._logprobs(completion.logprobs), finish_reason=completion.finish_reason)
-        return protocol.ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                               choices=[choice], usage=usage_info)
-
-    def _chunk(self, choices, usage_info=None) -> protocol.ChatCompletionStreamResponse:
-        return protocol.ChatCompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
-                                                     choices=choices, usage=usage_info)
-
-    def first_chunk(self):
-        return self._chunk([protocol.ChatCompletionResponseStreamChoice(
-            index=0, delta=protocol.DeltaMessage(role="assistant", content=""))])
-
-    def delta_chunk(self, output: RequestOutput, usage_info):
-        completion = output.outputs[0]
-        return self._chunk([protocol.ChatCompletionResponseStreamChoice(
-            index=0, delta=protocol.DeltaMessage(content=completion.delta_text),
-            logprobs=self._logprobs(completion.delta_logprobs), finish_reason=completion.finish_reason)], usage_info)
-
-    def usage_chunk(self, usage_info):
-        return self._chunk([], usage_info)
-
-
-class CompletionDialect(ChatDialect):
-    """How /v1/completions shapes them (text deltas; logprobs with text offsets)."""
-
-    def __init__(self, request_id: str, model: str, token_text):
-        super().__init__(request_id, model, token_text)
-        self._offset = 0  # text already streamed: the next logprobs' text_offset starts here
-
-    def _completion_logprobs(self, entries, offset: int = 0):
-        return protocol.completion_logprobs(entries, self.token_text, offset) if entries is not None else None
-
-    def response(self, output: RequestOutput, usage_info) -> protocol.CompletionResponse:
-        completion = output.outputs[0]
-        choice = protocol.CompletionResponseChoice(index=0, text=completion.text,
-                                                   finish_reason=completion.finish_reason,
-                                                   logprobs=self._completion_logprobs(completion.logprobs))
-        return protocol.CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                           choices=[choice], usage=usage_info)
-
-    def _chunk(self, choices, usage_info=None) -> protocol.CompletionStreamResponse:
-        return protocol.CompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,
-                                                 choices=choices, usage=usage_info)
-
-    def first_chunk(self):
-        return None
-
-    def delta_chunk(self, output: RequestOutput, usage_info):
-        completion = output.outputs[0]
-        logprobs = self._completion_logprobs(completion.delta_logprobs, self._offset)
-        self._offset += len(completion.delta_text)
-        return self._chunk([protocol.CompletionResponseStreamChoice(
-            index=0, text=completion.delta_text, logprobs=logprobs, finish_reason=completion.finish_reason)],
-            usage_info)
-
-
-async def _last(generator: AsyncIterator[RequestOutput]) -> RequestOutput:
-    last = None
-    async for output in generator:
-        last = output
-    return last
 
 
 async def sse(events: AsyncIterator[dict], generator) -> AsyncIterator[str]:

@@ -10,6 +10,10 @@
 Whatever ends a request (it finishes, the client disconnects, the engine or its worker dies,
 shutdown) goes through ``OutputProcessor`` exactly once, so its lease is released exactly once.
 
+``n > 1`` (``generate_choices``): the prompt runs as n engine requests
+(``parallel_sampling.ParentRequest``) that share one lease, the parent id's: it is released
+when the last of them ends.
+
 A pooling request (``encode``) has one output, the pooled tensor, and no lease: its ids come
 from the client or from a worker's tokenizer, never with media handles, so no worker holds
 anything for it (its ``worker`` is None and a worker's death does not concern it).
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 
 from atb_plugin.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from atb_plugin.engine.output_processor import OutputProcessor, RequestOutput
+from atb_plugin.engine.parallel_sampling import ParentRequest
 from atb_plugin.engine.sampling_params import SamplingParams
 from atb_plugin.pooling.outputs import PoolingRequestOutput
 from atb_plugin.pooling.params import PoolingParams
@@ -41,6 +46,7 @@ class _Tracked:
     queue: asyncio.Queue
     worker: int | None  # the tokenizer worker holding its lease; None: it holds none (pooling)
     arrival: float
+    lease_id: str  # the request id the worker leased its segments under (n > 1: the parent's)
     first_token: float | None = None
     last_token: float | None = None
     itls: list = field(default_factory=list)
@@ -61,6 +67,7 @@ class AsyncEngine:
         self.max_queued_requests = max_queued_requests
         self.output_processor = OutputProcessor(tokenizer, on_finish=self._on_finish)
         self._tracked: dict[str, _Tracked] = {}
+        self._lease_holders: dict[str, int] = {}  # lease id -> requests still holding it
         self.dead_reason: str | None = None
         self.num_preparing = 0
 
@@ -85,6 +92,55 @@ class AsyncEngine:
         message = EngineCoreRequest(request_id, list(prompt_token_ids), params, self.eos_token_ids, instances)
         return self._stream(message, worker, prompt)
 
+    async def generate_choices(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                               worker: int, instance_id: str | None) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run ``params.n`` choices of one prompt; yields (choice index, that choice's
+        RequestOutput) as each steps, until all are finished. Closing it early aborts them all;
+        a failing choice (an exception from its stream) ends them all with that exception."""
+        if params.n == 1:  # no fan-out: no task or queue hop per token
+            async for output in self.generate(request_id, prompt_token_ids, params, worker, instance_id):
+                yield 0, output
+            return
+        parent = ParentRequest(request_id, params)
+        instances = (instance_id,) if instance_id else ()
+        streams = [self._stream(EngineCoreRequest(child_id, list(prompt_token_ids), child_params,
+                                                  self.eos_token_ids, instances), worker, None, lease_id=request_id)
+                   for child_id, child_params in parent.children]
+        merged: asyncio.Queue = asyncio.Queue()
+        started: set[int] = set()
+
+        async def pump(index: int, stream) -> None:
+            started.add(index)  # the stream's body runs from here on, with no await in between
+            try:
+                async for output in stream:
+                    merged.put_nowait((index, output))
+            except Exception as error:  # noqa: BLE001 - handed to the consumer, which raises it
+                merged.put_nowait((index, error))
+            merged.put_nowait((index, None))
+
+        # Every child is registered (tracked, lease held) before any can finish and release it.
+        for index, stream in enumerate(streams):
+            self._hold_lease(request_id, worker)
+        tasks = [asyncio.ensure_future(pump(index, stream)) for index, stream in enumerate(streams)]
+        try:
+            running = len(tasks)
+            while running:
+                index, item = await merged.get()
+                if item is None:
+                    running -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield index, item
+        finally:
+            for task in tasks:
+                task.cancel()  # a child still running: its stream's finally aborts it
+            await asyncio.gather(*tasks, return_exceptions=True)
+            for index, stream in enumerate(streams):
+                if index not in started:
+                    self._drop_lease(request_id, worker)  # never started: its hold was taken above
+                await stream.aclose()
+
     async def encode(self, request_id: str, prompt_token_ids: list[int], pooling_params: PoolingParams,
                      worker: int | None = None, token_type_start: int | None = None) -> PoolingRequestOutput:
         """Run one pooling request; returns its one finished output (``outputs.data`` None when it
@@ -97,16 +153,36 @@ class AsyncEngine:
         finally:
             await stream.aclose()
 
-    async def _stream(self, message: EngineCoreRequest, worker: int | None, prompt) -> AsyncIterator:
+    def _hold_lease(self, lease_id: str, worker: int | None) -> None:
+        if worker is not None:
+            self._lease_holders[lease_id] = self._lease_holders.get(lease_id, 0) + 1
+
+    def _drop_lease(self, lease_id: str, worker: int | None) -> None:
+        """One holder less; the worker releases the lease when none is left."""
+        if worker is None:
+            return
+        holders = self._lease_holders.pop(lease_id, 1) - 1
+        if holders > 0:
+            self._lease_holders[lease_id] = holders
+        else:
+            self.pool.release(worker, lease_id)
+
+    async def _stream(self, message: EngineCoreRequest, worker: int | None, prompt,
+                      lease_id: str | None = None) -> AsyncIterator:
         """Hand ``message`` to the core and yield its outputs until the finished one; leaving
-        early (closed, cancelled) aborts it there. ``worker``: whose lease it holds, if any."""
+        early (closed, cancelled) aborts it there. ``worker``: whose lease it holds, if any,
+        under ``lease_id`` (default: its own id; a choice of n > 1 holds its parent's, counted
+        by ``generate_choices`` before it starts)."""
         request_id = message.request_id
+        shared = lease_id is not None
+        lease_id = lease_id or request_id
+        if not shared:
+            self._hold_lease(lease_id, worker)
         if self.dead_reason is not None:
-            if worker is not None:
-                self.pool.release(worker, request_id)
+            self._drop_lease(lease_id, worker)
             raise EngineDeadError()
         queue: asyncio.Queue = asyncio.Queue()
-        self._tracked[request_id] = _Tracked(queue, worker, time.monotonic())
+        self._tracked[request_id] = _Tracked(queue, worker, time.monotonic(), lease_id)
         self.output_processor.add_request(request_id, prompt, message.prompt_token_ids,
                                           message.sampling_params or message.pooling_params)
         try:
@@ -164,8 +240,7 @@ class AsyncEngine:
         tracked = self._tracked.pop(output.request_id, None)
         if tracked is None:
             return
-        if tracked.worker is not None:
-            self.pool.release(tracked.worker, output.request_id)
+        self._drop_lease(tracked.lease_id, tracked.worker)
         if isinstance(output, PoolingRequestOutput):
             self._record_pooling(output, tracked)
             return

@@ -112,7 +112,30 @@ def build_parser() -> argparse.ArgumentParser:
     add("--shm-budget-bytes", type=_size, help="cap on live shared-memory bytes for images (503 beyond)")
     add("--shutdown-timeout", type=float, default=30.0, help="seconds to finish in-flight requests on SIGTERM")
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add("--max-parallel-samples", type=int, default=16,
+        help="the largest n (parallel samples of one prompt) a request may ask for")
+    add("--enable-auto-tool-choice", action="store_true",
+        help="let the model decide to call tools (tool_choice 'auto', the default with tools); needs "
+             "--tool-call-parser")
+    add("--tool-call-parser", choices=_tool_parsers(),
+        help="how tool calls are read from the output: hermes (Qwen2 / Qwen2.5's <tool_call>{...}</tool_call>), "
+             "llama3_json (Llama 3.1+ JSON calls)")
+    add("--reasoning-parser", choices=_reasoning_parsers(),
+        help="split <think>...</think> into message.reasoning_content: deepseek_r1 (the opening tag may be in "
+             "the prompt), qwen3 (only output that starts with <think>)")
     return p
+
+
+def _tool_parsers() -> list[str]:
+    from atb_plugin.server.tool_parsers import TOOL_PARSERS
+
+    return sorted(TOOL_PARSERS)
+
+
+def _reasoning_parsers() -> list[str]:
+    from atb_plugin.server.reasoning_parsers import REASONING_PARSERS
+
+    return sorted(REASONING_PARSERS)
 
 
 def parse_config(argv: list[str] | None = None) -> ServerConfig:
@@ -169,7 +192,9 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         max_request_body_bytes=values["max_request_body_bytes"],
         max_input_tokens=values.get("max_input_tokens"), chat_template=values["chat_template"],
         shm_budget_bytes=values["shm_budget_bytes"], shutdown_timeout=values["shutdown_timeout"],
-        log_level=values["log_level"])
+        log_level=values["log_level"], max_parallel_samples=values["max_parallel_samples"],
+        enable_auto_tool_choice=values["enable_auto_tool_choice"], tool_call_parser=values["tool_call_parser"],
+        reasoning_parser=values["reasoning_parser"])
 
 
 def _graceful_server_class():

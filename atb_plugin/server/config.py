@@ -40,11 +40,18 @@ class ServerConfig:
     shm_budget_bytes: int | None = None
     shutdown_timeout: float = 30.0
     log_level: str = "info"
+    # n > 1 runs n engine requests: the cap keeps one HTTP request from filling --max-num-seqs.
+    max_parallel_samples: int = 16
+    # Tool calling and reasoning output (vLLM's flags): a parser turns the model's own call /
+    # thinking syntax into message.tool_calls / message.reasoning_content.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: str | None = None
+    reasoning_parser: str | None = None
 
     def __post_init__(self):
         if self.served_model_name is None:
             object.__setattr__(self, "served_model_name", self.engine.model)
-        for name, low in (("port", 0), ("tokenizer_workers", 1), ("max_queued_requests", 1),
+        for name, low in (("port", 0), ("tokenizer_workers", 1), ("max_queued_requests", 1), ("max_parallel_samples", 1),
                           ("max_image_bytes", 1), ("max_image_pixels", 1), ("max_request_body_bytes", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -55,6 +62,7 @@ class ServerConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"--{name.replace('_', '-')} = {value!r}: must be an integer >= 0")
+        self._check_parsers()
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout = {self.shutdown_timeout}: must be >= 0")
         object.__setattr__(self, "allowed_local_media_paths", tuple(self.allowed_local_media_paths))
@@ -62,6 +70,20 @@ class ServerConfig:
         if self.chat_template is not None and os.path.isfile(self.chat_template):
             with open(self.chat_template, encoding="utf-8") as file:
                 object.__setattr__(self, "chat_template", file.read())
+
+    def _check_parsers(self) -> None:
+        from atb_plugin.server.reasoning_parsers import REASONING_PARSERS
+        from atb_plugin.server.tool_parsers import TOOL_PARSERS
+
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (one of "
+                             f"{', '.join(sorted(TOOL_PARSERS))})")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"--tool-call-parser = {self.tool_call_parser!r}: must be one of "
+                             f"{', '.join(sorted(TOOL_PARSERS))}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"--reasoning-parser = {self.reasoning_parser!r}: must be one of "
+                             f"{', '.join(sorted(REASONING_PARSERS))}")
 
     @property
     def limit_mm_per_prompt(self) -> int:

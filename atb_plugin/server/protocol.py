@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
-from atb_plugin.engine.sampling_params import SamplingParams
+from atb_plugin.engine.sampling_params import SamplingParams, StructuredOutputsParams
 
 if TYPE_CHECKING:  # annotations only: the HTTP process need not import the sampler (torch)
     from atb_plugin.engine.sampler import LogprobsEntry
@@ -75,6 +75,14 @@ __all__ = [
     "ModelList",
     "chat_logprobs",
     "completion_logprobs",
+    "prompt_logprobs",
+    "ResponseFormat",
+    "ToolParam",
+    "ToolCall",
+    "FunctionCall",
+    "DeltaToolCall",
+    "DeltaFunctionCall",
+    "PromptLogprob",
     "generation_defaults_from_config",
     "check_context_length",
     "random_uuid",
@@ -244,26 +252,11 @@ def _one(v) -> bool:
 
 # Fields vLLM / OpenAI define whose effect this backend does not implement: (is neutral, what is).
 _NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "presence_penalty": (_zero, "0"),
-    "frequency_penalty": (_zero, "0"),
-    "repetition_penalty": (_one, "1.0"),
-    "logit_bias": (lambda v: not v or all(b == 0 for b in v.values()), "an empty map"),
-    "min_p": (_zero, "0"),
     "use_beam_search": (_falsy, "false"),
     "length_penalty": (_one, "1.0"),
-    "prompt_logprobs": (_none, "null"),
-    "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
-                        'null or {"type": "text"}'),
     "truncate_prompt_tokens": (_none, "null"),
-    "allowed_token_ids": (_none, "null"),
-    "bad_words": (_empty, "an empty list"),
     "spaces_between_special_tokens": (lambda v: v is None or v is True, "true"),
     "logits_processors": (_empty, "null"),
-    "structured_outputs": (_none, "null"),
-    "guided_json": (_none, "null"),
-    "guided_regex": (_none, "null"),
-    "guided_choice": (_none, "null"),
-    "guided_grammar": (_none, "null"),
     "priority": (_zero, "0"),
     "cache_salt": (_none, "null"),
     "kv_transfer_params": (_none, "null"),
@@ -272,15 +265,12 @@ _NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "return_token_ids": (_falsy, "false"),
     "mm_processor_kwargs": (_empty, "null"),
     # chat
-    "tools": (_empty, "null"),
-    "tool_choice": (lambda v: v in (None, "none", "auto"), '"none"'),
-    "functions": (_empty, "null"),
-    "function_call": (lambda v: v in (None, "none", "auto"), '"none"'),
+    "functions": (_empty, "null (use tools)"),
+    "function_call": (lambda v: v in (None, "none", "auto"), '"none" (use tool_choice)'),
     "continue_final_message": (_falsy, "false"),
     "chat_template": (_none, "null"),
     "documents": (_empty, "null"),
     "reasoning_effort": (_none, "null"),
-    "echo": (_falsy, "false"),
     # completions
     "suffix": (_none, "null"),
     "best_of": (_one, "1"),
@@ -289,7 +279,8 @@ _NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
 
 # SamplingParams's error messages start with the field they are about.
 _SAMPLING_FIELDS = {"n", "temperature", "top_p", "top_k", "max_tokens", "min_tokens", "logprobs", "stop",
-                    "stop_token_ids", "seed"}
+                    "stop_token_ids", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                    "logit_bias", "min_p", "allowed_token_ids", "prompt_logprobs"}
 
 
 class StreamOptions(OpenAIBaseModel):
@@ -297,21 +288,44 @@ class StreamOptions(OpenAIBaseModel):
     continuous_usage_stats: bool | None = False
 
 
+class ResponseFormat(OpenAIBaseModel):
+    """OpenAI's ``response_format``: ``{"type": "text"}``, ``{"type": "json_object"}`` or
+    ``{"type": "json_schema", "json_schema": {"name", "schema", "strict"?, "description"?}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema":
+            schema = (self.json_schema or {}).get("schema")
+            if not isinstance(schema, dict):
+                raise ValueError('response_format of type "json_schema" needs {"json_schema": {"name": ..., '
+                                 '"schema": {...}}} with the schema as an object')
+        return self
+
+    def structured_outputs(self) -> dict[str, Any]:
+        """As ``StructuredOutputsParams`` keyword arguments (type "json_object" or "json_schema")."""
+        if self.type == "json_object":
+            return {"json_object": True}
+        return {"json": self.json_schema["schema"]}
+
+
 # generation_config.json keys vLLM takes sampling defaults from, and transformers' defaults for
 # them: vLLM reads ``GenerationConfig.to_diff_dict()``, which drops values equal to these.
 _HF_GENERATION_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 50,
                                            "repetition_penalty": 1.0, "min_p": None, "max_new_tokens": None}
-_SUPPORTED_DEFAULTS = {"temperature": float, "top_p": float, "top_k": int, "max_tokens": int}
-_UNSUPPORTED_DEFAULTS = {"repetition_penalty": 1.0, "min_p": 0.0}  # key -> the value that changes nothing
+_SUPPORTED_DEFAULTS = {"temperature": float, "top_p": float, "top_k": int, "max_tokens": int,
+                       "repetition_penalty": float, "min_p": float}
 
 
 def generation_defaults_from_config(config: Mapping[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
     """Sampling defaults from a checkpoint's ``generation_config.json`` contents, as vLLM derives
-    them: ``({"temperature", "top_p", "top_k", "max_tokens"} that are set, [unsupported])``.
-    ``max_new_tokens`` becomes ``max_tokens`` (a cap on every request's output, as in vLLM);
-    values equal to transformers' defaults are dropped. The second item lists, as
-    ``"name=value"``, defaults vLLM would apply that this backend cannot (a repetition penalty,
-    ``min_p``) or that are not numbers, for a startup warning."""
+    them: ``({"temperature", "top_p", "top_k", "repetition_penalty", "min_p", "max_tokens"} that
+    are set, [unusable])``. ``max_new_tokens`` becomes ``max_tokens`` (a cap on every request's
+    output, as in vLLM); values equal to transformers' defaults are dropped. The second item
+    lists, as ``"name=value"``, values that are not numbers of the right kind, for a startup
+    warning."""
     defaults: dict[str, Any] = {}
     unsupported: list[str] = []
     for key, value in (config or {}).items():
@@ -324,8 +338,6 @@ def generation_defaults_from_config(config: Mapping[str, Any] | None) -> tuple[d
                 unsupported.append(f"{key}={value!r}")
             else:
                 defaults[name] = kind(value)
-        elif key in _UNSUPPORTED_DEFAULTS and value != _UNSUPPORTED_DEFAULTS[key]:
-            unsupported.append(f"{key}={value!r}")
     return defaults, unsupported
 
 
@@ -366,28 +378,34 @@ class _GenerationRequest(OpenAIBaseModel):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and unused, as in vLLM
+    include_stop_str_in_output: bool = False
+    echo: bool | None = False
 
-    # Accepted only with their neutral value (_NEUTRAL_ONLY).
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
+    # Penalties and biases (SamplingParams checks the ranges; unset: the checkpoint's
+    # generation_config.json default, else off).
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     min_p: float | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+    # Structured output: at most one of these (structured_outputs_params()).
+    response_format: ResponseFormat | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    # Accepted only with their neutral value (_NEUTRAL_ONLY).
     use_beam_search: bool | None = False
     length_penalty: float | None = 1.0
-    include_stop_str_in_output: bool = False
-    prompt_logprobs: int | None = None
-    response_format: Any = None
     truncate_prompt_tokens: Any = None
-    allowed_token_ids: Any = None
-    bad_words: Any = None
     spaces_between_special_tokens: bool | None = True
     logits_processors: Any = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
     priority: int | None = 0
     cache_salt: Any = None
     kv_transfer_params: Any = None
@@ -426,6 +444,21 @@ class _GenerationRequest(OpenAIBaseModel):
     def _stop_token_ids_non_negative(cls, value):
         if any(t < 0 for t in value):
             raise ValueError(f"stop_token_ids must be token ids >= 0, got {_short_repr(value)}")
+        return value
+
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words(cls, value):
+        if value is not None and any(not w.strip() for w in value):
+            raise ValueError("bad_words cannot contain an empty or blank string")
+        return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _prompt_logprobs_not_streamed(cls, value, info: ValidationInfo):
+        # vLLM refuses it too: the prompt's logprobs would have no chunk of their own.
+        if value is not None and info.data.get("stream"):
+            raise ValueError("prompt_logprobs is not available when stream is enabled")
         return value
 
     @field_validator("stream_options")
@@ -472,6 +505,37 @@ class _GenerationRequest(OpenAIBaseModel):
         """The name of the field that set the output limit, for error messages."""
         return self._max_tokens_param()
 
+    def _prompt_logprobs_k(self) -> int | None:
+        return self.prompt_logprobs
+
+    def structured_outputs_params(self) -> tuple[StructuredOutputsParams, str] | None:
+        """What the output must match and the field that asked for it, from whichever one of
+        ``structured_outputs``, vLLM's older ``guided_*`` fields or ``response_format`` (json_object /
+        json_schema) the request sets; None when it sets none (or ``response_format`` "text").
+        Two of them at once is an ``InvalidRequestError``: which one should win is not ours to guess."""
+        asked: list[tuple[str, dict[str, Any]]] = []
+        if self.structured_outputs is not None:
+            asked.append(("structured_outputs", dict(self.structured_outputs)))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            if getattr(self, name) is not None:
+                asked.append((name, {key: getattr(self, name)}))
+        if self.response_format is not None and self.response_format.type != "text":
+            asked.append(("response_format", self.response_format.structured_outputs()))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            raise InvalidRequestError(f"{' and '.join(name for name, _ in asked)} both constrain the output; "
+                                      "send only one of them", param=asked[1][0])
+        name, spec = asked[0]
+        try:
+            return StructuredOutputsParams(**spec), name
+        except TypeError:
+            raise InvalidRequestError(f"{name}: unknown keys {sorted(spec)}; expected one of json, regex, choice, "
+                                      "grammar, json_object", param=name) from None
+        except ValueError as error:
+            raise InvalidRequestError(f"{name}: {error}", param=name) from None
+
     def to_sampling_params(self, default_max_tokens: int,
                            generation_defaults: Mapping[str, Any] | None = None) -> SamplingParams:
         """The engine's ``SamplingParams`` for this request.
@@ -516,6 +580,13 @@ class _GenerationRequest(OpenAIBaseModel):
                 logprobs=self._logprobs_k(),
                 skip_special_tokens=self.skip_special_tokens,
                 include_stop_str_in_output=self.include_stop_str_in_output,
+                presence_penalty=0.0 if self.presence_penalty is None else self.presence_penalty,
+                frequency_penalty=0.0 if self.frequency_penalty is None else self.frequency_penalty,
+                repetition_penalty=pick("repetition_penalty", 1.0),
+                min_p=pick("min_p", 0.0),
+                logit_bias=self.logit_bias or {},
+                allowed_token_ids=self.allowed_token_ids,
+                prompt_logprobs=self._prompt_logprobs_k(),
             )
         except ValueError as exc:
             match = re.match(r"[a-z_]+", str(exc))
@@ -576,6 +647,8 @@ class ChatMessageParam(OpenAIBaseModel):
     role: Role
     content: Any = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
 
     @field_validator("content")
     @classmethod
@@ -592,7 +665,44 @@ class ChatMessageParam(OpenAIBaseModel):
     def _content_required(self):
         if self.content is None and self.role != "assistant":
             raise ValueError(f"content is required for a {self.role!r} message")
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError(f"only an assistant message can have tool_calls, not a {self.role!r} one")
         return self
+
+    def to_dict(self) -> dict[str, Any]:
+        """As the input builders take it (``tool_calls`` / ``tool_call_id`` / ``name`` only when set)."""
+        message: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                   "content": "" if self.content is None else self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class FunctionCallParam(OpenAIBaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallParam(OpenAIBaseModel):
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCallParam
+
+
+class FunctionDefinition(OpenAIBaseModel):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolParam(OpenAIBaseModel):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -604,18 +714,19 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: bool = True
     add_special_tokens: bool = False  # the chat template adds them (vLLM's default)
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[ToolParam] | None = None
+    # "none" | "auto" | "required" | {"type": "function", "function": {"name": ...}}; unset: "auto"
+    # with tools, else "none" (OpenAI's default).
+    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
     # Accepted only with their neutral value (_NEUTRAL_ONLY).
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None  # meaningless without tools
     continue_final_message: bool | None = False
     chat_template: Any = None
     documents: Any = None
     reasoning_effort: Any = None
-    echo: bool | None = False
     mm_processor_kwargs: Any = None
 
     @field_validator("messages")
@@ -647,16 +758,23 @@ class ChatCompletionRequest(_GenerationRequest):
     def _logprobs_k(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
 
+    @property
+    def effective_tool_choice(self) -> str | dict[str, Any]:
+        """OpenAI's default when unset: "auto" with tools, "none" without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    @property
+    def tool_dicts(self) -> list[dict[str, Any]] | None:
+        return [tool.model_dump(exclude_none=True) for tool in self.tools] if self.tools else None
+
     def to_conversation(self) -> list[dict[str, Any]]:
-        """The messages as ``[{"role", "content"}]`` dicts for the input builders. "developer"
-        becomes "system" (OpenAI's newer name for it; chat templates know only "system"); a null
-        assistant content becomes ""; "tool" stays (the input builders refuse it by name)."""
-        conversation = []
-        for message in self.messages:
-            role = "system" if message.role == "developer" else message.role
-            content = "" if message.content is None else message.content
-            conversation.append({"role": role, "content": content})
-        return conversation
+        """The messages as dicts for the input builders: ``{"role", "content"}`` plus
+        ``tool_calls`` / ``tool_call_id`` / ``name`` where set. "developer" becomes "system"
+        (OpenAI's newer name for it; chat templates know only "system"); a null assistant content
+        becomes ""."""
+        return [message.to_dict() for message in self.messages]
 
 
 # -- text completions --------------------------------------------------------------------------------
@@ -675,7 +793,6 @@ class CompletionRequest(_GenerationRequest):
     add_special_tokens: bool = True
 
     # Accepted only with their neutral value (_NEUTRAL_ONLY).
-    echo: bool | None = False
     suffix: Any = None
     best_of: int | None = None
     prompt_embeds: Any = None
@@ -831,17 +948,45 @@ class ChatCompletionLogProbs(OpenAIBaseModel):
     content: list[ChatCompletionLogProbsContent] | None = None
 
 
+class FunctionCall(OpenAIBaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCall(OpenAIBaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIBaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIBaseModel):
+    """A piece of a streamed tool call: the first one of a call carries ``id``, ``type`` and the
+    function's name; later ones add to its ``arguments``."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: str | None = None
     refusal: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    tool_calls: list[ToolCall] = Field(default_factory=list)
+    reasoning_content: str | None = None
 
 
 class DeltaMessage(OpenAIBaseModel):
     role: str | None = None
     content: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionResponseChoice(OpenAIBaseModel):
@@ -860,6 +1005,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     choices: list[ChatCompletionResponseChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
@@ -889,12 +1035,22 @@ class CompletionLogProbs(OpenAIBaseModel):
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
 
 
+class PromptLogprob(OpenAIBaseModel):
+    """One entry of vLLM's ``prompt_logprobs``: per prompt position, a map of token id (as a
+    string: JSON keys) -> this; the prompt's own token first, then the top N."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
 class CompletionResponseChoice(OpenAIBaseModel):
     index: int
     text: str
     logprobs: CompletionLogProbs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
 
 
 class CompletionResponse(OpenAIBaseModel):
@@ -983,23 +1139,48 @@ def chat_logprobs(entries: Sequence[LogprobsEntry], token_to_text: Callable[[int
     return ChatCompletionLogProbs(content=content)
 
 
-def completion_logprobs(entries: Sequence[LogprobsEntry], token_to_text: Callable[[int], str],
-                        initial_text_offset: int = 0) -> CompletionLogProbs:
+def prompt_logprobs(entries: Sequence[LogprobsEntry | None],
+                    token_to_text: Callable[[int], str]) -> list[dict[str, PromptLogprob] | None]:
+    """vLLM's ``prompt_logprobs``: None for the first prompt token, then per position
+    ``{token id: {"logprob", "rank", "decoded_token"}}`` for the prompt's token and the top N."""
+    result: list[dict[str, PromptLogprob] | None] = []
+    for entry in entries:
+        if entry is None:
+            result.append(None)
+            continue
+        position = {str(entry.token_id): PromptLogprob(logprob=_clamp(entry.logprob), rank=entry.rank,
+                                                       decoded_token=token_to_text(entry.token_id))}
+        for rank, (token_id, logprob) in enumerate(zip(entry.top_token_ids, entry.top_logprobs), start=1):
+            position.setdefault(str(token_id), PromptLogprob(logprob=_clamp(logprob), rank=rank,
+                                                             decoded_token=token_to_text(token_id)))
+        result.append(position)
+    return result
+
+
+def completion_logprobs(entries: Sequence[LogprobsEntry | None], token_to_text: Callable[[int], str],
+                        initial_text_offset: int = 0, token_ids: Sequence[int] | None = None) -> CompletionLogProbs:
     """Completions' ``{"tokens", "token_logprobs", "top_logprobs", "text_offset"}`` as vLLM
     builds it: each ``top_logprobs`` dict holds the sampled token first, then the N most likely
     (keyed by text, so a token already present is not repeated); ``text_offset`` counts
     characters from ``initial_text_offset`` (for a stream chunk: the length of the text already
-    sent)."""
+    sent). A None entry (an echoed prompt's first token, which nothing predicts) has null
+    logprobs; its token is ``token_ids[i]``."""
     result = CompletionLogProbs()
     offset = initial_text_offset
-    for entry in entries:
-        text = token_to_text(entry.token_id)
-        top = {text: _clamp(entry.logprob)}
-        for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs):
-            top.setdefault(token_to_text(token_id), _clamp(logprob))
-        result.tokens.append(text)
-        result.token_logprobs.append(_clamp(entry.logprob))
-        result.top_logprobs.append(top)
+    for i, entry in enumerate(entries):
+        if entry is None:
+            text = token_to_text(token_ids[i])
+            result.tokens.append(text)
+            result.token_logprobs.append(None)
+            result.top_logprobs.append(None)
+        else:
+            text = token_to_text(entry.token_id)
+            top = {text: _clamp(entry.logprob)}
+            for token_id, logprob in zip(entry.top_token_ids, entry.top_logprobs):
+                top.setdefault(token_to_text(token_id), _clamp(logprob))
+            result.tokens.append(text)
+            result.token_logprobs.append(_clamp(entry.logprob))
+            result.top_logprobs.append(top)
         result.text_offset.append(offset)
         offset += len(text)
     return result

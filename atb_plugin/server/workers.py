@@ -112,7 +112,8 @@ def _run_job(job: dict, router, builder, store) -> dict:
         if op == "chat":
             reply["ok"] = builder.make_context(
                 0, job["messages"], add_generation_prompt=job.get("add_generation_prompt", True),
-                request_id=job["request_id"], chat_template_kwargs=job.get("chat_template_kwargs"))
+                request_id=job["request_id"], chat_template_kwargs=job.get("chat_template_kwargs"),
+                tools=job.get("tools"))
         elif op == "prompt":
             prompt = job["prompt"]
             reply["ok"] = builder.tokenize(prompt, request_id=job["request_id"],

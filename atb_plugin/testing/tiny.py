@@ -247,6 +247,67 @@ QWEN2_CHAT_TEMPLATE = _TEXT_OF + r"""
 {%- endif -%}
 """
 
+# Qwen2.5-Instruct's template (plus list content): `tools` go into the system prompt inside
+# <tools></tools>, an assistant's `tool_calls` become <tool_call> blocks (arguments rendered with
+# tojson, so they must be a mapping), and each run of `tool` messages becomes one user turn of
+# <tool_response> blocks.
+QWEN2_5_CHAT_TEMPLATE = _TEXT_OF + r"""
+{%- if tools -%}
+    {{- '<|im_start|>system\n' -}}
+    {%- if messages[0]['role'] == 'system' -%}
+        {{- text_of(messages[0]['content']) -}}
+    {%- else -%}
+        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' -}}
+    {%- endif -%}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" -}}
+    {%- for tool in tools -%}
+        {{- "\n" -}}
+        {{- tool | tojson -}}
+    {%- endfor -%}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" -}}
+{%- else -%}
+    {%- if messages[0]['role'] == 'system' -%}
+        {{- '<|im_start|>system\n' + text_of(messages[0]['content']) + '<|im_end|>\n' -}}
+    {%- else -%}
+        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' -}}
+    {%- endif -%}
+{%- endif -%}
+{%- for message in messages -%}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) -%}
+        {{- '<|im_start|>' + message.role + '\n' + text_of(message.content) + '<|im_end|>' + '\n' -}}
+    {%- elif message.role == "assistant" -%}
+        {{- '<|im_start|>' + message.role -}}
+        {%- if text_of(message.content) -%}
+            {{- '\n' + text_of(message.content) -}}
+        {%- endif -%}
+        {%- for tool_call in message.tool_calls -%}
+            {%- if tool_call.function is defined -%}
+                {%- set tool_call = tool_call.function -%}
+            {%- endif -%}
+            {{- '\n<tool_call>\n{"name": "' -}}
+            {{- tool_call.name -}}
+            {{- '", "arguments": ' -}}
+            {{- tool_call.arguments | tojson -}}
+            {{- '}\n</tool_call>' -}}
+        {%- endfor -%}
+        {{- '<|im_end|>\n' -}}
+    {%- elif message.role == "tool" -%}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") -%}
+            {{- '<|im_start|>user' -}}
+        {%- endif -%}
+        {{- '\n<tool_response>\n' -}}
+        {{- text_of(message.content) -}}
+        {{- '\n</tool_response>' -}}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") -%}
+            {{- '<|im_end|>\n' -}}
+        {%- endif -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\n' -}}
+{%- endif -%}
+"""
+
 # Qwen2-VL-Instruct's template (Qwen2.5-VL uses the same): an image part is
 # {"type": "image"}, {"type": "image_url", ...} or any dict with an "image" key.
 QWEN2_VL_CHAT_TEMPLATE = r"""
@@ -488,10 +549,16 @@ def _qwen_generation_config(endoftext: int, im_end: int, **sampling: float) -> d
     }
 
 
-def _build_qwen2(out: Path, seed: int, architecture: str = "Qwen2ForCausalLM", **extra: object) -> None:
+def _build_qwen2(out: Path, seed: int, architecture: str = "Qwen2ForCausalLM", *,
+                 chat_template: str = QWEN2_CHAT_TEMPLATE, plain_tokens: Sequence[str] = (), **extra: object) -> None:
     """Qwen2-Instruct like Qwen2-0.5B/1.5B: GQA, q/k/v biases, tied embeddings. ``architecture``
-    and ``extra`` config keys make its pooling variants (same decoder, another head)."""
+    and ``extra`` config keys make its pooling variants (same decoder, another head);
+    ``chat_template`` and ``plain_tokens`` (added tokens that are not special, appended after the
+    ChatML ones) make Qwen2.5-Instruct."""
     tok = _byte_level_tokenizer(_QWEN2_SPLIT, trailing=_QWEN_CHATML, nfc=True)
+    # Not special, as in the real vocabulary: skip_special_tokens keeps them in the output text,
+    # where the tool parser looks for them.
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain_tokens])
     endoftext, _, im_end = _ids(tok, *_QWEN_CHATML)
     config = {
         **_QWEN2_DECODER,
@@ -509,7 +576,7 @@ def _build_qwen2(out: Path, seed: int, architecture: str = "Qwen2ForCausalLM", *
         out / "generation_config.json",
         _qwen_generation_config(endoftext, im_end, repetition_penalty=1.05, temperature=0.7, top_k=20, top_p=0.8),
     )
-    _write_tokenizer(out, tok, _qwen_tokenizer_config(), QWEN2_CHAT_TEMPLATE)
+    _write_tokenizer(out, tok, _qwen_tokenizer_config(), chat_template)
 
 
 def _build_qwen2_seq_cls(out: Path, seed: int) -> None:
@@ -1144,6 +1211,9 @@ def _build_qwen_vl(out: Path, seed: int) -> None:
 
 FAMILIES: dict[str, Callable[[Path, int], None]] = {
     "qwen2": _build_qwen2,
+    # Qwen2.5-Instruct: Qwen2's decoder with the tool-calling chat template and <tool_call> tokens
+    "qwen2_5": functools.partial(_build_qwen2, chat_template=QWEN2_5_CHAT_TEMPLATE,
+                                 plain_tokens=("<tool_call>", "</tool_call>")),
     "llama": _build_llama,
     "qwen_vl": _build_qwen_vl,
     "qwen2_vl": _build_qwen2_vl,
