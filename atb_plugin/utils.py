@@ -32,3 +32,11 @@ def cdiv(a, b):
     ``math.ceil(a / b)``, which goes through a float), and elementwise for numpy arrays and
     torch tensors (whatever supports floor division ``//`` and negation)."""
     return -(-a // b)
+
+
+def lookup(registry: dict, name: str, what: str):
+    """``registry[name]``, or ValueError naming ``what`` was asked for and the known names."""
+    try:
+        return registry[name]
+    except KeyError:
+        raise ValueError(f"unknown {what} {name!r}; known: {', '.join(sorted(registry))}") from None

@@ -55,3 +55,17 @@ def copy_checkpoint(source: Path, target: Path, exclude: tuple[str, ...] = ()) -
         if item.is_file() and item.name not in exclude:
             shutil.copy(item, Path(target) / item.name)
     return Path(target)
+
+
+def chunkings(text: str):
+    """Ways a stream can cut ``text``: one character at a time, every cut in two, and 20 seeded
+    random chunkings (for parsers that must give the same result however the text arrives)."""
+    import random
+
+    yield list(text)
+    for cut in range(len(text) + 1):
+        yield [text[:cut], text[cut:]]
+    rng = random.Random(len(text))
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6)))) if len(text) > 1 else []
+        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]

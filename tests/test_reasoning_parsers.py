@@ -3,11 +3,11 @@ every way of cutting them (tags split across deltas included)."""
 
 from __future__ import annotations
 
-import random
 
 import pytest
 
 from atb_plugin.server.reasoning_parsers import REASONING_PARSERS, ReasoningDelta, get_reasoning_parser
+from tests.helpers import chunkings
 
 # (output text, deepseek_r1's (reasoning, content), qwen3's (reasoning, content))
 CASES = {
@@ -35,16 +35,6 @@ CASES = {
 PARAMS = [(name, text, expected[index], label) for label, (text, *expected) in CASES.items()
           for index, name in enumerate(["deepseek_r1", "qwen3"])]
 IDS = [f"{name}: {label}" for name, _, _, label in PARAMS]
-
-
-def chunkings(text: str):
-    yield list(text)
-    for cut in range(len(text) + 1):
-        yield [text[:cut], text[cut:]]
-    rng = random.Random(len(text))
-    for _ in range(20):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6))))
-        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
 
 
 def streamed(name: str, pieces) -> tuple[str | None, str | None]:

@@ -4,7 +4,6 @@ every way of cutting them, plus the request checks and the forced tool_choice mo
 from __future__ import annotations
 
 import json
-import random
 import re
 
 import pytest
@@ -20,6 +19,7 @@ from atb_plugin.server.tool_parsers import (
     split_partial_tag,
     tool_choice_schema,
 )
+from tests.helpers import chunkings
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}'
 WEATHER_ARGS = '{"city": "Paris", "unit": "celsius"}'
@@ -116,17 +116,6 @@ def stream(parser_name: str, pieces) -> list[StreamDelta]:
     for piece in pieces:
         deltas += parser.feed(piece)
     return deltas + parser.finish()
-
-
-def chunkings(text: str):
-    """One character at a time, every cut in two, and seeded random chunkings."""
-    yield list(text)
-    for cut in range(len(text) + 1):
-        yield [text[:cut], text[cut:]]
-    rng = random.Random(len(text))
-    for _ in range(20):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6)))) if len(text) > 1 else []
-        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
 
 
 @pytest.mark.parametrize("parser, text, content, calls, label", CASES, ids=IDS)

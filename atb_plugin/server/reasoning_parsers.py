@@ -23,6 +23,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from atb_plugin.server.tool_parsers import split_partial_tag
+from atb_plugin.utils import lookup
 
 __all__ = ["REASONING_PARSERS", "ReasoningDelta", "ReasoningParser", "ReasoningStream", "get_reasoning_parser"]
 
@@ -137,7 +138,4 @@ REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
 
 
 def get_reasoning_parser(name: str) -> ReasoningParser:
-    parser = REASONING_PARSERS.get(name)
-    if parser is None:
-        raise ValueError(f"unknown reasoning parser {name!r}; known: {', '.join(sorted(REASONING_PARSERS))}")
-    return parser()
+    return lookup(REASONING_PARSERS, name, "reasoning parser")()

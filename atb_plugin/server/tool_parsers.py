@@ -30,6 +30,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from atb_plugin.utils import lookup
+
 __all__ = [
     "TOOL_PARSERS",
     "ExtractedToolCalls",
@@ -415,10 +417,7 @@ TOOL_PARSERS: dict[str, type[ToolParser]] = {
 
 
 def get_tool_parser(name: str) -> ToolParser:
-    parser = TOOL_PARSERS.get(name)
-    if parser is None:
-        raise ValueError(f"unknown tool call parser {name!r}; known: {', '.join(sorted(TOOL_PARSERS))}")
-    return parser()
+    return lookup(TOOL_PARSERS, name, "tool call parser")()
 
 
 # -- request checks and the forced modes ---------------------------------------------------------------
