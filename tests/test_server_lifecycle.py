@@ -112,6 +112,26 @@ def test_a_client_disconnect_mid_stream_aborts_the_request(server):
     assert segments_of(server) == []
 
 
+def test_n_choices_share_one_lease_and_a_disconnect_aborts_them_all(server):
+    # n = 2, answered whole: both choices finish, then the one lease of the image ends.
+    response = server.post("/v1/chat/completions", image_chat(seed=6, n=2, max_tokens=3, temperature=1.0))
+    assert response.status_code == 200 and [c["index"] for c in response.json()["choices"]] == [0, 1]
+    wait_until(lambda: metric(server, "atb_plugin:shm_leased_segments") == 0, what="the shared lease to end")
+    aborted_before = metric(server, "vllm:request_success_total", finished_reason="abort")
+    with httpx.stream("POST", server.base_url + "/v1/chat/completions",
+                      json={**image_chat(seed=7, n=3, **LONG), "stream": True}, timeout=60) as response:
+        lines = response.iter_lines()
+        for _ in range(12):
+            next(lines)
+        assert metric(server, "vllm:num_requests_running") == 3
+    wait_until(lambda: metric(server, "vllm:request_success_total", finished_reason="abort") == aborted_before + 3,
+               what="the three choices' aborts")
+    wait_until(lambda: metric(server, "vllm:num_requests_running") == 0, what="the engine to drop them")
+    wait_until(lambda: metric(server, "atb_plugin:shm_leased_segments") == 0, what="the shared lease to end")
+    assert server.stop() == 0
+    assert segments_of(server) == []
+
+
 def test_a_dead_engine_core_fails_requests_and_the_service_exits_nonzero(server):
     stream = StreamInThread(server, image_chat(seed=6, **LONG))
     assert stream.first_chunk.wait(30) and stream.status == 200

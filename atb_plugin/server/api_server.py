@@ -459,7 +459,7 @@ def build_app(config: ServerConfig) -> FastAPI:
         try:
             tool_parsers.check_tools(req.tool_dicts, choice)
         except ValueError as error:
-            raise APIError(400, str(error), param="tool_choice" if "tool_choice" in str(error) else "tools") from None
+            raise APIError(400, str(error), param="tool_choice" if str(error).startswith("tool_choice") else "tools") from None
         if choice == "auto" and req.tools and not (config.enable_auto_tool_choice and config.tool_call_parser):
             raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser to be '
                                 "set on the server; send tool_choice \"none\", \"required\" or a named function, "

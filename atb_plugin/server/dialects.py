@@ -25,7 +25,8 @@ from typing import Any
 from atb_plugin.engine.output_processor import RequestOutput
 from atb_plugin.server import protocol
 from atb_plugin.server.reasoning_parsers import get_reasoning_parser
-from atb_plugin.server.tool_parsers import ToolCall, get_tool_parser, parse_forced_tool_calls
+from atb_plugin.server.tool_parsers import (ToolCall, get_tool_parser, make_tool_call_id, named_tool_choice,
+                                           parse_forced_tool_calls)
 
 
 def usage_of(outputs: dict[int, RequestOutput] | list[RequestOutput]) -> protocol.UsageInfo:
@@ -208,10 +209,10 @@ class ChatDialect(_Dialect):
             # The output is exactly the arguments JSON: stream it as it comes.
             if not state.named_started:
                 state.named_started, state.tool_calls_sent = True, 1
-                call = parse_forced_tool_calls("{}", self.options.tools, self.options.tool_choice)[0]
                 deltas.append(protocol.DeltaMessage(tool_calls=[protocol.DeltaToolCall(
-                    index=0, id=call.id, type="function",
-                    function=protocol.DeltaFunctionCall(name=call.name, arguments=""))]))
+                    index=0, id=make_tool_call_id(), type="function",
+                    function=protocol.DeltaFunctionCall(name=named_tool_choice(self.options.tool_choice),
+                                                        arguments=""))]))
             if content:
                 deltas.append(protocol.DeltaMessage(tool_calls=[protocol.DeltaToolCall(
                     index=0, function=protocol.DeltaFunctionCall(arguments=content))]))

@@ -44,6 +44,7 @@ __all__ = [
     "check_tools",
     "get_tool_parser",
     "make_tool_call_id",
+    "named_tool_choice",
     "parse_forced_tool_calls",
     "split_partial_tag",
     "tool_choice_schema",
@@ -453,7 +454,7 @@ def _tool_functions(tools) -> dict[str, dict]:
     return functions
 
 
-def _named_choice(tool_choice) -> str | None:
+def named_tool_choice(tool_choice) -> str | None:
     """The function name of ``{"type": "function", "function": {"name": ...}}``, None for the string choices."""
     if tool_choice is None or tool_choice in _CHOICES:
         return None
@@ -468,7 +469,7 @@ def _named_choice(tool_choice) -> str | None:
 def check_tools(tools, tool_choice) -> None:
     """Refuse a request's ``tools`` / ``tool_choice`` (OpenAI's shapes, as dicts) that cannot be served."""
     functions = _tool_functions(tools)
-    name = _named_choice(tool_choice)
+    name = named_tool_choice(tool_choice)
     if tool_choice in ("auto", "required") and not functions:
         # As OpenAI and vLLM: a tool_choice other than "none" only makes sense with tools.
         raise ValueError(f"tool_choice {tool_choice!r} needs tools; the request has none")
@@ -495,7 +496,7 @@ def tool_choice_schema(tools, tool_choice, parallel_tool_calls: bool = True) -> 
     """
     check_tools(tools, tool_choice)
     functions = _tool_functions(tools)
-    name = _named_choice(tool_choice)
+    name = named_tool_choice(tool_choice)
     if name is not None:
         return json.dumps(functions[name].get("parameters") or _NO_PARAMETERS, ensure_ascii=False)
     if tool_choice != "required":
@@ -525,7 +526,7 @@ def parse_forced_tool_calls(text: str, tools, tool_choice) -> list[ToolCall]:
     "required": the JSON array, each item one call; raises ValueError if the text is not such an
     array (cut short, or not generated under the schema)."""
     check_tools(tools, tool_choice)
-    name = _named_choice(tool_choice)
+    name = named_tool_choice(tool_choice)
     if name is not None:
         return [ToolCall(make_tool_call_id(), name, text)]
     if tool_choice != "required":
