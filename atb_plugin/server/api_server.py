@@ -15,7 +15,6 @@ import contextlib
 import json
 import logging
 import re
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -300,9 +299,10 @@ def build_app(config: ServerConfig) -> FastAPI:
             engine.num_preparing -= 1
 
     def sampling_params(req, num_prompt_tokens: int, structured=None):
-        """The request's SamplingParams: context-window and KV-capacity checks, n's cap, bad
-        words as token ids, ids checked against the vocabulary, and the structured-output
-        constraint (the request's own, or ``structured`` = (params, field) a tool choice needs)."""
+        """The request's SamplingParams and the field its structured-output constraint came from
+        (None without one): context-window and KV-capacity checks, n's cap, bad words as token
+        ids, ids checked against the vocabulary, and the constraint (the request's own, or
+        ``structured`` = (params, field) a tool choice needs; ``check_grammar`` checks it)."""
         max_model_len = config.engine.max_model_len
         try:
             protocol.check_context_length(num_prompt_tokens, max_model_len, req.requested_max_tokens,
@@ -320,12 +320,7 @@ def build_app(config: ServerConfig) -> FastAPI:
                                 "a forced tool call already constrains the output", param=requested[1])
         structured = structured or requested
         if structured is not None:
-            spec, field_name = structured
-            try:
-                structured_output.check(spec)
-            except ValueError as error:
-                raise APIError(400, f"{field_name}: {error}", param=field_name) from None
-            params.structured_outputs = spec
+            params.structured_outputs = structured[0]
         if req.bad_words:
             params.bad_words_token_ids = bad_words_token_ids(req.bad_words)
         if req.echo and req.logprobs and isinstance(req, protocol.CompletionRequest):
@@ -341,7 +336,18 @@ def build_app(config: ServerConfig) -> FastAPI:
             if params.max_tokens < 1:
                 raise APIError(400, f"the prompt ({num_prompt_tokens} tokens) fills the {capacity} tokens the KV "
                                     "cache can hold for one request", param="input_tokens")
-        return params
+        return params, None if structured is None else structured[1]
+
+    async def check_grammar(params, field_name: str | None) -> None:
+        """A bad schema, regex or grammar is the client's 400, found before the engine sees it.
+        Off the event loop: the first check imports xgrammar (seconds), a large schema takes a
+        while to compile."""
+        if params.structured_outputs is None:
+            return
+        try:
+            await asyncio.to_thread(structured_output.check, params.structured_outputs)
+        except ValueError as error:
+            raise APIError(400, f"{field_name}: {error}", param=field_name) from None
 
     def bad_words_token_ids(words: list[str]) -> list[list[int]]:
         """Each bad word as the tokens it is written with, alone and after a space (vLLM's two
@@ -421,7 +427,8 @@ def build_app(config: ServerConfig) -> FastAPI:
         """Run a prepared request and answer in the route's dialect (``make_dialect(n)``): one
         JSON body, or SSE."""
         try:
-            params = sampling_params(req, len(ids), structured)
+            params, structured_field = sampling_params(req, len(ids), structured)
+            await check_grammar(params, structured_field)
         except APIError:
             if worker is not None:
                 service.pool.release(worker, request_id)
