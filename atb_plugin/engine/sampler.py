@@ -48,6 +48,8 @@ __all__ = ["LogprobsEntry", "SamplerOutput", "Sampler", "make_generator"]
 # Temperatures below this are sampled greedily (vLLM's _SAMPLING_EPS): dividing by them only
 # turns the distribution into a numerically fragile argmax.
 _GREEDY_BELOW_TEMPERATURE = 1e-5
+# When every random row's top_k is at most this, its candidates come from topk, not a full sort.
+_TOPK_INSTEAD_OF_SORT = 1024
 
 
 @dataclass
@@ -231,40 +233,45 @@ class Sampler:
     def _apply_penalties_(cls, logits, params, rows, prompt_token_ids, output_token_ids) -> None:
         """vLLM's apply_penalties on the rows that use one: repetition_penalty on the ids in the
         prompt or the output (logit / p if > 0, else logit * p), then - frequency_penalty x the
-        id's count in the output and - presence_penalty once if it occurs there."""
+        id's count in the output and - presence_penalty once if it occurs there.
+
+        Sparse: only the (row, id) entries a prompt or output holds are read and written, a few
+        thousand per row, not the whole (rows, vocab) block: on the CPU the dense form cost more
+        than the rest of the sampler (Qwen2 checkpoints turn repetition_penalty on by default)."""
         vocab, device = logits.shape[1], logits.device
-        picked = [params[i] for i in rows]
-        repetition_rows = [j for j, p in enumerate(picked) if p.repetition_penalty != 1.0]
+        flat = logits.view(-1)  # ``sample``'s own contiguous copy
+        penalty_of = torch.ones(logits.shape[0], dtype=logits.dtype)  # per batch row
+        frequency_of, presence_of = torch.zeros_like(penalty_of), torch.zeros_like(penalty_of)
+        for i in rows:
+            penalty_of[i] = params[i].repetition_penalty
+            frequency_of[i], presence_of[i] = params[i].frequency_penalty, params[i].presence_penalty
+        repetition_rows = [i for i in rows if params[i].repetition_penalty != 1.0]
         if repetition_rows and prompt_token_ids is None:
             raise RuntimeError("prompt_token_ids is needed: a request uses repetition_penalty")
-        index = torch.tensor(rows, device=device)
-        values = logits[index]  # (R, V), a copy
-        output_counts = cls._token_counts([output_token_ids[i] for i in rows], vocab, device)
-        output_mask = output_counts > 0
+        output_at, output_counts = cls._flat_positions(rows, [output_token_ids[i] for i in rows], vocab)
         if repetition_rows:
-            prompts = [prompt_token_ids[i] if p.repetition_penalty != 1.0 else () for i, p in zip(rows, picked)]
-            seen = output_mask | (cls._token_counts(prompts, vocab, device) > 0)
-            penalty = torch.tensor([p.repetition_penalty for p in picked], device=device, dtype=values.dtype)[:, None]
-            values = torch.where(seen, torch.where(values > 0, values / penalty, values * penalty), values)
-        frequency = torch.tensor([p.frequency_penalty for p in picked], device=device, dtype=values.dtype)
-        presence = torch.tensor([p.presence_penalty for p in picked], device=device, dtype=values.dtype)
-        values = values - frequency[:, None] * output_counts - presence[:, None] * output_mask
-        logits[index] = values
+            prompt_at, _ = cls._flat_positions(repetition_rows, [prompt_token_ids[i] for i in repetition_rows], vocab)
+            seen = torch.unique(torch.cat([prompt_at, output_at]))
+            values, penalty = flat[seen.to(device)], penalty_of[seen // vocab].to(device)
+            flat[seen.to(device)] = torch.where(values > 0, values / penalty, values * penalty)
+        if len(output_at):
+            row = output_at // vocab
+            scale = (frequency_of[row] * output_counts + presence_of[row]).to(device)
+            flat[output_at.to(device)] -= scale
 
     @staticmethod
-    def _token_counts(sequences, vocab: int, device) -> torch.Tensor:
-        """(len(sequences), vocab) float counts of each id per sequence, by one scatter_add;
-        ids outside [0, vocab) (negative media handles) are ignored."""
-        lengths = torch.tensor([len(s) for s in sequences], dtype=torch.long)
-        counts = torch.zeros(len(sequences) * vocab, dtype=torch.float32, device=device)
+    def _flat_positions(rows, sequences, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The distinct flat positions ``row * vocab + id`` of the ids in each row's sequence, and
+        how often each occurs (CPU tensors); ids outside [0, vocab) (negative media handles) are
+        ignored."""
+        lengths = torch.tensor([len(seq) for seq in sequences], dtype=torch.long)
         if int(lengths.sum()) == 0:
-            return counts.view(len(sequences), vocab)
+            return torch.zeros(0, dtype=torch.long), torch.zeros(0)
         ids = torch.tensor(list(chain.from_iterable(sequences)), dtype=torch.long)
-        row = torch.repeat_interleave(torch.arange(len(sequences)), lengths)
+        row = torch.repeat_interleave(torch.tensor(rows, dtype=torch.long), lengths)
         valid = (ids >= 0) & (ids < vocab)
-        flat = (row[valid] * vocab + ids[valid]).to(device)
-        counts.scatter_add_(0, flat, torch.ones(flat.shape, dtype=counts.dtype, device=device))
-        return counts.view(len(sequences), vocab)
+        positions, counts = torch.unique(row[valid] * vocab + ids[valid], return_counts=True)
+        return positions, counts.to(torch.float32)
 
     def _sample_random(self, logits, params, generators) -> torch.Tensor:
         vocab = logits.shape[1]
@@ -284,7 +291,7 @@ class Sampler:
             sorted_logits, sorted_ids = self._top_k_top_p_sorted(logits, top_k, top_p)
             # Back to vocabulary order, so that a row's noise value i always races token i: a
             # seeded row draws the same token whether or not a neighbour uses top-k/top-p.
-            logits = torch.empty_like(sorted_logits).scatter_(1, sorted_ids, sorted_logits)
+            logits = torch.full_like(logits, float("-inf")).scatter_(1, sorted_ids, sorted_logits)
         probs = logits.softmax(dim=-1)
 
         noise = torch.empty_like(probs)
@@ -302,10 +309,18 @@ class Sampler:
         """Sort each row once, most likely first, and mask (-inf) in that order:
         top-k keeps ranks < k; top-p keeps the shortest prefix whose probability reaches p
         (a token is kept when the mass before it is < p, so the most likely one always is).
-        Returns the masked sorted logits and, per position, the vocabulary id it holds."""
+        Returns the masked sorted logits and, per position, the vocabulary id it holds: the
+        whole row, or only its largest ``max(top_k)`` entries when every row has a small top-k
+        (``topk`` instead of a full sort: 10x less work for top_k = 20 over a 49k vocabulary,
+        and nothing past rank k survives anyway; top-p then renormalises over those, as it does
+        over the masked full row)."""
         device = logits.device
-        sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
-        ranks = torch.arange(logits.shape[1], device=device)
+        widest = max(top_k)
+        if widest <= _TOPK_INSTEAD_OF_SORT:
+            sorted_logits, sorted_ids = logits.topk(widest, dim=-1)
+        else:
+            sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True)
+        ranks = torch.arange(sorted_logits.shape[1], device=device)
         k = torch.tensor(top_k, device=device)
         sorted_logits = sorted_logits.masked_fill(ranks[None, :] >= k[:, None], float("-inf"))
         if any(p < 1.0 for p in top_p):
