@@ -148,6 +148,20 @@ def test_seeded_generator_samples_the_same_distribution():
     assert statistic < CHI2_CRITICAL[dof], statistic
 
 
+def test_a_seeded_top_k_row_races_only_its_candidates_with_the_right_distribution():
+    # top_k <= 1024 draws k values per step from the row's own generator (not V): the draws must
+    # still follow the softmax over the k most likely tokens.
+    logits = torch.tensor([[1.0, 0.0, -0.5, 0.5, 2.0, -3.0]])
+    generator = make_generator(11)
+    params = SamplingParams(temperature=0.9, top_k=3, seed=11)
+    draws = [sample(logits, [params], [generator]).token_ids[0] for _ in range(3000)]
+    expected = torch.zeros(6)
+    expected[[4, 0, 3]] = torch.softmax(logits[0, [4, 0, 3]] / 0.9, -1)
+    assert set(draws) == {0, 3, 4}
+    statistic, dof = chi_square(draws, expected)
+    assert statistic < CHI2_CRITICAL[dof], statistic
+
+
 PROBS = torch.tensor([0.40, 0.30, 0.15, 0.10, 0.05])
 
 

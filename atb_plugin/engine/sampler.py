@@ -14,10 +14,12 @@ Per step, for the B requests that sample (vLLM v1's order)::
           ├─► greedy rows (temperature 0, or below 1e-5): argmax
           │
           └─► random rows: / temperature ─► min_p (probability < min_p x the row's top -> -inf)
-              ─► sort once (descending) ─► top-k by rank, top-p by cumulative probability,
-              per-row k and p as tensors ─► back to vocabulary order ─► softmax ─► exponential race:
-              argmax(probs / q) with q ~ Exp(1) drawn from the request's own generator
-              (one draw of V values per row per step), else from torch's global generator
+              ─► top_k <= 1024: its k candidates by topk ─► top-p over them ─► softmax ─►
+                 exponential race over the k candidates (k draws)
+              ─► else: sort once (descending) ─► top-k by rank, top-p by cumulative probability
+                 ─► back to vocabulary order ─► softmax ─► exponential race over V (V draws)
+              race: argmax(probs / q) with q ~ Exp(1) drawn from the request's own generator,
+              else from torch's global generator
 
 Each stage runs only on the rows that use it, and is skipped outright when none does (the
 default request pays for none of them). Index lists are built per request in Python, the
@@ -25,8 +27,8 @@ masks, counts and arithmetic are one tensor operation per stage over those rows.
 
 ``argmax(p_i / q_i)`` with i.i.d. ``q_i ~ Exp(1)`` picks ``i`` with probability ``p_i`` (vLLM's
 sampler uses it too): it needs no per-row ``torch.multinomial`` call, and a seeded row consumes
-exactly V draws of its own generator per step whatever else is in the batch, so the same seed
-and prompt give the same tokens in any batch.
+exactly k (its own top_k, when at most 1024) or V draws of its own generator per step whatever
+else is in the batch, so the same seed and prompt give the same tokens in any batch.
 
 Stop checks (EOS, stop ids, lengths) are the scheduler's (``scheduler.check_stop``); stop strings
 are text, so the frontend's detokenizer checks them (``detokenizer.IncrementalDetokenizer``).
@@ -285,23 +287,46 @@ class Sampler:
             probs = logits.softmax(dim=-1)
             threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=device, dtype=probs.dtype)[:, None]
             logits = logits.masked_fill(probs < threshold, float("-inf"))
-        top_k = [p.top_k if p.top_k > 0 else vocab for p in params]
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_p = [p.top_p for p in params]
-        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-            sorted_logits, sorted_ids = self._top_k_top_p_sorted(logits, top_k, top_p)
-            # Back to vocabulary order, so that a row's noise value i always races token i: a
-            # seeded row draws the same token whether or not a neighbour uses top-k/top-p.
-            logits = torch.full_like(logits, float("-inf")).scatter_(1, sorted_ids, sorted_logits)
-        probs = logits.softmax(dim=-1)
+        choice = torch.empty(len(params), dtype=torch.long, device=device)
+        # A row's own top_k alone decides its path, so its draws never depend on its neighbours.
+        narrow = [i for i, k in enumerate(top_k) if k <= _TOPK_INSTEAD_OF_SORT]
+        wide = [i for i, k in enumerate(top_k) if k > _TOPK_INSTEAD_OF_SORT]
+        for rows in (narrow, wide):
+            if not rows:
+                continue
+            index = torch.tensor(rows, device=device)
+            row_logits, row_k, row_p = logits[index], [top_k[i] for i in rows], [top_p[i] for i in rows]
+            row_generators = [generators[i] for i in rows]
+            if rows is narrow:
+                # Race only the row's top-k candidates: k draws instead of V (drawing V
+                # exponentials is most of a CPU sampler's time at V = 49k).
+                candidates, candidate_ids = self._top_k_top_p_sorted(row_logits, row_k, row_p)
+                picked = self._race(candidates.softmax(dim=-1), row_generators, row_k)
+                choice[index] = candidate_ids.gather(1, picked[:, None]).squeeze(1)
+                continue
+            if any(p < 1.0 for p in row_p) or any(k < vocab for k in row_k):
+                sorted_logits, sorted_ids = self._top_k_top_p_sorted(row_logits, row_k, row_p)
+                # Back to vocabulary order, so that noise value i always races token i.
+                row_logits = torch.full_like(row_logits, float("-inf")).scatter_(1, sorted_ids, sorted_logits)
+            choice[index] = self._race(row_logits.softmax(dim=-1), row_generators, [vocab] * len(rows))
+        return choice
 
-        noise = torch.empty_like(probs)
+    @staticmethod
+    def _race(probs, generators, draws: list[int]) -> torch.Tensor:
+        """The exponential race ``argmax(probs / q)``: row i's first ``draws[i]`` entries get
+        q ~ Exp(1) from its own generator (exactly that many draws: its stream never depends on
+        the batch), else from torch's global one; entries past ``draws[i]`` have probability 0."""
+        device = probs.device
+        noise = torch.ones_like(probs)
         unseeded = [i for i, g in enumerate(generators) if g is None]
         if unseeded:
             noise[torch.tensor(unseeded, device=device)] = torch.empty(
-                len(unseeded), vocab, device=device, dtype=probs.dtype).exponential_()
+                len(unseeded), probs.shape[1], device=device, dtype=probs.dtype).exponential_()
         for i, generator in enumerate(generators):
             if generator is not None:
-                noise[i].exponential_(generator=generator)
+                noise[i, :draws[i]].exponential_(generator=generator)
         return (probs / noise).argmax(dim=-1)
 
     @staticmethod
