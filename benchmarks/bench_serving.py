@@ -1050,7 +1050,6 @@ def _image_size(text: str) -> tuple[int, int]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    add = p.add_argument
     target = p.add_argument_group("server")
     target.add_argument("--base-url", help="e.g. http://127.0.0.1:8000 (a trailing /v1 is fine)")
     target.add_argument("--model", help="the model name to send (default: the first of /v1/models)")

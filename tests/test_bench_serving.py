@@ -16,7 +16,6 @@ import math
 import random
 import statistics
 import sys
-from types import SimpleNamespace
 
 import httpx
 import pytest
