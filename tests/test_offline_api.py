@@ -139,3 +139,32 @@ def test_the_engine_owns_the_threads_it_is_given():
             assert llm.engine.config.num_threads == available_cores() == torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen_vl"])
+def test_a_resent_image_held_by_the_prefix_cache_is_not_encoded_again(family, monkeypatch):
+    """Turn 2 of a chat that resends turn 1's image: the image's KV comes from the prefix cache,
+    so the encoder does not run for it, and the answer equals a run that encodes it (no cache)."""
+    from tests.server_helpers import data_url
+
+    image = {"type": "image_url", "image_url": {"url": data_url(seed=8)}}
+    turn1 = [{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    answers, encoded = {}, {}
+    for caching in (True, False):
+        with LLM(tiny_checkpoint(family), block_size=16, enable_prefix_caching=caching) as llm:
+            model = llm.engine.runner.model
+            calls = []
+            encode = model.get_multimodal_embeddings
+            monkeypatch.setattr(model, "get_multimodal_embeddings", lambda *a, **k: calls.append(1) or encode(*a, **k))
+            first = llm.chat(turn1, params)[0].outputs[0].text
+            turn2 = turn1 + [{"role": "assistant", "content": first},
+                             {"role": "user", "content": [image, {"type": "text", "text": "And now?"}]}]
+            calls.clear()
+            output = llm.chat(turn2, params)[0]
+            answers[caching], encoded[caching] = output.outputs[0].token_ids, len(calls)
+            if caching:
+                assert output.num_cached_tokens > 0
+    # Turn 2 holds two image blocks: with the cache, only the second (new position) is encoded.
+    assert encoded == {True: 1, False: 2}
+    assert answers[True] == answers[False]

@@ -93,7 +93,9 @@ class ModelRunner:
         prompt = request.prompt_token_ids
         if self.layout is not None and min(prompt) < 0:
             state.media = MultimodalPrompt.from_ids(prompt, self.layout, expected_instance=self._instances(request))
-            state.media.features(self.model)  # the encoder runs once, now: a bad block fails here
+            # The encoder runs once, now (a bad block fails here), on the blocks the prefix cache
+            # does not already hold: a resent image costs no second encoder pass.
+            state.media.features(self.model, cached_tokens=request.num_computed_tokens)
             prompt = state.media.token_ids.tolist()
         elif min(prompt) < 0:
             raise MediaBlockError(f"the prompt has media handles but {type(self.model).__name__} takes no images")

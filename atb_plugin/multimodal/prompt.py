@@ -9,10 +9,11 @@ A media block is found by its first metadata slot (ids < 0 are always metadata):
 
 ``MultimodalPrompt.from_ids`` checks every block (layout, handle, segment header) and reads the
 pixels zero-copy from shared memory; the model's ``pixel_format`` checks their dtype and shape
-and makes the encoder's input on its device (atb_plugin/multimodal/pixels.py); the encoder runs once per prompt and
-``embed(model, start, end)`` merges the rows that fall in a prefill chunk ``[start, end)``, so a
-chunk boundary may cut a block anywhere. Any problem raises ``MediaBlockError`` for this prompt
-only, naming the block and the counts; nothing is ever replaced by zeros.
+and makes the encoder's input on its device (atb_plugin/multimodal/pixels.py); the encoder runs
+once per prompt (not at all for a block the prefix cache already holds) and ``embed(model,
+start, end)`` merges the rows that fall in a prefill chunk ``[start, end)``, so a chunk boundary
+may cut a block anywhere. Any problem raises ``MediaBlockError`` for this prompt only, naming
+the block and the counts; nothing is ever replaced by zeros.
 """
 
 from __future__ import annotations
@@ -126,12 +127,18 @@ class MultimodalPrompt:
             raise MediaBlockError(f"{where}: {error}") from error
         return MediaBlock(index, start, length, torch.from_numpy(pixels), grid)
 
-    def features(self, model) -> list[torch.Tensor]:
-        """Encoder output per block, computed once per prompt and checked against the block size."""
+    def features(self, model, cached_tokens: int = 0) -> list[torch.Tensor | None]:
+        """Encoder output per block, computed once per prompt and checked against the block size.
+        A block that ends within the first ``cached_tokens`` positions (their KV came from the
+        prefix cache: no chunk will ever embed them) is not encoded: None. That is what makes a
+        chat that resends its image skip the encoder on every later turn."""
         if self._features is None:
             device = next(model.parameters()).device
             features = []
             for block in self.blocks:
+                if block.start + block.length <= cached_tokens:
+                    features.append(None)
+                    continue
                 try:
                     rows = encode_pixels(model, block.pixel_values.to(device), block.grid_thw)
                 except PixelFormatError as error:
@@ -153,5 +160,8 @@ class MultimodalPrompt:
         for block, rows in zip(self.blocks, self.features(model) if self.blocks else []):
             lo, hi = max(start, block.start), min(end, block.start + block.length)
             if lo < hi:
+                if rows is None:
+                    raise RuntimeError(f"media block {block.index} was skipped as cached, yet positions [{lo}, {hi}) "
+                                       "of it are being computed")
                 embeds[lo - start:hi - start] = rows[lo - block.start:hi - block.start].to(embeds.dtype)
         return embeds
