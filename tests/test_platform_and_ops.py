@@ -886,3 +886,23 @@ def test_a_cpu_prefill_chunk_after_cached_tokens_equals_the_masked_attention():
                                               enable_gqa=True)[0].transpose(0, 1)
     got = _chunk_after_prefix(query, key, value, 0.25, seq_len - q_len)
     torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+
+
+def test_the_per_step_rotary_tables_do_not_keep_a_step_alive():
+    """The tables derived once per step are kept on that step's ``cos``; nothing kept there may
+    refer back to ``cos`` (a view would: a cycle through the view's base that the garbage
+    collector cannot see, which leaked every step's tables)."""
+    import gc
+    import weakref
+
+    from atb_plugin.ops import torch_kernels
+
+    refs = []
+    for _ in range(3):
+        cos, sin = torch.randn(8, 16), torch.randn(8, 16)
+        torch_kernels.apply_rotary(torch.randn(8, 2, 16), cos, sin)
+        torch_kernels.apply_rotary(torch.randn(8, 2, 16), cos, sin)  # the second layer reuses them
+        refs.append(weakref.ref(cos))
+        del cos, sin
+    gc.collect()
+    assert [ref() for ref in refs] == [None, None, None]

@@ -224,3 +224,33 @@ def test_a_full_queue_is_a_429_and_startup_reaps_a_dead_predecessors_segments():
         assert "--max-queued-requests" in response.json()["error"]["message"]
     finally:
         assert server.stop() == 0
+
+
+def test_a_failed_start_exits_nonzero_and_leaves_no_process():
+    """The engine core cannot start (its KV budget cannot hold one request): the service must
+    exit by itself, non-zero, with its tokenizer worker gone (a worker left running used to keep
+    the API process from ever exiting, so no supervisor restarted it)."""
+    import subprocess
+    import sys
+
+    from tests.server_helpers import REPO_ROOT, free_port
+
+    command = [sys.executable, "-m", "atb_plugin.server", "--model", str(tiny_checkpoint("qwen2")),
+               "--port", str(free_port()), "--tokenizer-workers", "1", "--kv-cache-memory", "1K"]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO_ROOT, text=True,
+                               env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)), start_new_session=True)
+    try:
+        log, _ = process.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        raise AssertionError("the service did not exit after a failed start")
+    assert process.returncode != 0 and "raise --kv-cache-memory" in log, log[-2000:]
+
+    def group_gone() -> bool:
+        try:
+            os.killpg(process.pid, 0)
+            return False
+        except ProcessLookupError:
+            return True
+
+    wait_until(group_gone, timeout=15, what="every process of the service's group to exit")

@@ -20,7 +20,8 @@ def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
 def _once_per_step(tensor: torch.Tensor, attr: str, key: tuple, build):
     """``build()`` kept on ``tensor`` (under ``attr``, with ``key``): every layer of a step receives
     the same tensor object, so the step pays for it once. ``key`` holds the versions it derives
-    from, so a tensor updated in place is derived afresh."""
+    from, so a tensor updated in place is derived afresh. ``build()`` must not return a view of
+    ``tensor`` (a leak: see ``_rotary_tables``)."""
     cached = getattr(tensor, attr, None)
     if cached is None or cached[0] != key:
         cached = (key, build())
@@ -187,12 +188,16 @@ def rms_norm(x, weight, eps) -> torch.Tensor:
 
 
 def _rotary_tables(cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos`` and ``sin`` with its first half negated, both ``(T, 1, D)``, once per step."""
+    """``cos`` and ``sin`` with its first half negated, both ``(T, 1, D)``; the latter once per
+    step. Only that new tensor is kept on ``cos``: a view of ``cos`` kept there would tie ``cos``
+    to itself through the view's base, a cycle the garbage collector cannot see (every step's
+    tables leaked)."""
     def build():
         half = sin.shape[-1] // 2
-        return cos.unsqueeze(1), torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1)
+        return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1).unsqueeze(1)
 
-    return _once_per_step(cos, "_atb_plugin_rotary_tables", (cos._version, sin._version, sin.data_ptr()), build)
+    signed_sin = _once_per_step(cos, "_atb_plugin_signed_sin", (cos._version, sin._version, sin.data_ptr()), build)
+    return cos.unsqueeze(1), signed_sin
 
 
 def apply_rotary(x, cos, sin) -> torch.Tensor:

@@ -80,7 +80,10 @@ class Service:
                                   on_worker_death=self._on_worker_death,
                                   shm_help=" (in Docker: run with --shm-size=1g or more)")
         self.engine_client = EngineClient(config.engine, on_outputs=self._on_outputs, on_death=self._on_engine_death)
-        await asyncio.gather(self.engine_client.start(), self.pool.start())
+        # Both run to the end before a failure is raised, so stop() never races a half-started part.
+        for result in await asyncio.gather(self.engine_client.start(), self.pool.start(), return_exceptions=True):
+            if isinstance(result, BaseException):
+                raise result
         self.engine = AsyncEngine(self.engine_client, self.pool, self.tokenizer, self.router.eos_token_ids,
                                   self.metrics, config.max_queued_requests)
         self.started = True
@@ -202,10 +205,12 @@ def build_app(config: ServerConfig) -> FastAPI:
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        await service.start()
         try:
+            await service.start()
             yield
         finally:
+            # Also after a failed start: a tokenizer worker left running would keep this process
+            # from ever exiting (and a supervisor from restarting it).
             await service.stop()
 
     app = FastAPI(title="atb-plugin", version=VERSION, lifespan=lifespan, docs_url=None, redoc_url=None)
