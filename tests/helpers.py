@@ -69,3 +69,16 @@ def chunkings(text: str):
     for _ in range(20):
         cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 6)))) if len(text) > 1 else []
         yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+def load_benchmark(name: str):
+    """A script of benchmarks/ (not a package) as a module, registered under ``name`` before it
+    runs (its dataclasses need to find their module)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import importlib.util
 import io
 import json
 import math
@@ -23,21 +22,11 @@ from PIL import Image
 
 from atb_plugin.server.metrics import ServerMetrics
 from atb_plugin.testing.tiny import tiny_checkpoint
-from tests.server_helpers import REPO_ROOT, ServerProcess, free_port
+from tests.helpers import load_benchmark
+from tests.server_helpers import ServerProcess, free_port
 
 
-def _load_bench():
-    """The script is not in a package: load it from its path (registered first, which its
-    dataclasses need)."""
-    path = REPO_ROOT / "benchmarks" / "bench_serving.py"
-    spec = importlib.util.spec_from_file_location("bench_serving", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_serving"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load_bench()
+bench = load_benchmark("bench_serving")
 Record = bench.RequestRecord
 
 

@@ -8,30 +8,16 @@ consistency, exit codes and leftovers only."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
-import sys
 from collections import Counter
 
 import pytest
 
 from atb_plugin.server.metrics import ServerMetrics
-from tests.server_helpers import REPO_ROOT
+from tests.helpers import load_benchmark
 
-
-def _load_soak():
-    """The script is not in a package: load it from its path (registered first, which its
-    dataclasses need)."""
-    path = REPO_ROOT / "benchmarks" / "soak.py"
-    spec = importlib.util.spec_from_file_location("soak", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["soak"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-soak = _load_soak()
+soak = load_benchmark("soak")
 TIGHT = soak.Tolerance(relative=0.03, absolute=1.0)
 
 
