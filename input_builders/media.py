@@ -48,6 +48,7 @@ import math
 import os
 import re
 import stat
+import threading
 import time
 import urllib.error
 import urllib.parse
@@ -236,8 +237,55 @@ def load_image(ref, config: MediaConfig) -> LoadedImage:
             f"unsupported image reference of type {type(ref).__name__}{unwrap}; send a path, a file://, "
             "data: or http(s) URL, a base64 string, bytes or a PIL image"
         )
-    image = _decode(data, source, config, hint)
-    return LoadedImage(image, hashlib.sha256(data).hexdigest(), source)
+    digest = hashlib.sha256(data).hexdigest()
+    image = _recently_decoded.get(digest, config)
+    if image is None:
+        image = _decode(data, source, config, hint)
+        _recently_decoded.put(digest, config, image)
+    return LoadedImage(image, digest, source)
+
+
+class _DecodedImages:
+    """The last images decoded in this process, by the digest of their source bytes: a chat
+    resends its image every turn, and decoding it (base64, PNG / JPEG, RGB) was most of the
+    frontend's time for it once its segment was reused. Bounded by decoded bytes; keyed by the
+    policy too (the pixel cap was checked under it). Entries are never modified: everything
+    downstream makes new images."""
+
+    def __init__(self, max_bytes: int = 128 << 20):
+        self.max_bytes = max_bytes
+        self._images: dict[tuple, Image.Image] = {}  # insertion order = least recently used first
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(digest: str, config: MediaConfig) -> tuple:
+        return digest, config.max_image_pixels
+
+    @staticmethod
+    def _size(image: Image.Image) -> int:
+        return image.width * image.height * len(image.getbands())
+
+    def get(self, digest: str, config: MediaConfig) -> Image.Image | None:
+        key = self._key(digest, config)
+        with self._lock:
+            image = self._images.pop(key, None)
+            if image is not None:
+                self._images[key] = image  # now the most recently used
+            return image
+
+    def put(self, digest: str, config: MediaConfig, image: Image.Image) -> None:
+        key, size = self._key(digest, config), self._size(image)
+        with self._lock:
+            if size > self.max_bytes or key in self._images:
+                return
+            self._images[key] = image
+            self._bytes += size
+            while self._bytes > self.max_bytes:
+                self._bytes -= self._size(self._images.pop(next(iter(self._images))))
+
+
+_recently_decoded = _DecodedImages()
 
 
 def _read_str(ref: str, config: MediaConfig) -> tuple[bytes, str, str]:

@@ -721,3 +721,21 @@ def test_config_normalises_directories_with_realpath(tmp_path, media_dir):
 def test_config_validation(kwargs, phrase):
     with pytest.raises(ValueError, match=phrase):
         MediaConfig(**kwargs)
+
+
+def test_a_resent_image_is_decoded_once_and_the_cache_is_bounded(config, png_bytes, monkeypatch):
+    """A chat resends its image every turn: the second load of the same bytes reuses the decoded
+    image (a digest lookup, no decode); the cache holds a bounded number of decoded bytes."""
+    from input_builders import media
+
+    decodes = []
+    real_decode = media._decode
+    monkeypatch.setattr(media, "_decode", lambda *a, **k: decodes.append(1) or real_decode(*a, **k))
+    monkeypatch.setattr(media, "_recently_decoded", media._DecodedImages(max_bytes=10**9))
+    first = load_image(png_bytes, config)
+    again = load_image(png_bytes, config)
+    assert len(decodes) == 1 and again.image is first.image and again.digest == first.digest
+    tight = media._DecodedImages(max_bytes=2 * media._DecodedImages._size(first.image))
+    for digest in ("a", "b", "c"):
+        tight.put(digest, config, first.image)
+    assert tight.get("a", config) is None and tight.get("c", config) is first.image
