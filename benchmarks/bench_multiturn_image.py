@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import statistics
 import sys
@@ -29,19 +28,8 @@ import httpx
 
 from atb_plugin.testing.tiny import tiny_checkpoint
 
-HERE = Path(__file__).resolve().parent
+import bench_serving as serving  # a sibling script: `python benchmarks/X.py` puts benchmarks/ on sys.path
 
-
-def _load(name: str):
-    """A sibling benchmark script as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-serving = _load("bench_serving")
 FAMILIES = ("qwen2_vl", "qwen_vl")
 SIZES = ((448, 448), (1280, 720))
 QUESTIONS = ("What is in this picture?", "What colours are there?", "Describe it in one word.")

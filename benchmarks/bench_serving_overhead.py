@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import json
 import statistics
 import sys
@@ -28,19 +27,8 @@ import httpx
 from atb_plugin import LLM, SamplingParams
 from atb_plugin.default_model import default_model_dir
 
-HERE = Path(__file__).resolve().parent
+import bench_serving as serving  # a sibling script: `python benchmarks/X.py` puts benchmarks/ on sys.path
 
-
-def _load(name: str):
-    """A sibling benchmark script as a module (benchmarks/ is not a package)."""
-    spec = importlib.util.spec_from_file_location(name, HERE / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-serving = _load("bench_serving")
 TOPICS = ["the ocean", "a red bicycle", "mountains in winter", "how bread is made", "the history of maps",
           "a quiet library", "bees and flowers", "the moon landing"]
 
