@@ -123,7 +123,7 @@ class Sampler:
                 bad_word_rows.append(i)
             if p.logit_bias:
                 bias_rows.append(i)
-            if p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 or p.repetition_penalty != 1.0:
+            if p.uses_penalties:
                 penalty_rows.append(i)
         if (bad_word_rows or penalty_rows) and output_token_ids is None:
             raise RuntimeError("output_token_ids is needed: a request uses penalties or bad words")

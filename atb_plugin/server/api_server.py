@@ -467,9 +467,9 @@ def build_app(config: ServerConfig) -> FastAPI:
     def chat_options(req: protocol.ChatCompletionRequest) -> tuple[ChatOptions, Any]:
         """How the answer's text is read (tool calls, reasoning, echo), and the structured-output
         constraint a forced tool call needs ((params, "tool_choice") or None)."""
-        choice = req.effective_tool_choice
+        choice, tools = req.effective_tool_choice, req.tool_dicts
         try:
-            tool_parsers.check_tools(req.tool_dicts, choice)
+            tool_parsers.check_tools(tools, choice)
         except ValueError as error:
             raise APIError(400, str(error), param="tool_choice" if str(error).startswith("tool_choice") else "tools") from None
         if choice == "auto" and req.tools and not (config.enable_auto_tool_choice and config.tool_call_parser):
@@ -479,11 +479,11 @@ def build_app(config: ServerConfig) -> FastAPI:
         mode = "none" if not req.tools or choice == "none" else choice if isinstance(choice, str) else "named"
         structured = None
         if mode in ("required", "named"):
-            schema = tool_parsers.tool_choice_schema(req.tool_dicts, choice, req.parallel_tool_calls is not False)
+            schema = tool_parsers.tool_choice_schema(tools, choice, req.parallel_tool_calls is not False)
             structured = (StructuredOutputsParams(json=schema), "tool_choice")
         last = req.messages[-1]
         echo = last.content if req.echo and last.role == "assistant" and isinstance(last.content, str) else None
-        return ChatOptions(tool_mode=mode, tools=req.tool_dicts, tool_choice=choice,
+        return ChatOptions(tool_mode=mode, tools=tools, tool_choice=choice,
                            tool_parser=config.tool_call_parser if mode == "auto" else None,
                            reasoning_parser=config.reasoning_parser, echo=echo or None), structured
 
@@ -494,7 +494,7 @@ def build_app(config: ServerConfig) -> FastAPI:
         options, structured = chat_options(req)
         worker, instance, ids = await prepare(engine, "chat", request_id, messages=req.to_conversation(),
                                               add_generation_prompt=req.add_generation_prompt,
-                                              chat_template_kwargs=req.chat_template_kwargs, tools=req.tool_dicts)
+                                              chat_template_kwargs=req.chat_template_kwargs, tools=options.tools)
         make_dialect = lambda n: ChatDialect(request_id, config.served_model_name, token_text, n, options)  # noqa: E731
         return await respond(raw, req, engine, make_dialect, request_id, ids, worker, instance, structured)
 

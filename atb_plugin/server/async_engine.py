@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from atb_plugin.engine.messages import EngineCoreOutputs, EngineCoreRequest
 from atb_plugin.engine.output_processor import OutputProcessor, RequestOutput
-from atb_plugin.engine.parallel_sampling import ParentRequest
+from atb_plugin.engine.parallel_sampling import ParentRequest, fans_out
 from atb_plugin.engine.sampling_params import SamplingParams
 from atb_plugin.pooling.outputs import PoolingRequestOutput
 from atb_plugin.pooling.params import PoolingParams
@@ -97,7 +97,7 @@ class AsyncEngine:
         """Run ``params.n`` choices of one prompt; yields (choice index, that choice's
         RequestOutput) as each steps, until all are finished. Closing it early aborts them all;
         a failing choice (an exception from its stream) ends them all with that exception."""
-        if params.n == 1:  # no fan-out: no task or queue hop per token
+        if not fans_out(params):  # no fan-out: no task or queue hop per token
             async for output in self.generate(request_id, prompt_token_ids, params, worker, instance_id):
                 yield 0, output
             return

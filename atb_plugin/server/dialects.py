@@ -91,7 +91,6 @@ class _ChatChoiceStream:
     forced_text: list[str] = field(default_factory=list)  # required / named: the JSON, read at the end
     named_started: bool = False
     tool_calls_sent: int = 0
-    echoed: bool = False
 
 
 class ChatDialect(_Dialect):

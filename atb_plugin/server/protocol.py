@@ -505,9 +505,6 @@ class _GenerationRequest(OpenAIBaseModel):
         """The name of the field that set the output limit, for error messages."""
         return self._max_tokens_param()
 
-    def _prompt_logprobs_k(self) -> int | None:
-        return self.prompt_logprobs
-
     def structured_outputs_params(self) -> tuple[StructuredOutputsParams, str] | None:
         """What the output must match and the field that asked for it, from whichever one of
         ``structured_outputs``, vLLM's older ``guided_*`` fields or ``response_format`` (json_object /
@@ -586,7 +583,7 @@ class _GenerationRequest(OpenAIBaseModel):
                 min_p=pick("min_p", 0.0),
                 logit_bias=self.logit_bias or {},
                 allowed_token_ids=self.allowed_token_ids,
-                prompt_logprobs=self._prompt_logprobs_k(),
+                prompt_logprobs=self.prompt_logprobs,
             )
         except ValueError as exc:
             match = re.match(r"[a-z_]+", str(exc))
