@@ -629,6 +629,8 @@ def request_body(spec: RequestSpec, args: argparse.Namespace, model: str) -> dic
         body["prompt"] = spec.prompt
     if args.ignore_eos:
         body["ignore_eos"] = True
+    if args.ban_token_ids:
+        body["logit_bias"] = {str(token_id): -100 for token_id in args.ban_token_ids}
     if args.temperature is not None:
         body["temperature"] = args.temperature
     return body
@@ -853,7 +855,8 @@ async def run_benchmark(args: argparse.Namespace, base_url: str) -> dict:
 
 def run_config(args: argparse.Namespace) -> dict:
     return {"num_prompts": args.num_prompts, "input_len": args.input_len, "output_len": args.output_len,
-            "range_ratio": args.range_ratio, "ignore_eos": args.ignore_eos, "temperature": args.temperature,
+            "range_ratio": args.range_ratio, "ignore_eos": args.ignore_eos,
+            "ban_token_ids": list(args.ban_token_ids), "temperature": args.temperature,
             "seed": args.seed, "tokenizer": args.tokenizer, "images_per_request": args.images_per_request,
             "image_size": "x".join(map(str, args.image_size)), "unique_images": args.unique_images,
             "warmup": args.warmup, "timeout_s": args.timeout}
@@ -1047,6 +1050,16 @@ def _image_size(text: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
+def _token_ids(text: str) -> tuple[int, ...]:
+    try:
+        ids = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+    if not ids or min(ids) < 0:
+        raise argparse.ArgumentTypeError(f"expected non-negative token ids, got {text!r}")
+    return ids
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -1079,6 +1092,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="lengths uniform in [len*(1-r), len*(1+r)]")
     data.add_argument("--tokenizer", help="a tokenizer directory: prompts of exactly --input-len tokens")
     data.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (vLLM, ours)")
+    data.add_argument("--ban-token-ids", type=_token_ids, default=(),
+                      help="comma-separated ids sent as logit_bias -100 each: the EOS ids here make every "
+                           "server (llama.cpp's reads no ignore_eos) produce exactly max_tokens")
     data.add_argument("--temperature", type=float, help="sent when given (default: the server's)")
     data.add_argument("--seed", type=int, default=0)
     data.add_argument("--images-per-request", type=int, default=0, help="random PNGs per chat request")

@@ -376,6 +376,14 @@ def test_chat_body_with_images_and_completion_body():
     plain = bench_args("--endpoint", "completions")
     body = bench.request_body(bench.build_specs(plain, 1, "timed", bench.WordPrompts())[0], plain, "m")
     assert isinstance(body["prompt"], str) and "messages" not in body and "ignore_eos" not in body
+    assert "logit_bias" not in body
+
+
+def test_banned_token_ids_go_out_as_logit_bias():
+    args = bench_args("--ban-token-ids", "2,0", "--endpoint", "completions")
+    body = bench.request_body(bench.build_specs(args, 1, "timed", bench.WordPrompts())[0], args, "m")
+    assert body["logit_bias"] == {"2": -100, "0": -100}  # JSON object keys are strings
+    assert bench.run_config(args)["ban_token_ids"] == [2, 0]
 
 
 @pytest.mark.parametrize("argv", [
@@ -383,6 +391,8 @@ def test_chat_body_with_images_and_completion_body():
     ["--base-url", "http://x", "--max-concurrency", "4"],  # a cap without an open loop
     ["--base-url", "http://x", "--concurrency", "2", "--request-rate", "3"],
     ["--base-url", "http://x", "--endpoint", "completions", "--images-per-request", "1"],
+    ["--base-url", "http://x", "--ban-token-ids", "2,x"],
+    ["--base-url", "http://x", "--ban-token-ids", "-1"],
     ["--base-url", "http://x", "--range-ratio", "1.5"],
     ["--start-server", "--server-cmd", "serve --port 8000"],  # no {port}
 ])

@@ -739,3 +739,35 @@ def test_a_resent_image_is_decoded_once_and_the_cache_is_bounded(config, png_byt
     for digest in ("a", "b", "c"):
         tight.put(digest, config, first.image)
     assert tight.get("a", config) is None and tight.get("c", config) is first.image
+
+
+def test_a_resent_data_url_is_not_base64_decoded_again(config, png_bytes, monkeypatch):
+    """The second load of the same data URL text finds its image by the text's digest: no base64
+    decode, no image decode, the same digest and image. Other texts of the same bytes (a data URL
+    with other whitespace, raw bytes) still give the same digest; a changed policy or an image that
+    left the byte-bounded cache means decoding again."""
+    from input_builders import media
+
+    b64decodes, decodes = [], []
+    real_b64, real_decode = media._b64decode, media._decode
+    monkeypatch.setattr(media, "_b64decode", lambda *a, **k: b64decodes.append(1) or real_b64(*a, **k))
+    monkeypatch.setattr(media, "_decode", lambda *a, **k: decodes.append(1) or real_decode(*a, **k))
+    monkeypatch.setattr(media, "_recently_decoded", media._DecodedImages(max_bytes=10**9))
+    url = "data:image/png;base64," + base64.b64encode(png_bytes).decode()
+    first = load_image(url, config)
+    again = load_image(url, config)
+    assert (len(b64decodes), len(decodes)) == (1, 1)
+    assert again is first and again.digest == hashlib.sha256(png_bytes).hexdigest()
+
+    spaced = load_image(" " + url, config)  # another text: decoded from base64, image still cached
+    assert (len(b64decodes), len(decodes)) == (2, 1) and spaced.digest == first.digest
+
+    stricter = MediaConfig(allowed_local_media_paths=config.allowed_local_media_paths,
+                           max_image_bytes=len(png_bytes) - 1)
+    with pytest.raises(MediaTooLargeError):  # the size is checked again under another policy
+        load_image(url, stricter)
+
+    monkeypatch.setattr(media, "_recently_decoded", media._DecodedImages(max_bytes=1))  # keeps no image
+    load_image(url, config)
+    load_image(url, config)
+    assert len(decodes) == 3  # both decoded: an alias never outlives its image

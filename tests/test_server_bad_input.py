@@ -177,7 +177,7 @@ OUTSIDE = "outside the allowed media directories"
 CASES = [
     # -- the body is not a request
     Case("malformed-json", 400, "the body is not valid JSON", raw=lambda m: b'{"messages": [{"role": "user"'),
-    Case("json-trailing-garbage", 400, "the body is not valid JSON: Extra data",
+    Case("json-trailing-garbage", 400, "the body is not valid JSON: trailing characters",
          raw=lambda m: b'{"messages": []} {}'),
     Case("body-not-utf8", 400, "the body is not valid JSON", raw=lambda m: b"\xff\xfe\x00"),
     Case("empty-body", 400, "the body is not valid JSON", raw=lambda m: b""),
@@ -323,6 +323,9 @@ CASES += [
     Case("lone-surrogate-in-content", 400, "unpaired UTF-16 surrogate", raw=lambda m: b'{"messages": [{"role": '
          b'"user", "content": "\\ud800"}], "max_tokens": 4}'),
     Case("lone-surrogate-in-stop", 400, "unpaired UTF-16 surrogate", raw=raw_chat('"stop": ["\\ud800"]')),
+    Case("lone-trailing-surrogate", 400, "unpaired UTF-16 surrogate", raw=raw_chat('"stop": ["\\udc00x"]')),
+    Case("surrogate-pair-then-lone", 400, "unpaired UTF-16 surrogate",
+         raw=raw_chat('"stop": ["\\ud83d\\ude00", "\\ud83d"]')),
     Case("top-k-over-64-bits", 400, "top_k must be", body=chat(top_k=10**20)),
     Case("stop-token-ids-over-64-bits", 400, "stop_token_ids must be", body=chat(stop_token_ids=[2**70])),
     Case("chat-template-kwargs-nested-800-deep", 400, "nested too deeply",

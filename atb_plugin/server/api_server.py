@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pydantic
+import pydantic_core
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -49,6 +50,18 @@ VERSION = "0.1.0"
 # about a small /dev/shm.
 _TYPICAL_IMAGE_BYTES = {"uint8": 2 << 20, "float32": 8 << 20}
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def json_error_message(body: bytes, error: ValueError) -> str:
+    """The 400's message for a body the JSON parser refused, in the client's terms."""
+    text = str(error)
+    if "recursion limit" in text:  # jiter stops at 200 levels: no OpenAI request nests that deep
+        return "the body's JSON is nested too deeply"
+    if "surrogate" in text or ("hex escape" in text and _SURROGATE_ESCAPE.search(body)):
+        # JSON may spell an unpaired UTF-16 surrogate ("\ud800"); it is no character, and no
+        # tokenizer or encoder downstream could take it. (Paired ones decode to real characters.)
+        return "the body holds an unpaired UTF-16 surrogate escape (such as \\ud800), which is not a character"
+    return f"the body is not valid JSON: {text}"
 
 
 class Service:
@@ -244,21 +257,13 @@ def build_app(config: ServerConfig) -> FastAPI:
     async def parse(raw: Request, model_cls):
         body = await raw.body()
         try:
-            data = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as error:
-            raise APIError(400, f"the body is not valid JSON: {error}") from None
-        except RecursionError:
-            raise APIError(400, "the body's JSON is nested too deeply") from None
+            # pydantic's Rust parser (jiter), not json.loads: an image chat's body is megabytes of
+            # base64 in one string, which json.loads took ~20 ms to copy out and jiter ~0.5 ms.
+            data = pydantic_core.from_json(body)
+        except ValueError as error:
+            raise APIError(400, json_error_message(body, error)) from None
         if not isinstance(data, dict):
             raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}")
-        if _SURROGATE_ESCAPE.search(body):
-            # JSON may spell an unpaired UTF-16 surrogate ("\ud800"); it is no character, and no
-            # tokenizer or encoder downstream can take it. (Paired ones decode to real characters.)
-            try:
-                json.dumps(data, ensure_ascii=False).encode("utf-8")
-            except UnicodeEncodeError:
-                raise APIError(400, "the body holds an unpaired UTF-16 surrogate escape (such as \\ud800), "
-                                    "which is not a character") from None
         try:
             req = model_cls.model_validate(data)
         except pydantic.ValidationError as error:

@@ -57,6 +57,11 @@ if ! has_version "$LLAMA_VENV" llama_cpp "$LLAMA_CPP_PYTHON_VERSION"; then
     CMAKE_BUILD_PARALLEL_LEVEL="$(nproc)" "$LLAMA_VENV/bin/pip" install -v "$SDIST" \
         >"$PEERS/llamacpp-build.log" 2>&1 || { echo "build failed: see $PEERS/llamacpp-build.log"; exit 1; }
 fi
+if ! "$LLAMA_VENV/bin/python" -c "import llama_cpp.server.app" >/dev/null 2>&1; then
+    # The OpenAI-compatible server (serve_peers.py): pip takes the llama-cpp-python just built as
+    # satisfying the pin and adds only the [server] extra's packages (FastAPI, uvicorn, ...).
+    "$LLAMA_VENV/bin/pip" install -q "llama-cpp-python[server]==$LLAMA_CPP_PYTHON_VERSION" || exit 1
+fi
 if [ ! -f "$VENDOR/convert_hf_to_gguf.py" ]; then
     tar -xzf "$SDIST" -C "$PEERS/src" \
         "llama_cpp_python-$LLAMA_CPP_PYTHON_VERSION/vendor/llama.cpp/convert_hf_to_gguf.py" \
