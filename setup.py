@@ -47,7 +47,8 @@ setup(
             "openai==3.51.0",
             "httpx==0.28.1",
         ],
-        "bench": [],
+        # benchmarks/profile_serving.py samples the service's processes with it (a binary wheel).
+        "bench": ["py-spy==0.4.3"],
         # xgrammar with its declared dependencies (triton on Linux x86-64), for a GPU / NPU host.
         "structured": ["xgrammar==0.2.8"],
     },
