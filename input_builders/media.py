@@ -269,14 +269,15 @@ class _DecodedImages:
     policy too (the pixel cap was checked under it). Entries are never modified: everything
     downstream makes new images.
 
-    Beside it, data URLs by the digest of their text (``_inline_key``) -> the ``LoadedImage`` they
-    gave, so that a resent data URL skips the base64 decode too; at most ``max_inline`` of them,
-    and one is served only while its image is still in the byte-bounded cache."""
+    Beside it, data URLs by the digest of their text (``_inline_key``) -> the source digest and
+    description they gave, so that a resent data URL skips the base64 decode too: at most
+    ``max_inline`` of those small entries, and an image is served through one only while it is
+    still in the byte-bounded cache (they never hold an image themselves)."""
 
     def __init__(self, max_bytes: int = 128 << 20, max_inline: int = 1024):
         self.max_bytes, self.max_inline = max_bytes, max_inline
         self._images: dict[tuple, Image.Image] = {}  # insertion order = least recently used first
-        self._inline: dict[tuple, LoadedImage] = {}  # the same order
+        self._inline: dict[tuple, tuple[str, str]] = {}  # the same order; (source digest, source)
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -314,16 +315,15 @@ class _DecodedImages:
     def get_inline(self, text_digest: str, config: MediaConfig) -> LoadedImage | None:
         key = self._inline_key(text_digest, config)
         with self._lock:
-            loaded = self._inline.pop(key, None)
-        if loaded is None or self.get(loaded.digest, config) is not loaded.image:
-            return None  # never seen, or its image has left the cache since (then it stays out)
-        with self._lock:
-            self._inline[key] = loaded
-        return loaded
+            known = self._inline.pop(key, None)
+            if known is not None:
+                self._inline[key] = known  # now the most recently used
+        image = self.get(known[0], config) if known is not None else None
+        return LoadedImage(image, *known) if image is not None else None
 
     def put_inline(self, text_digest: str, config: MediaConfig, loaded: LoadedImage) -> None:
         with self._lock:
-            self._inline[self._inline_key(text_digest, config)] = loaded
+            self._inline[self._inline_key(text_digest, config)] = (loaded.digest, loaded.source)
             while len(self._inline) > self.max_inline:
                 del self._inline[next(iter(self._inline))]
 
@@ -606,9 +606,12 @@ def _decode(data: bytes, source: str, config: MediaConfig, hint: str = "") -> Im
     """The one decode path of every encoded source: header → pixel cap → pixels → upright RGB."""
     if not data:
         raise MediaDecodeError(f"{source} is empty; send the image file's contents")
-    with _pillow_errors(source, config, hint):
-        image = Image.open(io.BytesIO(data), formats=_formats())  # reads the header only
-        return _finish(image, source, config, owned=True)
+    with _pillow_errors(source, config, hint), Image.open(io.BytesIO(data), formats=_formats()) as image:
+        finished = _finish(image, source, config, owned=True)  # Image.open read the header only
+        # A file image keeps its source for as long as it lives (a PNG its BytesIO and chunk
+        # reader: the whole encoded file). What is returned, and kept in the decoded-image cache,
+        # must be the pixels alone: a plain copy when nothing above made a new image.
+        return finished.copy() if finished is image else finished
 
 
 def _finish(image: Image.Image, source: str, config: MediaConfig, *, owned: bool) -> Image.Image:

