@@ -328,7 +328,18 @@ class _DecodedImages:
                 del self._inline[next(iter(self._inline))]
 
 
-_recently_decoded = _DecodedImages()
+DECODED_CACHE_MAX_BYTES = 128 << 20
+_recently_decoded = _DecodedImages(DECODED_CACHE_MAX_BYTES)
+
+
+def limit_decoded_image_cache(max_bytes: int) -> None:
+    """Bound this process's decoded-image cache to ``max_bytes`` of pixels (at most the default
+    128 MiB): a tokenizer worker gives it no more than its shared-memory budget for images, so
+    ``--shm-budget-bytes`` bounds both of the worker's image caches."""
+    global _recently_decoded
+    if max_bytes < 0:
+        raise ValueError(f"the decoded-image cache needs max_bytes >= 0, got {max_bytes}")
+    _recently_decoded = _DecodedImages(min(max_bytes, DECODED_CACHE_MAX_BYTES))
 
 
 def _read_str(ref: str, config: MediaConfig) -> tuple[bytes, str, str]:

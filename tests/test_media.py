@@ -798,3 +798,15 @@ def test_a_decoded_image_keeps_no_reference_to_its_source_bytes(config):
     opened.clear()
     gc.collect()
     assert source() is None and image.mode == "RGB" and image.getpixel((0, 0)) is not None
+
+
+def test_the_decoded_image_cache_can_be_bounded_below_its_default(monkeypatch):
+    from input_builders import media
+
+    monkeypatch.setattr(media, "_recently_decoded", media._recently_decoded)  # restored afterwards
+    media.limit_decoded_image_cache(16 << 20)
+    assert media._recently_decoded.max_bytes == 16 << 20
+    media.limit_decoded_image_cache(1 << 40)  # never above the default
+    assert media._recently_decoded.max_bytes == media.DECODED_CACHE_MAX_BYTES
+    with pytest.raises(ValueError, match="max_bytes >= 0"):
+        media.limit_decoded_image_cache(-1)

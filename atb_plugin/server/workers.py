@@ -69,6 +69,10 @@ def run_tokenizer_worker(index: int, settings: WorkerSettings, job_address: str,
     from routers import get_router
 
     parent = os.getppid()
+    if settings.shm_capacity_bytes is not None:
+        from input_builders.media import limit_decoded_image_cache
+
+        limit_decoded_image_cache(settings.shm_capacity_bytes)
     store = shm.ShmStore(shm.ShmStoreConfig(capacity_bytes=settings.shm_capacity_bytes,
                                             cache_bytes=settings.shm_cache_bytes))
     router = get_router(settings.model, shm_store=store, media_config=settings.media_config,
@@ -174,6 +178,11 @@ class _Worker:
     address: str
     instance_id: str | None = None
     pending: set = field(default_factory=set)
+
+# A job this large (an image chat's data URLs) goes to the worker without ZeroMQ copying it into
+# its own buffer first (pyzmq keeps the bytes alive until sent); below it a copy is cheaper than
+# the bookkeeping.
+_ZERO_COPY_BYTES = 64 << 10
 
 
 class TokenizerPool:
@@ -285,7 +294,7 @@ class TokenizerPool:
         future = asyncio.get_running_loop().create_future()
         self._futures[job_id] = (future, worker.index)
         worker.pending.add(job_id)
-        await worker.jobs.send(payload)
+        await worker.jobs.send(payload, copy=len(payload) < _ZERO_COPY_BYTES)
         try:
             reply = await future
         except asyncio.CancelledError:

@@ -15,7 +15,9 @@ front end, as each is built to use it):
               to one core (VLLM_CPU_OMP_THREADS_BIND=0), tcmalloc and Intel OpenMP preloaded as its
               CPU guide asks, the same checkpoint directory
   llama.cpp   ``python -m llama_cpp.server`` (llama-cpp-python[server]): one process, one thread,
-              the F32 GGUF converted from the same checkpoint (``--gguf q4`` for the shipped Q4_1)
+              the F32 GGUF converted from the same checkpoint (engine "llama.cpp Q4_1": the shipped
+              Q4_1 GGUF), ``--interrupt_requests False`` (its default lets each new request cut off
+              the stream in progress)
 
 Each server is started once per round (in an order rotated round by round) and measured at every
 concurrency in turn by ``bench_serving.run_benchmark``, the same client code as ``bench_serving.py``:
@@ -68,14 +70,19 @@ class PeerServer:
     missing: str | None = None  # why it cannot run here (then it is skipped)
 
 
-def our_server(model_dir: Path) -> PeerServer:
+def our_server(model_dir: Path, tcmalloc: bool = False) -> PeerServer:
+    """Ours; with ``tcmalloc``, the whole service under the allocator vLLM's CPU guide preloads."""
     command = shlex.join([sys.executable, "-m", "atb_plugin.server", "--model", str(model_dir),
                           "--host", "127.0.0.1", "--num-threads", "1", "--tokenizer-workers", "1",
                           "--max-num-seqs", "32", "--max-num-batched-tokens", "2048"]) + " --port {port}"
     env = bench_serving.our_server_env()
     version = [sys.executable, "-c", "import subprocess; print('atb-plugin', subprocess.run(['git', '-C', "
                f"{str(REPO)!r}, 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip())"]
-    return PeerServer("ours", command, {"PYTHONPATH": env["PYTHONPATH"]}, version)
+    if not tcmalloc:
+        return PeerServer("ours", command, {"PYTHONPATH": env["PYTHONPATH"]}, version)
+    missing = None if TCMALLOC.is_file() else f"no {TCMALLOC} (apt-get install libtcmalloc-minimal4)"
+    return PeerServer("ours+tcmalloc", command, {"PYTHONPATH": env["PYTHONPATH"], "LD_PRELOAD": str(TCMALLOC)},
+                      version, missing)
 
 
 def vllm_server(model_dir: Path, peers: Path) -> PeerServer:
@@ -100,7 +107,10 @@ def llamacpp_server(gguf: Path, peers: Path, label: str) -> PeerServer:
     venv = peers / "llamacpp-venv"
     python = venv / "bin" / "python"
     command = shlex.join([str(python), "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-                          "--n_threads", "1", "--n_threads_batch", "1", "--n_ctx", "4096"]) + " --port {port}"
+                          "--n_threads", "1", "--n_threads_batch", "1", "--n_ctx", "4096",
+                          # Its default (True) makes every new request cut the one being served:
+                          # under concurrency the streams in progress end mid-body. Off, they queue.
+                          "--interrupt_requests", "False"]) + " --port {port}"
     version = [str(python), "-c", "import llama_cpp; print('llama-cpp-python', llama_cpp.__version__)"]
     missing = None
     if not python.is_file():
@@ -180,7 +190,7 @@ def parse_args(argv=None):
     parser.add_argument("--runs", type=int, default=1, help="rounds (every server started once per round)")
     parser.add_argument("--concurrency", type=lambda s: [int(c) for c in s.split(",")], default=[1, 8, 32])
     parser.add_argument("--engines", default="ours,vLLM-CPU,llama.cpp F32",
-                        help="comma-separated, from: ours, vLLM-CPU, llama.cpp F32, llama.cpp Q4_1")
+                        help="comma-separated, from: ours, ours+tcmalloc, vLLM-CPU, llama.cpp F32, llama.cpp Q4_1")
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--waves", type=int, default=2, help="requests per run = waves x concurrency ...")
@@ -199,7 +209,7 @@ def main(argv=None) -> int:
         env=bench_serving.our_server_env()).stdout.strip().splitlines()[-1])
     peers = common.peers_dir()
     catalogue = {server.name: server for server in (
-        our_server(model_dir), vllm_server(model_dir, peers),
+        our_server(model_dir), our_server(model_dir, tcmalloc=True), vllm_server(model_dir, peers),
         llamacpp_server(peers / "models" / F32_GGUF_NAME, peers, "llama.cpp F32"),
         llamacpp_server(Q4_GGUF, peers, "llama.cpp Q4_1"))}
     wanted = [name.strip() for name in args.engines.split(",") if name.strip()]
@@ -243,7 +253,7 @@ def main(argv=None) -> int:
         for concurrency, row in by_concurrency.items():
             ratio = None
             mine = ours.get(concurrency, {}).get("output_tok_s")
-            if name != "ours" and mine and row["output_tok_s"]:
+            if not name.startswith("ours") and mine and row["output_tok_s"]:
                 ratio = mine / row["output_tok_s"]
             cells = [row[k] for k in ("output_tok_s", "ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms")]
             print(f"{name:<16} {concurrency:>4} " + " ".join(
