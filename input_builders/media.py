@@ -274,7 +274,7 @@ class _DecodedImages:
     ``max_inline`` of those small entries, and an image is served through one only while it is
     still in the byte-bounded cache (they never hold an image themselves)."""
 
-    def __init__(self, max_bytes: int = 128 << 20, max_inline: int = 1024):
+    def __init__(self, max_bytes: int, max_inline: int = 1024):
         self.max_bytes, self.max_inline = max_bytes, max_inline
         self._images: dict[tuple, Image.Image] = {}  # insertion order = least recently used first
         self._inline: dict[tuple, tuple[str, str]] = {}  # the same order; (source digest, source)

@@ -179,6 +179,7 @@ class _Worker:
     instance_id: str | None = None
     pending: set = field(default_factory=set)
 
+
 # A job this large (an image chat's data URLs) goes to the worker without ZeroMQ copying it into
 # its own buffer first (pyzmq keeps the bytes alive until sent); below it a copy is cheaper than
 # the bookkeeping.
