@@ -46,10 +46,8 @@ from pathlib import Path
 
 import httpx
 
-import bench_serving as serving  # a sibling script: `python benchmarks/X.py` puts benchmarks/ on sys.path
-
-TOPICS = ["the ocean", "a red bicycle", "mountains in winter", "how bread is made", "the history of maps",
-          "a quiet library", "bees and flowers", "the moon landing"]
+import bench_serving as serving  # sibling scripts: `python benchmarks/X.py` puts benchmarks/ on sys.path
+from bench_serving_overhead import make_chats  # P6's prompts: the load this profile explains
 
 
 @dataclass(frozen=True)
@@ -185,10 +183,8 @@ def record(pid: int, seconds: float, rate: int, out: Path) -> subprocess.Complet
 
 
 async def load(base_url: str, streams: int, tokens: int) -> dict:
-    bodies = [{"model": "m", "messages": [{"role": "user", "content": f"Write a short story about "
-                                                                      f"{TOPICS[i % len(TOPICS)]} (number {i})."}],
-               "max_tokens": tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-               "stream_options": {"include_usage": True}} for i in range(streams)]
+    bodies = [{"model": "m", "messages": chat, "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+               "stream": True, "stream_options": {"include_usage": True}} for chat in make_chats(streams)]
     limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
     async with httpx.AsyncClient(base_url=base_url, timeout=900, limits=limits) as client:
         start = serving.clock()

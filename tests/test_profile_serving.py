@@ -7,7 +7,8 @@ import pytest
 
 from tests.helpers import load_benchmark
 
-load_benchmark("bench_serving")  # profile_serving imports it as its sibling module
+load_benchmark("bench_serving")  # profile_serving imports these two as sibling modules
+load_benchmark("bench_serving_overhead")
 profile = load_benchmark("profile_serving")
 
 ROOT = 'process 10:"python -m atb_plugin.server --model m"'
