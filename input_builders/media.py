@@ -286,7 +286,7 @@ class _DecodedImages:
         return digest, config.max_image_pixels
 
     @staticmethod
-    def _inline_key(text_digest: str, config: MediaConfig) -> tuple:
+    def _alias_key(text_digest: str, config: MediaConfig) -> tuple:
         # max_image_bytes too: the data URL's size was checked under it before it was decoded
         return text_digest, config.max_image_pixels, config.max_image_bytes
 
@@ -313,7 +313,7 @@ class _DecodedImages:
                 self._bytes -= self._size(self._images.pop(next(iter(self._images))))
 
     def get_inline(self, text_digest: str, config: MediaConfig) -> LoadedImage | None:
-        key = self._inline_key(text_digest, config)
+        key = self._alias_key(text_digest, config)
         with self._lock:
             known = self._inline.pop(key, None)
             if known is not None:
@@ -323,7 +323,7 @@ class _DecodedImages:
 
     def put_inline(self, text_digest: str, config: MediaConfig, loaded: LoadedImage) -> None:
         with self._lock:
-            self._inline[self._inline_key(text_digest, config)] = (loaded.digest, loaded.source)
+            self._inline[self._alias_key(text_digest, config)] = (loaded.digest, loaded.source)
             while len(self._inline) > self.max_inline:
                 del self._inline[next(iter(self._inline))]
 

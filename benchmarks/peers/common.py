@@ -35,6 +35,16 @@ EXIT_UNAVAILABLE = 3  # the runner ran, but its engine cannot: not a crash, not 
 clock = time.perf_counter  # one clock for every engine: monotonic, highest resolution
 
 
+F32_GGUF_NAME = "SmolLM2-135M-Instruct-F32.gguf"  # setup.sh converts it into peers_dir()/models
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")  # Debian's libtcmalloc-minimal4
+
+
+def vllm_preloads(venv_prefix: Path) -> list[Path]:
+    """What vLLM's CPU guide asks to LD_PRELOAD, of what is installed: tcmalloc and the Intel
+    OpenMP runtime that the vLLM venv carries (the intel-openmp wheel)."""
+    return [path for path in (TCMALLOC, venv_prefix / "lib" / "libiomp5.so") if path.is_file()]
+
+
 def peers_dir() -> Path:
     """Where setup.sh puts the peers' venvs, sources and converted models (outside the repo)."""
     default = Path.home() / ".cache" / "atb-plugin" / "peers"

