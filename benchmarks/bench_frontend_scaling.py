@@ -36,13 +36,7 @@ async def measure(model: str, rounds: int, batch: int) -> dict[int, list[float]]
         await asyncio.gather(*(pool.start() for pool in pools.values()))
         for n, pool in pools.items():  # warm-up: every worker of the pool once
             await frontend.run_batch(pool, [frontend.photo(20_000 + i) for i in range(n)], f"warm-{n}")
-        rates: dict[int, list[float]] = {n: [] for n in WORKERS}
-        for round_index in range(rounds):
-            urls = [frontend.photo(round_index * batch + i) for i in range(batch)]  # distinct: no dedup hits
-            order = WORKERS if round_index % 2 == 0 else WORKERS[::-1]
-            for n in order:
-                rates[n].append(await frontend.run_batch(pools[n], urls, f"{n}-{round_index}"))
-        return rates
+        return await frontend.interleaved_rates(pools, rounds, batch)
     finally:
         await asyncio.gather(*(pool.shutdown() for pool in pools.values()))
 

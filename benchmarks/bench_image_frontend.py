@@ -83,6 +83,19 @@ async def run_batch(pool: TokenizerPool, urls: list[str], tag: str) -> float:
     return len(urls) / (time.perf_counter() - start)
 
 
+async def interleaved_rates(pools: dict, rounds: int, batch: int) -> dict[object, list[float]]:
+    """Images/s of each pool, round by round: every round ``batch`` new photos (distinct: no dedup
+    hits) through each pool in turn, the order reversed every other round so that neither pool
+    always goes first."""
+    keys = list(pools)
+    rates: dict[object, list[float]] = {key: [] for key in keys}
+    for round_index in range(rounds):
+        urls = [photo(round_index * batch + i) for i in range(batch)]
+        for key in keys if round_index % 2 == 0 else keys[::-1]:
+            rates[key].append(await run_batch(pools[key], urls, f"{key}-{round_index}"))
+    return rates
+
+
 async def measure(model: str, rounds: int, batch: int) -> dict:
     pools = {}
     for wire in WIRES:
@@ -96,13 +109,7 @@ async def measure(model: str, rounds: int, batch: int) -> dict:
             _, _, stats = await pool.call("stats")
             shm_bytes[wire] = stats["leased_bytes"]
             pool.release(index, "warm")
-        rates = {wire: [] for wire in WIRES}
-        for round_index in range(rounds):
-            urls = [photo(round_index * batch + i) for i in range(batch)]  # distinct: no dedup hits
-            order = WIRES if round_index % 2 == 0 else WIRES[::-1]
-            for wire in order:
-                rates[wire].append(await run_batch(pools[wire], urls, f"{wire}-{round_index}"))
-        return {"rates": rates, "shm_bytes": shm_bytes}
+        return {"rates": await interleaved_rates(pools, rounds, batch), "shm_bytes": shm_bytes}
     finally:
         await asyncio.gather(*(pool.shutdown() for pool in pools.values()))
 
