@@ -563,7 +563,8 @@ def test_silu_and_mul_npu_equals_cpu(fake_npu, gen):
         cpu = ops.silu_and_mul(x)
     with use_platform("npu"):
         npu = ops.silu_and_mul(x)
-    torch.testing.assert_close(cpu, F.silu(x[:, :32]) * x[:, 32:], atol=0, rtol=0)
+    # Within 2 ulp: the native CPU kernel's expf and torch's vectorised exp round differently.
+    torch.testing.assert_close(cpu, F.silu(x[:, :32]) * x[:, 32:], atol=0, rtol=2.5e-7)
     torch.testing.assert_close(npu, cpu, atol=FP32_TOL, rtol=FP32_TOL)
     assert fake_npu.module.calls["npu_swiglu"] == 1
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from atb_plugin.ops import cpu_native
 from atb_plugin.utils import cdiv
 
 
@@ -49,14 +50,22 @@ def _sdpa(query, key, value, scale, mask, causal: bool = False):
 
 
 class _Decodes:
-    """Requests with one new token, attended in one SDPA call over their padded contexts."""
+    """Requests with one new token, attended together: by the native kernel over the blocks in
+    place (``library``: CPU float32), else in one SDPA call over their gathered, padded contexts."""
 
-    def __init__(self, metadata, rows: list[int], tokens: list[int], block_size: int, device):
+    def __init__(self, metadata, rows: list[int], tokens: list[int], block_size: int, device, library=None):
         lens = metadata.seq_lens_cpu[rows]
         self.max_seq_len = int(lens.max())
         self.tokens = torch.tensor(tokens, device=device)
         index = torch.tensor(rows, device=metadata.block_tables.device)
-        self.tables = metadata.block_tables[index][:, :cdiv(self.max_seq_len, block_size)].long().to(device)
+        tables = metadata.block_tables[index][:, :cdiv(self.max_seq_len, block_size)]
+        self.library = library
+        if library is not None:
+            self.tables = tables.to(device=device, dtype=torch.int32).contiguous()
+            self.seq_lens = lens.to(torch.int32).contiguous()
+            self.max_block = int(self.tables.max())
+            return
+        self.tables = tables.long().to(device)
         # The new token is the last of its sequence: it sees every cached position < seq_len.
         mask = torch.arange(self.max_seq_len)[None, :] < lens[:, None]
         self.mask = mask[:, None, None, :].to(device)
@@ -86,13 +95,16 @@ class _AttentionStep:
     """What ``paged_attention`` derives from a step's metadata, once for all layers: decodes
     batched together when there are several, everything else request by request."""
 
-    def __init__(self, metadata, block_size: int, device):
+    def __init__(self, metadata, block_size: int, device, dtype):
         starts = metadata.query_start_loc_cpu.tolist()
         spans = [(r, start, end) for r, (start, end) in enumerate(zip(starts[:-1], starts[1:])) if end > start]
         decodes = [(r, start) for r, start, end in spans if end - start == 1]
+        # The native kernel takes a lone decode too (it gathers nothing); SDPA only pays off batched.
+        library = cpu_native.library_for(dtype, device)
         self.decodes = None
-        if len(decodes) > 1:
-            self.decodes = _Decodes(metadata, [r for r, _ in decodes], [t for _, t in decodes], block_size, device)
+        if len(decodes) > (0 if library is not None else 1):
+            self.decodes = _Decodes(metadata, [r for r, _ in decodes], [t for _, t in decodes], block_size, device,
+                                    library)
         batched = {r for r, _ in decodes} if self.decodes is not None else set()
         self.chunks = [_Chunk(metadata, r, start, end, block_size, device) for r, start, end in spans
                        if r not in batched]
@@ -108,7 +120,10 @@ def _gather_blocks(cache, block_ids: torch.Tensor) -> torch.Tensor:
 
 
 def _batched_decode(query, key_cache, value_cache, decodes: _Decodes, scale):
-    """(B, H, D) queries, one per request, over the requests' padded contexts."""
+    """(B, H, D) queries, one per request, over the requests' cached contexts."""
+    if decodes.library is not None:
+        return cpu_native.paged_decode(decodes.library, query, key_cache, value_cache, decodes.tables,
+                                       decodes.seq_lens, decodes.max_block, scale)
     key = _gather_blocks(key_cache, decodes.tables).flatten(1, 2)[:, :decodes.max_seq_len]  # (B, max_seq_len, Hkv, D)
     value = _gather_blocks(value_cache, decodes.tables).flatten(1, 2)[:, :decodes.max_seq_len]
     # GQA as query length: a KV head's query heads are consecutive (head h reads KV head
@@ -125,8 +140,8 @@ def _batched_decode(query, key_cache, value_cache, decodes: _Decodes, scale):
 
 def paged_attention(query, key_cache, value_cache, metadata, scale) -> torch.Tensor:
     block_size = key_cache.shape[1]
-    step = metadata.derived(f"torch_kernels/{block_size}", query.device,
-                            lambda: _AttentionStep(metadata, block_size, query.device))
+    step = metadata.derived(f"torch_kernels/{block_size}/{query.dtype}", query.device,
+                            lambda: _AttentionStep(metadata, block_size, query.device, query.dtype))
     # Decodes (one new token) are the bulk of a busy batch: one batched call for all of them;
     # prefill chunks, few and long, go one by one (padding them together would waste memory).
     if step.only_decodes:
@@ -181,6 +196,9 @@ def varlen_attention(query, key, value, cu_seqlens, scale, causal=False) -> torc
 
 
 def rms_norm(x, weight, eps) -> torch.Tensor:
+    library = cpu_native.library_for(x.dtype, x.device)
+    if library is not None:
+        return cpu_native.rms_norm(library, x, weight, eps)
     input_dtype = x.dtype
     hidden = x.float()
     hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + eps)
@@ -203,10 +221,16 @@ def _rotary_tables(cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
 def apply_rotary(x, cos, sin) -> torch.Tensor:
     # rotate_half(x) * sin == roll(x, half) * signed_sin exactly (the negation moves from x's
     # second half to sin's first half), and it is one op per layer instead of four.
+    library = cpu_native.library_for(x.dtype, x.device)
+    if library is not None:
+        return cpu_native.apply_rotary(library, x, cos, sin)
     cos, signed_sin = _rotary_tables(cos, sin)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def silu_and_mul(x) -> torch.Tensor:
+    library = cpu_native.library_for(x.dtype, x.device)
+    if library is not None:
+        return cpu_native.silu_and_mul(library, x)
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]) * x[..., half:]
