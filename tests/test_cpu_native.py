@@ -89,6 +89,14 @@ def test_silu_and_mul_equals_torch(library, gen, monkeypatch):
     torch.testing.assert_close(native, F.silu(x[:, :96]) * x[:, 96:], rtol=2.5e-7, atol=1e-7)
 
 
+def test_silu_and_mul_over_the_whole_float_range(library):
+    """The kernel's vectorised exp clamps its argument to [-87, 88]: beyond, silu is ~0 or ~x."""
+    gate = torch.cat([torch.linspace(-150, 150, 3001), torch.tensor([float("inf"), 0.0, -0.0, 1e-30, -1e-30])])
+    x = torch.cat([gate, torch.linspace(-3, 3, gate.numel())])[None]  # width 3006 + 3006: a scalar tail too
+    native = torch_kernels.silu_and_mul(x)
+    torch.testing.assert_close(native[0], F.silu(gate) * x[0, gate.numel():], rtol=1e-6, atol=1e-30)
+
+
 def test_half_precision_and_other_devices_take_the_torch_ops(library):
     assert cpu_native.library_for(torch.bfloat16, torch.device("cpu")) is None
     assert cpu_native.library_for(torch.float32, torch.device("meta")) is None
@@ -101,7 +109,7 @@ def test_half_precision_and_other_devices_take_the_torch_ops(library):
 # -- decode attention --------------------------------------------------------------------------
 
 
-def _decode_case(gen, lens, heads, kv_heads, head_dim, block_size):
+def _decode_case(gen, lens, heads, kv_heads, head_dim, block_size, query_scale=1.0):
     """Random caches, shuffled blocks, one new token per request; returns what paged_attention takes
     and a float64 reference over each request's contiguous keys."""
     blocks = [-(-n // block_size) for n in lens]
@@ -113,7 +121,7 @@ def _decode_case(gen, lens, heads, kv_heads, head_dim, block_size):
         order = order[count:]
     key_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
     value_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen)
-    query = torch.randn(len(lens), heads, head_dim, generator=gen)
+    query = torch.randn(len(lens), heads, head_dim, generator=gen) * query_scale
     metadata = AttentionMetadata(
         query_start_loc=torch.arange(len(lens) + 1, dtype=torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
         block_tables=torch.tensor(tables, dtype=torch.int32), slot_mapping=torch.zeros(len(lens), dtype=torch.int64),
@@ -144,6 +152,13 @@ def test_decode_attention_equals_torch_and_float64(library, gen, monkeypatch, le
     reference = torch_kernels.paged_attention(*args)
     torch.testing.assert_close(native.double(), expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(native, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_decode_attention_with_peaked_scores(library, gen):
+    """Queries 30x larger: most softmax arguments fall far below the kernel's e^-87 floor (its
+    vectorised exp clamps there) and one key dominates each head, as in a sharply attending model."""
+    args, expected = _decode_case(gen, [150, 40], 9, 3, 64, 16, query_scale=30.0)
+    torch.testing.assert_close(torch_kernels.paged_attention(*args).double(), expected, rtol=1e-5, atol=1e-5)
 
 
 def test_decode_attention_refuses_a_block_outside_the_cache(library, gen):
