@@ -222,6 +222,21 @@ def test_an_unknown_choice_is_refused(monkeypatch):
         cpu_native.library_for(torch.float32, torch.device("cpu"))
 
 
+def test_an_unknown_choice_fails_the_engine_config_not_a_step(monkeypatch):
+    from atb_plugin.engine.config import EngineConfig
+
+    monkeypatch.setenv(cpu_native.KERNELS_ENV, "fast")
+    with pytest.raises(ValueError, match="ATB_PLUGIN_CPU_KERNELS='fast'"):
+        EngineConfig(model=str(tiny_checkpoint("qwen2")))
+
+
+def test_native_forced_without_a_compiler_fails_at_model_load(fresh_build, monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    monkeypatch.setenv(cpu_native.KERNELS_ENV, "native")
+    with pytest.raises(cpu_native.NativeKernelError, match="no C compiler"):
+        LLM(tiny_checkpoint("qwen2"), block_size=4)
+
+
 def test_loading_the_library_leaves_denormals_alone():
     """Built without -ffast-math: a shared library linked with it sets flush-to-zero for the whole
     process at load time, changing every float op of the engine."""

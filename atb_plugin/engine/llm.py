@@ -58,11 +58,17 @@ class LLMEngine:
         # Our own store unless one is given: close() must not pull segments from under others.
         self.owns_store = shm_store is None
         self.shm_store = shm_store if shm_store is not None else ShmStore()
-        self.router = get_router(config.model, shm_store=self.shm_store, media_config=media_config,
-                                 max_images_per_prompt=config.limit_mm_per_prompt, mm_wire_dtype=config.mm_wire_dtype)
+        try:
+            self.router = get_router(config.model, shm_store=self.shm_store, media_config=media_config,
+                                     max_images_per_prompt=config.limit_mm_per_prompt,
+                                     mm_wire_dtype=config.mm_wire_dtype)
+            self.core = EngineCore(config)
+        except BaseException:
+            if self.owns_store:  # a failed start (bad checkpoint, kernels refused) leaves no segment
+                self.shm_store.close()
+            raise
         self.tokenizer = self.router.tokenizer
         self.eos_token_ids = tuple(self.router.eos_token_ids)
-        self.core = EngineCore(config)
         self.output_processor = OutputProcessor(self.tokenizer, on_finish=self._release)
 
     def _release(self, output: RequestOutput) -> None:
@@ -136,7 +142,12 @@ class LLM:
             owned = True
         else:
             owned = shm_store is None
-        self.engine = LLMEngine(config, shm_store=shm_store, media_config=media_config)
+        try:
+            self.engine = LLMEngine(config, shm_store=shm_store, media_config=media_config)
+        except BaseException:
+            if owned and shm_store is not None:  # the store made here for shm_cache_bytes
+                shm_store.close()
+            raise
         self.engine.owns_store = owned
         self.router = self.engine.router
         self._ids = itertools.count()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from atb_plugin.platform.base import Platform
 
 
@@ -19,8 +21,20 @@ class CpuPlatform(Platform):
     def is_available(self) -> bool:
         return True
 
+    def check_environment(self) -> None:
+        from atb_plugin.ops import cpu_native  # loads nothing until asked
+
+        cpu_native.choice()  # an unknown ATB_PLUGIN_CPU_KERNELS fails the config, not the first step
+
     def prepare_model(self, model, *, pack_weights: bool) -> None:
         if pack_weights:
             from atb_plugin.ops.packed_linear import pack_linear_layers  # torch ops: load on use
 
             pack_linear_layers(model)
+        # Build (or load from the cache) the native kernels now, before the memory profile, rather
+        # than inside the first request's step; with ATB_PLUGIN_CPU_KERNELS=native a missing
+        # compiler fails start-up here.
+        from atb_plugin.ops import cpu_native
+
+        dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+        cpu_native.library_for(dtype, torch.device("cpu"))
