@@ -307,7 +307,9 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("block_size", [4, 16])
 @pytest.mark.parametrize("heads", [(4, 2), (2, 2)])
-def test_cpu_paged_attention_equals_full_attention(gen, case, block_size, heads):
+@pytest.mark.parametrize("kernels", ["native", "torch"])  # the C decode kernel, and SDPA (CUDA's path)
+def test_cpu_paged_attention_equals_full_attention(gen, monkeypatch, case, block_size, heads, kernels):
+    monkeypatch.setenv("ATB_PLUGIN_CPU_KERNELS", kernels)
     scenario = Scenario(gen, *CASES[case], block_size=block_size, num_heads=heads[0], num_kv_heads=heads[1])
     out, _, _ = scenario.run("cpu")
     torch.testing.assert_close(out.double(), scenario.reference(), atol=FP32_TOL, rtol=FP32_TOL)
@@ -417,9 +419,12 @@ def test_fake_refuses_block_sizes_and_head_sizes_the_real_ops_refuse(npu):
                                        num_kv_heads=1, out=torch.empty_like(q))
 
 
-@pytest.mark.parametrize("platform, block_size", [("cpu", 4), ("cpu", 16), ("npu", 16)])
-def test_prefill_then_token_by_token_decode_equals_full_attention(fake_npu_fp32, gen, platform, block_size):
+@pytest.mark.parametrize("platform, block_size, kernels", [("cpu", 4, "native"), ("cpu", 16, "native"),
+                                                        ("cpu", 16, "torch"), ("npu", 16, "auto")])
+def test_prefill_then_token_by_token_decode_equals_full_attention(fake_npu_fp32, gen, monkeypatch, platform,
+                                                                   block_size, kernels):
     """About step sequencing, not precision: fp32 on the simulated NPU (opted in)."""
+    monkeypatch.setenv("ATB_PLUGIN_CPU_KERNELS", kernels)
     heads, kv_heads, dim, prompt, steps = 4, 2, 16, [5, 11], 6
     total = [p + steps for p in prompt]
     full = Scenario(gen, [0, 0], total, block_size=block_size, num_heads=heads, num_kv_heads=kv_heads, head_dim=dim)
