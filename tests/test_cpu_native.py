@@ -141,7 +141,7 @@ def _decode_case(gen, lens, heads, kv_heads, head_dim, block_size, query_scale=1
     ([37, 1, 200, 16, 64], 9, 3, 64, 16),  # SmolLM2's heads; the head_dim the kernel specialises
     ([5], 4, 2, 64, 16),  # a lone decode (the torch path would take it alone, ungathered)
     ([130, 7, 260], 4, 4, 128, 32),
-    ([3, 30], 6, 1, 24, 4),  # a head_dim with no specialisation, one KV head for all
+    ([3, 30], 6, 1, 24, 4),  # a head_dim the kernel leaves to SDPA, one KV head for all
 ])
 def test_decode_attention_equals_torch_and_float64(library, gen, monkeypatch, lens, heads, kv_heads, head_dim,
                                                    block_size):

@@ -53,10 +53,12 @@ class LLMEngine:
     ``add_request`` takes ids as the input builder made them (media handles included);
     ``step`` returns the ``RequestOutput`` of every request that progressed."""
 
-    def __init__(self, config: EngineConfig, *, shm_store: ShmStore | None = None, media_config=None):
+    def __init__(self, config: EngineConfig, *, shm_store: ShmStore | None = None, media_config=None,
+                 owns_store: bool | None = None):
         self.config = config
-        # Our own store unless one is given: close() must not pull segments from under others.
-        self.owns_store = shm_store is None
+        # Our own store unless one is given (or one made for us is handed over with
+        # owns_store=True): close() must not pull segments from under others.
+        self.owns_store = shm_store is None if owns_store is None else owns_store
         self.shm_store = shm_store if shm_store is not None else ShmStore()
         try:
             self.router = get_router(config.model, shm_store=self.shm_store, media_config=media_config,
@@ -142,13 +144,7 @@ class LLM:
             owned = True
         else:
             owned = shm_store is None
-        try:
-            self.engine = LLMEngine(config, shm_store=shm_store, media_config=media_config)
-        except BaseException:
-            if owned and shm_store is not None:  # the store made here for shm_cache_bytes
-                shm_store.close()
-            raise
-        self.engine.owns_store = owned
+        self.engine = LLMEngine(config, shm_store=shm_store, media_config=media_config, owns_store=owned)
         self.router = self.engine.router
         self._ids = itertools.count()
 

@@ -76,6 +76,8 @@ def library_for(dtype: torch.dtype, device: torch.device):
 
 
 def _load():
+    if _loaded:  # the hot path (every op of every step): no lock once decided
+        return _loaded.get("library"), _loaded.get("error")
     with _lock:
         if not _loaded:
             try:
@@ -142,16 +144,21 @@ def _build() -> Path:
     return target
 
 
+# The decode kernel works in 16-float vectors; other head sizes take SDPA (torch_kernels).
+DECODE_HEAD_DIM_MULTIPLE = 16
+
+
 def paged_decode(library, query, key_cache, value_cache, block_tables, seq_lens, max_block: int, scale: float):
-    """``(B, H, D)`` float32 queries, one per request, over the requests' cached K/V.
-    ``block_tables`` ``(B, W)`` int32 and ``seq_lens`` ``(B,)`` int32 (contiguous, CPU), with
-    ``max_block`` the largest block id they use (checked here against the cache: the kernel
-    trusts its indices)."""
+    """``(B, H, D)`` float32 queries, one per request, over the requests' cached K/V, D a multiple
+    of ``DECODE_HEAD_DIM_MULTIPLE``. ``block_tables`` ``(B, W)`` int32 and ``seq_lens`` ``(B,)``
+    int32 (contiguous, CPU), with ``max_block`` the largest block id they use (checked here against
+    the cache: the kernel trusts its indices)."""
     batch, heads, head_dim = query.shape
     num_blocks, block_size, kv_heads, cache_dim = key_cache.shape
     if not (query.dtype == key_cache.dtype == value_cache.dtype == torch.float32):
         raise ValueError(f"the CPU decode kernel takes float32, got {query.dtype} / {key_cache.dtype}")
-    if cache_dim != head_dim or heads % kv_heads or value_cache.shape != key_cache.shape:
+    if (cache_dim != head_dim or head_dim % DECODE_HEAD_DIM_MULTIPLE or heads % kv_heads
+            or value_cache.shape != key_cache.shape):
         raise ValueError(f"query {tuple(query.shape)} does not fit the cache {tuple(key_cache.shape)}")
     if max_block >= num_blocks:
         raise IndexError(f"block table names block {max_block}, the cache has {num_blocks}")
@@ -159,9 +166,10 @@ def paged_decode(library, query, key_cache, value_cache, block_tables, seq_lens,
         raise ValueError("the CPU decode kernel needs contiguous caches")
     query = query.contiguous()
     out = torch.empty_like(query)
-    failed = library.paged_decode_f32(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(), block_tables.data_ptr(),
-                    block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), batch, heads, kv_heads, head_dim,
-                    block_size, scale, torch.get_num_threads())
+    failed = library.paged_decode_f32(query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+                                      block_tables.data_ptr(), block_tables.stride(0), seq_lens.data_ptr(),
+                                      out.data_ptr(), batch, heads, kv_heads, head_dim, block_size, scale,
+                                      torch.get_num_threads())
     if failed:
         raise MemoryError("the CPU decode kernel could not allocate its scratch buffer")
     return out
@@ -172,9 +180,7 @@ def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:
     leading dims cannot be flattened into one stride)."""
     if x.stride(-1) != 1:
         x = x.contiguous()
-    rows = x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # keeps the unit stride
     return rows, rows.stride(0)
 
 

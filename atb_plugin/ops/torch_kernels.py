@@ -95,12 +95,14 @@ class _AttentionStep:
     """What ``paged_attention`` derives from a step's metadata, once for all layers: decodes
     batched together when there are several, everything else request by request."""
 
-    def __init__(self, metadata, block_size: int, device, dtype):
+    def __init__(self, metadata, block_size: int, device, dtype, head_dim: int):
         starts = metadata.query_start_loc_cpu.tolist()
         spans = [(r, start, end) for r, (start, end) in enumerate(zip(starts[:-1], starts[1:])) if end > start]
         decodes = [(r, start) for r, start, end in spans if end - start == 1]
         # The native kernel takes a lone decode too (it gathers nothing); SDPA only pays off batched.
-        library = cpu_native.library_for(dtype, device)
+        library = None
+        if head_dim % cpu_native.DECODE_HEAD_DIM_MULTIPLE == 0:
+            library = cpu_native.library_for(dtype, device)
         self.decodes = None
         if len(decodes) > (0 if library is not None else 1):
             self.decodes = _Decodes(metadata, [r for r, _ in decodes], [t for _, t in decodes], block_size, device,
@@ -140,8 +142,9 @@ def _batched_decode(query, key_cache, value_cache, decodes: _Decodes, scale):
 
 def paged_attention(query, key_cache, value_cache, metadata, scale) -> torch.Tensor:
     block_size = key_cache.shape[1]
-    step = metadata.derived(f"torch_kernels/{block_size}/{query.dtype}", query.device,
-                            lambda: _AttentionStep(metadata, block_size, query.device, query.dtype))
+    head_dim = query.shape[-1]
+    step = metadata.derived(f"torch_kernels/{block_size}/{query.dtype}/{head_dim}", query.device,
+                            lambda: _AttentionStep(metadata, block_size, query.device, query.dtype, head_dim))
     # Decodes (one new token) are the bulk of a busy batch: one batched call for all of them;
     # prefill chunks, few and long, go one by one (padding them together would waste memory).
     if step.only_decodes:

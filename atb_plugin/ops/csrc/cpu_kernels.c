@@ -16,53 +16,15 @@
  *
  * Per request, in three passes: scores[h][t] = scale * q_h . k_t for every cached token t (each
  * token's K row, all kv heads, read once), a softmax per head, then out_h = sum_t p[h][t] v_t
- * (each V row read once). decode_vec does it in explicit vectors (GCC vector extensions: AVX-512
- * or AVX2 as -march=native allows) when head_dim is a multiple of 16, as in every model here;
- * decode_any in plain loops otherwise. Requests run in parallel (OpenMP, the caller's thread
- * count). Returns 0, or 1 when a scratch allocation failed (the output is then incomplete).
+ * (each V row read once), in explicit vectors (GCC vector extensions: AVX-512 or AVX2 as
+ * -march=native allows). head_dim must be a multiple of 16 (every model here; the caller sends
+ * others to SDPA). Requests run in parallel (OpenMP, the caller's thread count). Returns 0, or 1
+ * when a scratch allocation failed (the output is then incomplete).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-
-/* For head_dim not a multiple of LANES: plain loops, left to the compiler. */
-static int decode_any(const float *q, const float *key_cache, const float *value_cache, const int32_t *table,
-                      int64_t len, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                      int64_t block_size, float scale) {
-    const int64_t group = heads / kv_heads;
-    const int64_t token_stride = kv_heads * head_dim, block_stride = block_size * token_stride;
-    float *scores = malloc(sizeof(float) * heads * (len + head_dim)); /* (heads, len), then (heads, head_dim) */
-    if (!scores) return 1;
-    float *acc = scores + heads * len;
-    for (int64_t t = 0; t < len; t++) {
-        const float *k = key_cache + (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride;
-        for (int64_t h = 0; h < heads; h++) {
-            const float *kh = k + (h / group) * head_dim, *qh = q + h * head_dim;
-            float s = 0.f;
-            for (int64_t d = 0; d < head_dim; d++) s += qh[d] * kh[d];
-            scores[h * len + t] = s * scale;
-        }
-    }
-    for (int64_t h = 0; h < heads; h++) {
-        float *s = scores + h * len, top = s[0], sum = 0.f;
-        for (int64_t t = 1; t < len; t++) top = s[t] > top ? s[t] : top;
-        for (int64_t t = 0; t < len; t++) {
-            s[t] = expf(s[t] - top);
-            sum += s[t];
-        }
-        for (int64_t t = 0; t < len; t++) s[t] /= sum;
-    }
-    memset(acc, 0, sizeof(float) * heads * head_dim);
-    for (int64_t t = 0; t < len; t++) {
-        const float *v = value_cache + (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride;
-        for (int64_t h = 0; h < heads; h++)
-            for (int64_t d = 0; d < head_dim; d++) acc[h * head_dim + d] += scores[h * len + t] * v[(h / group) * head_dim + d];
-    }
-    memcpy(out, acc, sizeof(float) * heads * head_dim);
-    free(scores);
-    return 0;
-}
 
 #define LANES 16
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
@@ -104,8 +66,8 @@ static inline const float *row_of(const float *cache, const int32_t *table, int6
     return cache + (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride;
 }
 
-/* head_dim a multiple of LANES, in explicit vectors (measured 1.4x faster than decode_any's
- * loops on a 30-layer, 32-request step: bench_cpu_kernels.py). V is summed LANES tokens at a
+/* head_dim a multiple of LANES (measured 1.4x faster than the same passes in plain C loops on a
+ * 30-layer, 32-request step: bench_cpu_kernels.py). V is summed LANES tokens at a
  * time so each head's accumulator stays in registers over the chunk while the chunk's V rows
  * stay in L1. */
 static inline __attribute__((always_inline)) int decode_vec(
@@ -180,10 +142,7 @@ int paged_decode_f32(const float *query, const float *key_cache, const float *va
         switch (head_dim) {
             case 64: failed |= DECODE_VEC(64); break;
             case 128: failed |= DECODE_VEC(128); break;
-            default:
-                failed |= head_dim % LANES == 0 ? DECODE_VEC(head_dim)
-                                                : decode_any(q, key_cache, value_cache, table, len, o, heads,
-                                                             kv_heads, head_dim, block_size, scale);
+            default: failed |= DECODE_VEC(head_dim);
         }
     }
     return failed;
