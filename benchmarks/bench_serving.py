@@ -659,8 +659,8 @@ async def read_stream(response: httpx.Response, record: RequestRecord) -> None:
         raise StreamError("parse_error", "the response carried no server-sent events")
 
 
-async def stream_request(client: httpx.AsyncClient, path: str, body: dict, record: RequestRecord) -> None:
-    async with client.stream("POST", path, json=body) as response:
+async def stream_request(client: httpx.AsyncClient, path: str, body: bytes, record: RequestRecord) -> None:
+    async with client.stream("POST", path, content=body, headers={"content-type": "application/json"}) as response:
         if response.status_code != 200:
             detail = (await response.aread()).decode(errors="replace")[:300]
             raise StreamError(http_error_kind(response.status_code), detail)
@@ -670,10 +670,13 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict, recor
 async def send_request(client: httpx.AsyncClient, path: str, body: dict, timeout: float,
                        planned_prompt_tokens: int) -> RequestRecord:
     """One request, timed; every failure becomes the record's error kind, never an exception, so
-    one bad response cannot end the run."""
+    one bad response cannot end the run. The body is encoded before the clock starts: JSON
+    encoding is this client's own work (~9 ms for a 1280x720 PNG data URL in httpx), not the
+    server's, and it would otherwise be inside every TTFT."""
+    content = json.dumps(body, separators=(",", ":")).encode()
     record = RequestRecord(start=clock())
     try:
-        await asyncio.wait_for(stream_request(client, path, body, record), timeout)
+        await asyncio.wait_for(stream_request(client, path, content, record), timeout)
     except StreamError as error:
         record.error, record.error_detail = error.kind, error.detail
     except (TimeoutError, httpx.TimeoutException) as error:

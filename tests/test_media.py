@@ -774,6 +774,39 @@ def test_a_resent_data_url_is_not_base64_decoded_again(config, png_bytes, monkey
     assert len(decodes) == 3  # both decoded: an alias never outlives its image
 
 
+def test_a_data_url_fingerprint_collision_never_serves_another_image(config, monkeypatch):
+    """The alias is found by a fingerprint of the text, and a hit is confirmed by comparing the
+    whole text: two data URLs that share a fingerprint each get their own image."""
+    from input_builders import media
+
+    monkeypatch.setattr(media, "_recently_decoded", media._DecodedImages(max_bytes=10**9))
+    monkeypatch.setattr(media, "_inline_key", lambda ref: (0, 0))  # every text collides
+    red, blue = (encode(Image.new("RGB", (8, 8), colour), "PNG") for colour in ("red", "blue"))
+    urls = ["data:image/png;base64," + base64.b64encode(data).decode() for data in (red, blue)]
+    first, second, first_again = (load_image(url, config) for url in (urls[0], urls[1], urls[0]))
+    assert first.digest == hashlib.sha256(red).hexdigest() == first_again.digest
+    assert second.digest == hashlib.sha256(blue).hexdigest()
+    assert second.image.getpixel((0, 0)) == (0, 0, 255) and first_again.image.getpixel((0, 0)) == (255, 0, 0)
+
+
+def test_the_data_url_aliases_are_bounded_by_the_text_they_keep(config, png_bytes):
+    from input_builders import media
+
+    url = "data:image/png;base64," + base64.b64encode(png_bytes).decode()
+    loaded = load_image(url, config)
+    cache = media._DecodedImages(max_bytes=10**9, max_inline_bytes=2 * len(url) + 10)
+    cache.put(loaded.digest, config, loaded.image)
+    texts = [url + " " * n for n in range(3)]  # three texts that load the same image
+    for text in texts:
+        cache.put_inline(media._inline_key(text), text, config, loaded)
+    assert cache.get_inline(media._inline_key(texts[0]), texts[0], config) is None  # the oldest went
+    assert cache.get_inline(media._inline_key(texts[2]), texts[2], config) == loaded
+    assert cache._inline_bytes <= cache.max_inline_bytes
+    too_long = media._DecodedImages(max_bytes=10**9, max_inline_bytes=len(url) - 1)
+    too_long.put_inline(media._inline_key(url), url, config, loaded)  # kept only if it fits
+    assert too_long.get_inline(media._inline_key(url), url, config) is None
+
+
 def test_a_decoded_image_keeps_no_reference_to_its_source_bytes(config):
     """What is cached and served is the pixels alone: a PNG file image would keep its whole
     encoded file (BytesIO, chunk reader) alive beside them, which the cache's byte bound does not

@@ -62,9 +62,10 @@ def run_tokenizer_worker(index: int, settings: WorkerSettings, job_address: str,
     # One compute thread: the cores belong to the engine (docs/architecture.md, "Threads"); N
     # workers each spinning up a full OpenMP pool for a resize or a tokenizer call would
     # oversubscribe them and slow the decode of every running request.
-    from atb_plugin.utils import limit_compute_threads
+    from atb_plugin.utils import keep_request_buffers_in_heap, limit_compute_threads
 
     limit_compute_threads(1)
+    keep_request_buffers_in_heap()  # the data URLs of image requests arrive here too
     import shm
     from routers import get_router
 
