@@ -4,6 +4,9 @@ with the same greedy tokens. SmolLM2-135M-Instruct fp32, one torch thread.
 
 Both sides are the same ``LLM`` in one process: ``ATB_PLUGIN_CPU_KERNELS`` is read every step, so
 runs alternate native / torch (order swapped every run), and the ratio of medians is printed.
+The linear layers are laid out when the model loads: since the native linear kernel exists they
+are ``PanelLinear`` here, so the torch side runs their torch fallback (one batched matmul over
+the panels), not oneDNN; the linear kernel against oneDNN is bench_linear.py's claim.
 
   single     one prompt, --tokens new tokens through ``LLMEngine.step`` (decode tok/s after the
              first token), as bench_engine.py measures it;

@@ -92,8 +92,9 @@ class EngineConfig:
     # either (the segment header says which); this picks what the builders write and what the
     # start-up memory profile feeds the encoder.
     mm_wire_dtype: str = DEFAULT_WIRE_DTYPE
-    # CPU: linear weights packed once for oneDNN at load (atb_plugin.ops.packed_linear; 1.2-2.2x
-    # faster GEMMs, same results up to float32 summation order). Off: the checkpoint's layout.
+    # CPU: linear weights re-laid once at load (atb_plugin.ops.packed_linear): the native kernels'
+    # column panels, or oneDNN's packed layout where those do not build; faster GEMMs, same results
+    # up to float32 summation order. Off: the checkpoint's layout.
     pack_weights: bool = True
     runner: str = "auto"
     convert: str = "auto"

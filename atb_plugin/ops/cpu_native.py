@@ -4,7 +4,9 @@ Why: on the CPU the host's cost per torch op (~5-8 us of dispatch) is paid ~60 t
 and step, and the torch decode attention gathers every request's KV blocks into a padded copy
 (``index_select``) before SDPA reads it again. The library has one call for each of: decode
 attention over the blocks in place (what vLLM's CPU backend and the NPU's paged-attention op
-do), RMSNorm, rotary and SiLU-and-mul (4 to 8 torch ops each). Measured in
+do), RMSNorm, rotary and SiLU-and-mul (4 to 8 torch ops each), and the linear layers over
+weights laid out in column panels (``PanelLinear`` in ``packed_linear.py``), whose reads of the
+next panel overlap the arithmetic on the current one. Measured in
 ``benchmarks/RESULTS.md`` (bench_engine, "Third round").
 
 How it is built: the machine's C compiler (``$CC``, else ``cc``) with ``-O3 -march=native
@@ -95,6 +97,7 @@ _SIGNATURES = {  # name: (restype, argtypes), as in csrc/cpu_kernels.c
     "rms_norm_f32": (None, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _INT]),
     "rotary_f32": (None, [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]),
     "silu_and_mul_f32": (None, [_PTR, _I64, _PTR, _I64, _I64, _INT]),
+    "linear_f32": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT]),
 }
 
 
@@ -172,6 +175,49 @@ def paged_decode(library, query, key_cache, value_cache, block_tables, seq_lens,
                                       torch.get_num_threads())
     if failed:
         raise MemoryError("the CPU decode kernel could not allocate its scratch buffer")
+    return out
+
+
+# Columns per weight panel of linear_f32 (csrc/cpu_kernels.c: the layout is drawn there).
+PANEL = 64
+
+
+def weight_panels(weight: torch.Tensor) -> torch.Tensor:
+    """A float32 ``(N, K)`` weight as ``(ceil(N / PANEL), K, PANEL)`` column panels (contiguous;
+    the columns past N are zeros): ``panels[p][k][j] = weight[p * PANEL + j][k]``."""
+    out_features, in_features = weight.shape
+    padded = -(-out_features // PANEL) * PANEL
+    full = torch.zeros((padded, in_features), dtype=torch.float32)
+    full[:out_features] = weight
+    return full.view(padded // PANEL, PANEL, in_features).transpose(1, 2).contiguous()
+
+
+def padded_bias(bias: torch.Tensor | None, panels: torch.Tensor) -> torch.Tensor | None:
+    """The bias as ``linear`` takes it: float32, one value per panel column (zeros past N)."""
+    if bias is None:
+        return None
+    full = torch.zeros(panels.shape[0] * PANEL, dtype=torch.float32)
+    full[:bias.numel()] = bias
+    return full
+
+
+def linear(library, x: torch.Tensor, panels: torch.Tensor, out_features: int,
+           bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + b`` for float32 ``x`` ``(..., K)``, with W as ``weight_panels`` made it and the
+    bias as ``padded_bias`` made it (or None)."""
+    num_panels, in_features, width = panels.shape
+    if (x.dtype != torch.float32 or panels.dtype != torch.float32 or width != PANEL
+            or x.shape[-1] != in_features or not panels.is_contiguous()
+            or not 0 < out_features <= num_panels * PANEL or (num_panels - 1) * PANEL >= out_features):
+        raise ValueError(f"linear: x {tuple(x.shape)} {x.dtype} does not fit panels {tuple(panels.shape)} "
+                         f"{panels.dtype} for {out_features} outputs")
+    if bias is not None and (bias.numel() != num_panels * PANEL or not bias.is_contiguous()):
+        raise ValueError(f"linear: a bias of {bias.numel()} for {num_panels} panels")
+    rows, stride = _rows(x)
+    out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)
+    library.linear_f32(rows.data_ptr(), rows.shape[0], in_features, stride, panels.data_ptr(), out_features,
+                       None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
+                       torch.get_num_threads())
     return out
 
 

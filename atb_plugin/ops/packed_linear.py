@@ -15,6 +15,13 @@ This is what vLLM's CPU backend does for every unquantised linear layer and what
 weight freezing does; here it is a module swap after the weights are loaded
 (``pack_linear_layers``), so the models' code and parameter names stay those of the checkpoint.
 
+Where the native CPU kernels load (``atb_plugin.ops.cpu_native``, float32), a linear layer holds
+its weight in their column panels instead (``PanelLinear``): one row streams the weight at
+~1.2x oneDNN's speed, and at 32 rows the kernel reads the next panel from DRAM while it computes
+on the current one (1.3x oneDNN; 0.94x at 2048 rows). Measured in benchmarks/RESULTS.md
+(bench_engine, "Fourth round"); oneDNN packing remains for bfloat16 and wherever the library is
+unavailable.
+
 The dense weight is dropped once packed (no memory grows) unless another module still reads it:
 a tied LM head shares the input embedding's weight, so it gets a packed copy and the embedding
 keeps the original.
@@ -27,6 +34,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from atb_plugin.ops import cpu_native
 
 logger = logging.getLogger(__name__)
 
@@ -60,18 +69,49 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
+class PanelLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` held only as the native kernels' column panels
+    (``cpu_native.weight_panels``), float32. Takes any leading dimensions, like ``nn.Linear``.
+    When the native kernels are switched off after load (``ATB_PLUGIN_CPU_KERNELS=torch``) it
+    runs the same product as one batched torch matmul over the panels."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight_panels", cpu_native.weight_panels(weight.detach()), persistent=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
+        self.register_buffer("padded_bias", cpu_native.padded_bias(self.bias, self.weight_panels), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        library = cpu_native.library_for(x.dtype, x.device)
+        if library is not None:
+            return cpu_native.linear(library, x, self.weight_panels, self.out_features, self.padded_bias)
+        rows = x.reshape(-1, self.in_features).to(torch.float32)
+        out = torch.matmul(rows, self.weight_panels).transpose(0, 1).reshape(rows.shape[0], -1)
+        out = out[:, :self.out_features]
+        if self.bias is not None:
+            out = out + self.bias
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
+
 @dataclass
 class PackingSummary:
-    packed: int = 0  # layers now running on packed weights
+    packed: int = 0  # layers now running on packed weights (oneDNN's or the native kernels' panels)
+    native: int = 0  # of those, the ones in the native kernels' panels
     copied_bytes: int = 0  # packed copies of weights another module still reads (tied heads)
     skipped: int = 0  # layers left dense (a dtype oneDNN does not pack here)
 
 
 def pack_linear_layers(model: nn.Module) -> PackingSummary:
-    """Replace every ``nn.Linear`` of ``model`` whose weight dtype oneDNN packs on this CPU by a
-    ``PackedLinear``. A weight that some other module also holds (a tied embedding) is packed
-    as a copy and stays where it is."""
+    """Replace every CPU ``nn.Linear`` of ``model``: a float32 one by a ``PanelLinear`` where the
+    native kernels load, else, if oneDNN packs its dtype on this CPU, by a ``PackedLinear``. A
+    weight that some other module also holds (a tied embedding) is packed as a copy and stays
+    where it is."""
     dtypes = packable_dtypes()
+    native = cpu_native.library_for(torch.float32, torch.device("cpu")) is not None
     holders: dict[int, int] = {}  # id(weight) -> how many modules hold it as a parameter
     for module in model.modules():
         for parameter in module.parameters(recurse=False):
@@ -81,13 +121,18 @@ def pack_linear_layers(model: nn.Module) -> PackingSummary:
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child.weight.device.type != "cpu":
                 continue
-            if child.weight.dtype not in dtypes:
+            if native and child.weight.dtype == torch.float32:
+                setattr(parent, name, PanelLinear(child.weight, child.bias))
+                summary.native += 1
+            elif child.weight.dtype in dtypes:
+                setattr(parent, name, PackedLinear(child.weight, child.bias))
+            else:
                 summary.skipped += 1
                 continue
-            setattr(parent, name, PackedLinear(child.weight, child.bias))
             summary.packed += 1
             if holders[id(child.weight)] > 1:
                 summary.copied_bytes += child.weight.numel() * child.weight.element_size()
-    logger.info("oneDNN packed weights: %d linear layers (%.1f MiB copied for shared weights, %d left dense)",
-                summary.packed, summary.copied_bytes / 2**20, summary.skipped)
+    logger.info("packed weights: %d linear layers, %d of them in native panels (%.1f MiB copied for shared "
+                "weights, %d left dense)", summary.packed, summary.native, summary.copied_bytes / 2**20,
+                summary.skipped)
     return summary

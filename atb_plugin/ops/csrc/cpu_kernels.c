@@ -197,3 +197,90 @@ void silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows
         for (; i < width; i++) o[i] = gate[i] / (1.f + expf(-gate[i])) * up[i];
     }
 }
+
+/* Linear layers: y = x W^T (+ bias) with W (N, K) held as column panels (docs/architecture.md,
+ * "Native CPU kernels"):
+ *
+ *   panels[p][k][j] = W[p * PANEL + j][k]        p < ceil(N / PANEL), columns past N are zero
+ *
+ *        k ->                    panel p, read front to back:
+ *   W  [ row p*64     ]          k=0: W[p*64..p*64+63][0]   (64 floats, 4 vectors)
+ *      [ ...          ]   --->   k=1: W[p*64..p*64+63][1]
+ *      [ row p*64+63  ]          ...  one contiguous K x 64 block per panel
+ *
+ * A tile of MR rows of x times one panel keeps MR x 4 vector sums in registers: per k, 4 vector
+ * loads of the panel, MR broadcasts of x, 4 MR fused multiply-adds. One row (decode of a single
+ * stream) streams the panels once, front to back; with more rows, the panel (K x 256 bytes) stays
+ * in L2 for the row tiles after the first, and those tiles prefetch the next panel into L2 while
+ * they compute, so reading the weights from DRAM overlaps the arithmetic instead of alternating
+ * with it (that overlap is what beats oneDNN's packed GEMM at 32 rows: benchmarks/RESULTS.md). */
+#define PANEL 64
+#define MR 6
+
+static inline void linear_tile(const float *x, int64_t x_stride, int rows, int64_t K, const float *panel,
+                               const float *bias, float *y, int64_t y_stride, int64_t cols, const float *prefetch,
+                               int per_k) {
+    vf acc[MR][4];
+    for (int r = 0; r < MR; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = bias ? load(bias + LANES * j) : (vf){0};
+    for (int64_t k = 0; k < K; k++) {
+        const float *w = panel + k * PANEL;
+        for (int i = 0; i < per_k; i++) __builtin_prefetch(prefetch + (k * per_k + i) * LANES, 0, 2);
+        const vf w0 = load(w), w1 = load(w + LANES), w2 = load(w + 2 * LANES), w3 = load(w + 3 * LANES);
+        if (rows == MR) { /* the common case, unrolled: MR x 4 sums in registers */
+#pragma GCC unroll 6
+            for (int r = 0; r < MR; r++) {
+                const float b = x[r * x_stride + k];
+                acc[r][0] += w0 * b; acc[r][1] += w1 * b; acc[r][2] += w2 * b; acc[r][3] += w3 * b;
+            }
+        } else {
+            for (int r = 0; r < rows; r++) {
+                const float b = x[r * x_stride + k];
+                acc[r][0] += w0 * b; acc[r][1] += w1 * b; acc[r][2] += w2 * b; acc[r][3] += w3 * b;
+            }
+        }
+    }
+    for (int r = 0; r < rows; r++) {
+        float *out = y + r * y_stride;
+        if (cols == PANEL) {
+            for (int j = 0; j < 4; j++) store(out + LANES * j, acc[r][j]);
+        } else { /* the last, partial panel: only its real columns */
+            float full[PANEL];
+            for (int j = 0; j < 4; j++) store(full + LANES * j, acc[r][j]);
+            memcpy(out, full, cols * sizeof(float));
+        }
+    }
+}
+
+/* y (M, N), rows y_stride apart; x (M, K), rows x_stride apart; bias NULL or ceil(N/PANEL)*PANEL. */
+void linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const float *panels, int64_t N,
+                const float *bias, float *y, int64_t y_stride, int num_threads) {
+    const int64_t num_panels = (N + PANEL - 1) / PANEL, row_tiles = (M + MR - 1) / MR;
+    const int64_t panel_lines = K * PANEL / LANES; /* 64-byte lines in one panel */
+#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_panels > 1)
+    for (int64_t p = 0; p < num_panels; p++) {
+        const float *panel = panels + p * K * PANEL;
+        const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
+        for (int64_t t = 0; t < row_tiles; t++) {
+            const int64_t m0 = t * MR;
+            const int rows = (int)(M - m0 < MR ? M - m0 : MR);
+            /* Tiles after the first share the next panel's lines out among them, a whole number
+             * per k step (at least one), and prefetch them (a prefetch past the panel's end is a
+             * wasted hint, never a fault). */
+            const float *prefetch = NULL;
+            int per_k = 0;
+            if (t > 0 && p + 1 < num_panels) {
+                const int64_t share = (panel_lines + row_tiles - 2) / (row_tiles - 1);
+                const int64_t first = (t - 1) * share;
+                const int64_t count = panel_lines - first < share ? panel_lines - first : share;
+                if (count > 0) {
+                    per_k = (int)((count + K - 1) / K);
+                    if ((int64_t)per_k * K > count) per_k = count / K > 0 ? (int)(count / K) : 1;
+                    prefetch = panel + K * PANEL + first * LANES;
+                }
+            }
+            linear_tile(x + m0 * x_stride, x_stride, rows, K, panel, bias ? bias + p * PANEL : NULL,
+                        y + m0 * y_stride + p * PANEL, y_stride, cols, prefetch, per_k);
+        }
+    }
+}
