@@ -66,14 +66,19 @@ def test_the_panel_kernel_refuses_what_does_not_fit():
         pytest.skip("the native CPU kernels do not build here")
     library = cpu_native.library_for(torch.float32, torch.device("cpu"))
     panels = cpu_native.weight_panels(torch.randn(100, 32))
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ValueError, match="float32 rows of 32"):
         cpu_native.linear(library, torch.randn(3, 31), panels, 100, None)  # K 31 for 32
-    with pytest.raises(ValueError, match="does not fit"):
-        cpu_native.linear(library, torch.randn(3, 32), panels, 129, None)  # more outputs than panels hold
-    with pytest.raises(ValueError, match="does not fit"):
+    with pytest.raises(ValueError, match="float32 rows of 32"):
         cpu_native.linear(library, torch.randn(3, 32, dtype=torch.float64), panels, 100, None)
+    with pytest.raises(ValueError, match="cannot hold 129 outputs"):  # more outputs than two panels hold
+        cpu_native.check_panels(panels, 129, None)
+    with pytest.raises(ValueError, match="cannot hold 64 outputs"):  # a whole panel of padding
+        cpu_native.check_panels(panels, 64, None)
+    with pytest.raises(ValueError, match="cannot hold"):
+        cpu_native.check_panels(panels.transpose(1, 2), 100, None)
     with pytest.raises(ValueError, match="a bias of 100"):
-        cpu_native.linear(library, torch.randn(3, 32), panels, 100, torch.zeros(100))
+        cpu_native.check_panels(panels, 100, torch.zeros(100))
+    cpu_native.check_panels(panels, 100, cpu_native.padded_bias(torch.zeros(100), panels))
 
 
 def test_packing_swaps_every_linear_and_copies_only_a_shared_weight():

@@ -201,21 +201,27 @@ def padded_bias(bias: torch.Tensor | None, panels: torch.Tensor) -> torch.Tensor
     return full
 
 
+def check_panels(panels: torch.Tensor, out_features: int, bias: torch.Tensor | None) -> None:
+    """What ``linear`` trusts about its weight, checked once when a layer is made: float32
+    contiguous ``weight_panels`` for ``out_features`` outputs, a ``padded_bias`` or None."""
+    if (panels.dtype != torch.float32 or panels.dim() != 3 or panels.shape[2] != PANEL
+            or not panels.is_contiguous() or not (panels.shape[0] - 1) * PANEL < out_features <= panels.shape[0] * PANEL):
+        raise ValueError(f"panels {tuple(panels.shape)} {panels.dtype} cannot hold {out_features} outputs")
+    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != panels.shape[0] * PANEL
+                             or not bias.is_contiguous()):
+        raise ValueError(f"a bias of {bias.numel()} ({bias.dtype}) for {panels.shape[0]} panels")
+
+
 def linear(library, x: torch.Tensor, panels: torch.Tensor, out_features: int,
            bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ W.T + b`` for float32 ``x`` ``(..., K)``, with W as ``weight_panels`` made it and the
-    bias as ``padded_bias`` made it (or None)."""
-    num_panels, in_features, width = panels.shape
-    if (x.dtype != torch.float32 or panels.dtype != torch.float32 or width != PANEL
-            or x.shape[-1] != in_features or not panels.is_contiguous()
-            or not 0 < out_features <= num_panels * PANEL or (num_panels - 1) * PANEL >= out_features):
-        raise ValueError(f"linear: x {tuple(x.shape)} {x.dtype} does not fit panels {tuple(panels.shape)} "
-                         f"{panels.dtype} for {out_features} outputs")
-    if bias is not None and (bias.numel() != num_panels * PANEL or not bias.is_contiguous()):
-        raise ValueError(f"linear: a bias of {bias.numel()} for {num_panels} panels")
+    bias as ``padded_bias`` made it (or None), both passed through ``check_panels`` beforehand
+    (this runs for every layer of every step, so it checks only ``x``)."""
+    if x.dtype != torch.float32 or x.shape[-1] != panels.shape[1]:
+        raise ValueError(f"linear: x {tuple(x.shape)} {x.dtype} for float32 rows of {panels.shape[1]}")
     rows, stride = _rows(x)
     out = torch.empty((*x.shape[:-1], out_features), dtype=torch.float32)
-    library.linear_f32(rows.data_ptr(), rows.shape[0], in_features, stride, panels.data_ptr(), out_features,
+    library.linear_f32(rows.data_ptr(), rows.shape[0], panels.shape[1], stride, panels.data_ptr(), out_features,
                        None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
                        torch.get_num_threads())
     return out

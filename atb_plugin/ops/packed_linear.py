@@ -81,6 +81,7 @@ class PanelLinear(nn.Module):
         self.register_buffer("weight_panels", cpu_native.weight_panels(weight.detach()), persistent=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
         self.register_buffer("padded_bias", cpu_native.padded_bias(self.bias, self.weight_panels), persistent=False)
+        cpu_native.check_panels(self.weight_panels, self.out_features, self.padded_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         library = cpu_native.library_for(x.dtype, x.device)

@@ -223,17 +223,22 @@ static inline void linear_tile(const float *x, int64_t x_stride, int rows, int64
     vf acc[MR][4];
     for (int r = 0; r < MR; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = bias ? load(bias + LANES * j) : (vf){0};
-    for (int64_t k = 0; k < K; k++) {
-        const float *w = panel + k * PANEL;
-        for (int i = 0; i < per_k; i++) __builtin_prefetch(prefetch + (k * per_k + i) * LANES, 0, 2);
-        const vf w0 = load(w), w1 = load(w + LANES), w2 = load(w + 2 * LANES), w3 = load(w + 3 * LANES);
-        if (rows == MR) { /* the common case, unrolled: MR x 4 sums in registers */
+    if (rows == MR) { /* the common case, in its own loop so that the MR x 4 sums stay in registers */
+        for (int64_t k = 0; k < K; k++) {
+            const float *w = panel + k * PANEL;
+            for (int i = 0; i < per_k; i++) __builtin_prefetch(prefetch + (k * per_k + i) * LANES, 0, 2);
+            const vf w0 = load(w), w1 = load(w + LANES), w2 = load(w + 2 * LANES), w3 = load(w + 3 * LANES);
 #pragma GCC unroll 6
             for (int r = 0; r < MR; r++) {
                 const float b = x[r * x_stride + k];
                 acc[r][0] += w0 * b; acc[r][1] += w1 * b; acc[r][2] += w2 * b; acc[r][3] += w3 * b;
             }
-        } else {
+        }
+    } else {
+        for (int64_t k = 0; k < K; k++) {
+            const float *w = panel + k * PANEL;
+            for (int i = 0; i < per_k; i++) __builtin_prefetch(prefetch + (k * per_k + i) * LANES, 0, 2);
+            const vf w0 = load(w), w1 = load(w + LANES), w2 = load(w + 2 * LANES), w3 = load(w + 3 * LANES);
             for (int r = 0; r < rows; r++) {
                 const float b = x[r * x_stride + k];
                 acc[r][0] += w0 * b; acc[r][1] += w1 * b; acc[r][2] += w2 * b; acc[r][3] += w3 * b;
