@@ -281,7 +281,8 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--hf-one-by-one", type=int, default=2, help="prompts transformers runs one at a time")
+    parser.add_argument("--hf-one-by-one", type=int, default=2, choices=range(1, 33), metavar="1..32",
+                        help="prompts transformers runs one at a time")
     parser.add_argument("--prefill", default="", help="comma-separated prompt lengths, e.g. 512,2048,8192")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--busy-frontend", type=int, default=0, metavar="N",
