@@ -17,8 +17,8 @@ weight freezing does; here it is a module swap after the weights are loaded
 
 Where the native CPU kernels load (``atb_plugin.ops.cpu_native``, float32), a linear layer holds
 its weight in their column panels instead (``PanelLinear``): at 32 rows the kernel reads the
-next panel from DRAM while it computes on the current one, 1.19x oneDNN's speed (1.04x at one
-row, 1.11x at 128, 0.86-0.98x at 2048; benchmarks/RESULTS.md, bench_engine "Fourth round").
+next panel from DRAM while it computes on the current one, 1.21-1.24x oneDNN's speed (1.07-1.16x
+at one row, 0.89-0.98x at 2048; benchmarks/RESULTS.md, bench_engine "Fourth round").
 oneDNN packing remains for bfloat16 and wherever the library is unavailable.
 
 The dense weight is dropped once packed (no memory grows) unless another module still reads it:
