@@ -78,8 +78,9 @@ class PanelLinear(nn.Module):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.register_buffer("weight_panels", cpu_native.weight_panels(weight.detach()), persistent=False)
-        self.bias = None if bias is None else nn.Parameter(bias.detach().float(), requires_grad=False)
-        self.register_buffer("padded_bias", cpu_native.padded_bias(self.bias, self.weight_panels), persistent=False)
+        # the only copy of the bias: zeros past out_features, sliced off with the padded columns
+        self.register_buffer("padded_bias", cpu_native.padded_bias(None if bias is None else bias.detach(),
+                                                                   self.weight_panels), persistent=False)
         cpu_native.check_panels(self.weight_panels, self.out_features, self.padded_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -88,13 +89,13 @@ class PanelLinear(nn.Module):
             return cpu_native.linear(library, x, self.weight_panels, self.out_features, self.padded_bias)
         rows = x.reshape(-1, self.in_features).to(torch.float32)
         out = torch.matmul(rows, self.weight_panels).transpose(0, 1).reshape(rows.shape[0], -1)
-        out = out[:, :self.out_features]
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+        if self.padded_bias is not None:
+            out = out + self.padded_bias
+        return out[:, :self.out_features].reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bias={self.padded_bias is not None}")
 
 
 @dataclass

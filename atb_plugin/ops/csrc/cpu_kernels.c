@@ -274,22 +274,20 @@ void linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const fl
         for (int64_t t = 0; t < row_tiles; t++) {
             const int64_t m0 = t * MR;
             const int rows = (int)(M - m0 < MR ? M - m0 : MR);
-            /* Tiles after the first share the next panel's lines out among them, a whole number
-             * per k step (at least one), and prefetch them (a prefetch past the panel's end is a
-             * wasted hint, never a fault). */
-            const float *prefetch = panel + PREFETCH_AHEAD * PANEL; /* tile 0: its own panel, ahead */
-            int per_k = PANEL / LANES;
-            if (t > 0) {
-                prefetch = NULL;
-                per_k = 0;
-            }
-            if (t > 0 && p + 1 < num_panels) {
+            /* Tile 0 prefetches its own panel, ahead of where it reads. The tiles after it share
+             * the next panel's lines out among them, a whole number per k step (at least one)
+             * (a prefetch past the panel's end is a wasted hint, never a fault). */
+            const float *prefetch = NULL;
+            int per_k = 0;
+            if (t == 0) {
+                prefetch = panel + PREFETCH_AHEAD * PANEL;
+                per_k = PANEL / LANES;
+            } else if (p + 1 < num_panels) {
                 const int64_t share = (panel_lines + row_tiles - 2) / (row_tiles - 1);
                 const int64_t first = (t - 1) * share;
                 const int64_t count = panel_lines - first < share ? panel_lines - first : share;
                 if (count > 0) {
-                    per_k = (int)((count + K - 1) / K);
-                    if ((int64_t)per_k * K > count) per_k = count / K > 0 ? (int)(count / K) : 1;
+                    per_k = count / K > 0 ? (int)(count / K) : 1;
                     prefetch = panel + K * PANEL + first * LANES;
                 }
             }
