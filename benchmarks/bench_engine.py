@@ -31,7 +31,7 @@ The last line is one JSON object with at least single_tok_s, batch_tok_s, hf_bat
 speedup_vs_hf_batched and outside_forward_share.
 
     python benchmarks/bench_engine.py [--threads 1] [--runs 3] [--tokens 128] [--batch 32]
-                                      [--prefill 512,2048] [--profile]
+                                      [--prefill 512,2048] [--profile] [--enforce-eager]
 """
 
 from __future__ import annotations
@@ -285,6 +285,8 @@ def main() -> None:
                         help="prompts transformers runs one at a time")
     parser.add_argument("--prefill", default="", help="comma-separated prompt lengths, e.g. 512,2048,8192")
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="ours without the captured decode step (EngineConfig.enforce_eager)")
     parser.add_argument("--busy-frontend", type=int, default=0, metavar="N",
                         help="N processes preprocessing images all along, one thread each")
     args = parser.parse_args()
@@ -302,7 +304,7 @@ def run(args) -> None:
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     lengths = [int(x) for x in args.prefill.split(",") if x.strip()]
     llm = LLM(model_dir, max_num_seqs=max(args.batch, 1), max_num_batched_tokens=2048, num_threads=args.threads,
-              enable_prefix_caching=not lengths)  # prefill timing must not hit the cache
+              enable_prefix_caching=not lengths, enforce_eager=args.enforce_eager)  # prefill timing must not hit the cache
     builder = llm.router.input_builder
     prompts = [builder.make_context(0, chat) for chat in chats(args.batch)]
     tokenizer = llm.router.tokenizer

@@ -18,7 +18,7 @@ from tests.test_mindie_config import SAMPLE
 
 FLAGS = ["--model", "--served-model-name", "--host", "--port", "--device", "--dtype", "--max-model-len",
          "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--kv-cache-memory",
-         "--enable-prefix-caching", "--limit-mm-per-prompt", "--mm-wire-dtype", "--num-threads",
+         "--enable-prefix-caching", "--limit-mm-per-prompt", "--mm-wire-dtype", "--num-threads", "--enforce-eager",
          "--allowed-local-media-path",
          "--allowed-media-domains", "--max-image-bytes", "--max-image-pixels", "--max-request-body-bytes",
          "--max-queued-requests", "--chat-template", "--api-key", "--tokenizer-workers", "--shm-budget-bytes",

@@ -96,6 +96,9 @@ class EngineConfig:
     # column panels, or oneDNN's packed layout where those do not build; faster GEMMs, same results
     # up to float32 summation order. Off: the checkpoint's layout.
     pack_weights: bool = True
+    # Off (the default): decode-only steps replay a captured decode step where the platform has
+    # one (the CPU with the native kernels: models/native_decode.py). On: always the eager forward.
+    enforce_eager: bool = False
     runner: str = "auto"
     convert: str = "auto"
     hf_overrides: dict | None = None
@@ -126,8 +129,9 @@ class EngineConfig:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"EngineConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
-        if not isinstance(self.pack_weights, bool):
-            raise ValueError(f"EngineConfig.pack_weights must be a bool, got {self.pack_weights!r}")
+        for flag in ("pack_weights", "enforce_eager"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"EngineConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
         set_(self, "shm_instances", tuple(self.shm_instances))
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:

@@ -15,6 +15,7 @@ batch runs.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -30,6 +31,8 @@ from atb_plugin.engine.structured_output import GrammarViolation, StructuredOutp
 from atb_plugin.models.interfaces import SupportsMedia, SupportsMRoPE, SupportsTokenTypes
 from atb_plugin.multimodal import MediaBlockError, MultimodalPrompt
 from atb_plugin.pooling.poolers import DispatchPooler, PoolingBatch
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -73,6 +76,12 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.block_size = config.block_size
         self.kv_caches = model.make_kv_caches(num_blocks, config.block_size)
+        # The captured decode step (vLLM's CUDA graphs; here the CPU's native plan): made once,
+        # over these caches, which are never reallocated.
+        self.decode_capture = "off (enforce_eager)" if config.enforce_eager else "off (pooling)"
+        if pooler is None and not config.enforce_eager:
+            self.decode_capture = model.get_language_model().capture_decode_step(self.kv_caches, config.max_num_seqs)
+        logger.info("decode step: %s", self.decode_capture)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size)
         self.sampler = Sampler()
         self.layout = model.media_layout if isinstance(model, SupportsMedia) else None

@@ -142,9 +142,12 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = ops.RotaryEmbedding(config.head_dim, config.rope, config.mrope_section)
+        self.captured_decode = None  # a NativeDecodeStep once the engine captured one (capture_decode_step)
 
     def forward(self, positions, kv_caches: list[KVCache], metadata: AttentionMetadata, inputs_embeds):
         cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
+        if self.captured_decode is not None and self.captured_decode.applies(kv_caches, metadata):
+            return self.captured_decode(inputs_embeds, cos, sin, metadata)
         hidden = inputs_embeds
         for layer, kv_cache in zip(self.layers, kv_caches):
             hidden = layer(hidden, cos, sin, kv_cache, metadata)
@@ -192,6 +195,16 @@ class DecoderForCausalLM(PretrainedModel):
             head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
             head.weight = self.model.embed_tokens.weight
             self.lm_head = head
+
+    def capture_decode_step(self, kv_caches: list[KVCache], max_rows: int) -> str:
+        """Capture the decode forward over ``kv_caches`` (made by ``make_kv_caches``, never
+        reallocated) for up to ``max_rows`` requests where the platform can replay it
+        (``native_decode``: the CPU with the native kernels); decode-only steps then run it.
+        Returns "captured", or why the decode step stays eager."""
+        from atb_plugin.models import native_decode  # the native kernels' side: loaded on use
+
+        self.model.captured_decode, outcome = native_decode.capture(self.model, kv_caches, max_rows)
+        return outcome
 
     def make_kv_caches(self, num_blocks: int, block_size: int, dtype=None, device=None) -> list[KVCache]:
         weight = self.model.embed_tokens.weight

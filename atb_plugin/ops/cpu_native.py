@@ -98,6 +98,8 @@ _SIGNATURES = {  # name: (restype, argtypes), as in csrc/cpu_kernels.c
     "rotary_f32": (None, [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]),
     "silu_and_mul_f32": (None, [_PTR, _I64, _PTR, _I64, _I64, _INT]),
     "linear_f32": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT]),
+    "decode_scratch_floats": (_I64, [_PTR, _I64]),
+    "decode_step_f32": (_INT, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _INT]),
 }
 
 
@@ -266,4 +268,40 @@ def silu_and_mul(library, x: torch.Tensor) -> torch.Tensor:
     width = x.shape[-1] // 2
     out = torch.empty((*x.shape[:-1], width), dtype=torch.float32)
     library.silu_and_mul_f32(rows.data_ptr(), stride, out.data_ptr(), rows.shape[0], width, torch.get_num_threads())
+    return out
+
+
+# -- the captured decode step (decode_step_f32; built from a model by models/native_decode.py) --------
+
+class DecodeLayer(ctypes.Structure):
+    """One decoder layer's addresses, as ``decode_layer`` in csrc/cpu_kernels.c."""
+    _fields_ = [(name, _PTR) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down",
+                                          "key_cache", "value_cache")]
+
+
+class DecodeModel(ctypes.Structure):
+    """The decoder's sizes and its layers, as ``decode_model`` in csrc/cpu_kernels.c."""
+    _fields_ = [("num_layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
+                ("intermediate", _I64), ("block_size", _I64), ("eps", _F32), ("scale", _F32),
+                ("layers", ctypes.POINTER(DecodeLayer)), ("final_norm", _PTR)]
+
+
+def decode_scratch(library, model: DecodeModel, rows: int) -> torch.Tensor:
+    """The activations' scratch area ``decode_step`` needs for up to ``rows`` requests."""
+    return torch.empty(library.decode_scratch_floats(ctypes.addressof(model), rows), dtype=torch.float32)
+
+
+def decode_step(library, model: DecodeModel, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                slots: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                scratch: torch.Tensor) -> torch.Tensor:
+    """Every layer of one decode step and the final norm: ``(rows, hidden)`` embeddings in, the
+    final hidden states out. The caller (``NativeDecodeStep``) has checked every input against
+    the model and the caches: the kernel trusts its indices and sizes."""
+    out = torch.empty_like(embeds)
+    failed = library.decode_step_f32(ctypes.addressof(model), embeds.data_ptr(), out.data_ptr(), embeds.shape[0],
+                                     cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),
+                                     block_tables.stride(0), seq_lens.data_ptr(), scratch.data_ptr(),
+                                     torch.get_num_threads())
+    if failed:
+        raise MemoryError("the CPU decode kernel could not allocate its scratch buffer")
     return out

@@ -90,6 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--num-threads", type=int, default=None,
         help="torch intra-op threads of the engine process (default: every core it may use, less one per "
              "tokenizer worker for a model that takes images); the tokenizer workers keep one each")
+    add("--enforce-eager", action="store_true",
+        help="always run the eager forward: no captured decode step (on the CPU with the native kernels "
+             "decode-only steps otherwise replay one captured plan per step; same tokens, less host time)")
     add("--mm-wire-dtype", choices=WIRE_DTYPES, default=DEFAULT_WIRE_DTYPE,
         help="how images cross shared memory: uint8 = the resized image, normalised on the device (4x fewer "
              "bytes, 8x for Qwen2-VL); float32 = normalised pixel values, MindIE's form")
@@ -173,7 +176,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                           enable_prefix_caching=values["enable_prefix_caching"],
                           gpu_memory_utilization=values["gpu_memory_utilization"],
                           limit_mm_per_prompt=values["limit_mm_per_prompt"], mm_wire_dtype=values["mm_wire_dtype"],
-                          num_threads=values["num_threads"],
+                          num_threads=values["num_threads"], enforce_eager=values["enforce_eager"],
                           runner=values["runner"],
                           convert=values["convert"], hf_overrides=values["hf_overrides"])
     if values["num_threads"] is None and engine.limit_mm_per_prompt > 0:

@@ -296,3 +296,82 @@ void linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const fl
         }
     }
 }
+
+/* ---- the captured decode step: every decoder layer of one decode step in one call ------------
+ *
+ * What atb_plugin/models/native_decode.py records once (docs/architecture.md, "The captured
+ * decode step"): the address of every layer's weights (column panels, norms) and KV cache, and a
+ * scratch area for the activations. A decode step then costs one call from Python instead of
+ * ~20 ops per layer, each with its wrapper and output allocation (~9 ms of a ~55 ms single-stream
+ * step). The step runs the same kernels as the eager path, in the same order, so its results are
+ * bit-identical to it:
+ *
+ *   residual = embeds
+ *   per layer:  x = rms_norm(residual)            qkv = linear(x)            q, k = rotary(q, k)
+ *               cache[slot] = k, v                a = paged_decode(q)        residual += linear(a)
+ *               x = rms_norm(residual)            residual += down(silu_and_mul(gate_up(x)))
+ *   out = rms_norm(residual)
+ *
+ * Scratch (floats), rows * each of: hidden (x), qkv_n (qkv), q_size (q), kv_size (k), q_size (a),
+ * hidden (proj), 2 * intermediate (gate_up), intermediate (act), hidden (the residual stream):
+ * decode_scratch_floats. */
+typedef struct {
+    const float *input_norm, *post_norm; /* (hidden) */
+    const float *qkv, *qkv_bias;         /* panels (qkv_n outputs); bias NULL or padded */
+    const float *o, *gate_up, *down;     /* panels */
+    float *key_cache, *value_cache;      /* (num_blocks, block_size, kv_heads, head_dim) */
+} decode_layer;
+
+typedef struct {
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    float eps, scale;
+    const decode_layer *layers;
+    const float *final_norm;
+} decode_model;
+
+int64_t decode_scratch_floats(const decode_model *m, int64_t rows) {
+    const int64_t q_size = m->heads * m->head_dim, kv_size = m->kv_heads * m->head_dim;
+    return rows * (3 * m->hidden + (q_size + 2 * kv_size) + 2 * q_size + kv_size + 3 * m->intermediate);
+}
+
+static void add_rows(float *residual, const float *x, int64_t n) {
+    for (int64_t i = 0; i < n; i++) residual[i] += x[i];
+}
+
+/* embeds, out (rows, hidden); cos, sin (rows, head_dim); slots (rows) int64, -1 = do not write;
+ * block_tables, seq_lens as paged_decode_f32 takes them. The caller has checked every slot and
+ * block id against the caches. Returns 0, or 1 when the attention's scratch allocation failed. */
+int decode_step_f32(const decode_model *m, const float *embeds, float *out, int64_t rows, const float *cos,
+                    const float *sin, const int64_t *slots, const int32_t *block_tables, int64_t table_stride,
+                    const int32_t *seq_lens, float *scratch, int num_threads) {
+    const int64_t H = m->hidden, D = m->head_dim, I = m->intermediate;
+    const int64_t q_size = m->heads * D, kv_size = m->kv_heads * D, qkv_n = q_size + 2 * kv_size;
+    float *x = scratch, *qkv = x + rows * H, *q = qkv + rows * qkv_n, *k = q + rows * q_size;
+    float *a = k + rows * kv_size, *proj = a + rows * q_size, *gate_up = proj + rows * H, *act = gate_up + rows * 2 * I;
+    float *stream = act + rows * I; /* (rows, hidden): the residual stream */
+    memcpy(stream, embeds, sizeof(float) * rows * H);
+    for (int64_t l = 0; l < m->num_layers; l++) {
+        const decode_layer *L = m->layers + l;
+        rms_norm_f32(stream, H, L->input_norm, x, rows, H, m->eps, num_threads);
+        linear_f32(x, rows, H, H, L->qkv, qkv_n, L->qkv_bias, qkv, qkv_n, num_threads);
+        rotary_f32(qkv, qkv_n, D, cos, sin, q, rows, m->heads, D, num_threads);
+        rotary_f32(qkv + q_size, qkv_n, D, cos, sin, k, rows, m->kv_heads, D, num_threads);
+        for (int64_t r = 0; r < rows; r++) {
+            if (slots[r] < 0) continue;
+            memcpy(L->key_cache + slots[r] * kv_size, k + r * kv_size, sizeof(float) * kv_size);
+            memcpy(L->value_cache + slots[r] * kv_size, qkv + r * qkv_n + q_size + kv_size, sizeof(float) * kv_size);
+        }
+        if (paged_decode_f32(q, L->key_cache, L->value_cache, block_tables, table_stride, seq_lens, a, rows,
+                             m->heads, m->kv_heads, D, m->block_size, m->scale, num_threads))
+            return 1;
+        linear_f32(a, rows, q_size, q_size, L->o, H, NULL, proj, H, num_threads);
+        add_rows(stream, proj, rows * H);
+        rms_norm_f32(stream, H, L->post_norm, x, rows, H, m->eps, num_threads);
+        linear_f32(x, rows, H, H, L->gate_up, 2 * I, NULL, gate_up, 2 * I, num_threads);
+        silu_and_mul_f32(gate_up, 2 * I, act, rows, I, num_threads);
+        linear_f32(act, rows, I, I, L->down, H, NULL, proj, H, num_threads);
+        add_rows(stream, proj, rows * H);
+    }
+    rms_norm_f32(stream, H, m->final_norm, out, rows, H, m->eps, num_threads);
+    return 0;
+}

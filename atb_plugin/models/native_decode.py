@@ -1,0 +1,119 @@
+"""The captured decode step on the CPU: a decoder's whole decode forward replayed by one native call.
+
+Why: at one request a decode step is ~300 native kernel calls and ~650 torch ops, each with
+~10 us of Python, dispatch and output allocation around well under a microsecond of work for
+the small ones: ~9 ms of a ~55 ms step (benchmarks/RESULTS.md). A GPU removes that host cost by
+capturing the step once as a CUDA graph (an NPU, as an ACL graph) and replaying it; here the
+same idea is a plan: ``capture`` records, once per engine, the address of every layer's weights
+(the native linear kernel's column panels, the norms) and KV cache, the sizes, and a scratch
+area for the activations; each decode step then hands this step's inputs (embeddings, rotary
+tables, slots, block tables, lengths) to ``decode_step_f32`` (csrc/cpu_kernels.c), which runs
+every layer and the final norm in C with the same kernels as the eager path, in the same order.
+The results are bit-identical to the eager path's (tests/test_native_decode.py).
+
+Unlike a CUDA graph, the batch size is an argument, not part of the capture: no buckets, no
+padded rows. What is captured are pointers, so the weights and caches must not move after
+``capture``: they are made once per engine and never reallocated. Only decode-only steps run
+captured; prefill and mixed steps take the eager forward. ``EngineConfig.enforce_eager``
+(``--enforce-eager``, as in vLLM) turns it off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from atb_plugin.ops import AttentionMetadata, cpu_native
+from atb_plugin.ops.packed_linear import PanelLinear
+
+
+class NativeDecodeStep:
+    """A captured decode step over one ``DecoderModel`` and its KV caches, for up to ``max_rows``
+    requests. ``applies(kv_caches, metadata)`` says whether a step can run captured;
+    ``__call__(embeds, cos, sin, metadata)`` runs it and returns the final hidden states."""
+
+    def __init__(self, library, model, kv_caches, max_rows: int):
+        config = model.config
+        self.library, self.kv_caches, self.max_rows = library, kv_caches, max_rows
+        self.hidden, self.head_dim = config.hidden_size, config.head_dim
+        self.num_blocks, self.block_size = kv_caches[0][0].shape[:2]
+        self._layers = (cpu_native.DecodeLayer * len(model.layers))()
+        # Every tensor whose address the plan holds, kept alive (and unmoved) with it.
+        self._keep: list[torch.Tensor] = []
+        for entry, layer, (key_cache, value_cache) in zip(self._layers, model.layers, kv_caches):
+            attention, mlp = layer.self_attn, layer.mlp
+            entry.input_norm = self._address(layer.input_layernorm.weight)
+            entry.post_norm = self._address(layer.post_attention_layernorm.weight)
+            entry.qkv = self._address(attention.qkv_proj.weight_panels)
+            entry.qkv_bias = self._address(attention.qkv_proj.padded_bias)
+            entry.o = self._address(attention.o_proj.weight_panels)
+            entry.gate_up = self._address(mlp.gate_up_proj.weight_panels)
+            entry.down = self._address(mlp.down_proj.weight_panels)
+            entry.key_cache, entry.value_cache = self._address(key_cache), self._address(value_cache)
+        self.plan = cpu_native.DecodeModel(
+            num_layers=len(model.layers), hidden=config.hidden_size, heads=config.num_attention_heads,
+            kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
+            intermediate=config.intermediate_size, block_size=self.block_size, eps=config.rms_norm_eps,
+            scale=model.layers[0].self_attn.scale, layers=self._layers,
+            final_norm=self._address(model.norm.weight))
+        self.scratch = cpu_native.decode_scratch(library, self.plan, max_rows)
+
+    def _address(self, tensor: torch.Tensor | None) -> int | None:
+        if tensor is None:
+            return None
+        self._keep.append(tensor)
+        return tensor.data_ptr()
+
+    def applies(self, kv_caches, metadata: AttentionMetadata) -> bool:
+        """A decode-only step (one new token per request) of at most ``max_rows`` requests over
+        the captured caches, with the native kernels still chosen (``ATB_PLUGIN_CPU_KERNELS`` is
+        read every step, as the eager ops read it)."""
+        return (metadata.is_decode_only and metadata.num_reqs <= self.max_rows
+                and int(metadata.query_start_loc_cpu[-1]) == metadata.num_reqs
+                and kv_caches is self.kv_caches
+                and cpu_native.library_for(torch.float32, torch.device("cpu")) is self.library)
+
+    def __call__(self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 metadata: AttentionMetadata) -> torch.Tensor:
+        rows = metadata.num_reqs
+        tables, seq_lens, slots = metadata.block_tables, metadata.seq_lens, metadata.slot_mapping
+        # What the kernel trusts, checked once per step (the eager kernels check the same per call).
+        if (embeds.shape != (rows, self.hidden) or embeds.dtype != torch.float32
+                or cos.shape != (rows, self.head_dim) or sin.shape != cos.shape):
+            raise ValueError(f"captured decode step: embeddings {tuple(embeds.shape)} {embeds.dtype}, rotary "
+                             f"{tuple(cos.shape)} for {rows} requests of hidden size {self.hidden}")
+        if (tables.dtype != torch.int32 or seq_lens.dtype != torch.int32 or slots.dtype != torch.int64
+                or tables.dim() != 2 or tables.shape[0] != rows or slots.shape != (rows,)):
+            raise ValueError("captured decode step: block tables / seq_lens int32 and slots int64, one row per "
+                             "request")
+        if int(tables.max()) >= self.num_blocks or int(slots.max()) >= self.num_blocks * self.block_size:
+            raise IndexError(f"captured decode step: a block or slot past the cache's {self.num_blocks} blocks")
+        if int(seq_lens.min()) < 1 or int(seq_lens.max()) > tables.shape[1] * self.block_size:
+            raise IndexError("captured decode step: a sequence longer than its block table")
+        return cpu_native.decode_step(self.library, self.plan, embeds.contiguous(), cos.contiguous(),
+                                      sin.contiguous(), slots.contiguous(), tables.contiguous(),
+                                      seq_lens.contiguous(), self.scratch)
+
+
+def capture(model, kv_caches, max_rows: int) -> tuple[NativeDecodeStep | None, str]:
+    """A ``NativeDecodeStep`` over ``model`` (a ``decoder.DecoderModel``) and its caches, or None
+    and why the decode step stays eager (another platform, dtype or layout; no native kernels)."""
+    weight = model.embed_tokens.weight
+    if weight.device.type != "cpu":
+        return None, f"no captured decode step on {weight.device.type} yet"
+    library = cpu_native.library_for(weight.dtype, weight.device)
+    if library is None:
+        return None, f"the native CPU kernels are not in use ({weight.dtype}, {cpu_native.KERNELS_ENV}={cpu_native.choice()})"
+    if model.config.head_dim % cpu_native.DECODE_HEAD_DIM_MULTIPLE:
+        return None, f"head_dim {model.config.head_dim} is not a multiple of {cpu_native.DECODE_HEAD_DIM_MULTIPLE}"
+    for layer in model.layers:
+        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if not all(isinstance(linear, PanelLinear) for linear in linears):
+            return None, "the linear layers are not in native panels (pack_weights off)"
+    tensors = [p for p in model.parameters()] + [cache for pair in kv_caches for cache in pair]
+    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
+        return None, "a weight or cache is not contiguous float32"
+    if len(kv_caches) != len(model.layers) or max_rows < 1:
+        return None, f"{len(kv_caches)} caches for {len(model.layers)} layers, max_rows {max_rows}"
+    return NativeDecodeStep(library, model, kv_caches, max_rows), "captured"
