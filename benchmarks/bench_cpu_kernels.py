@@ -22,8 +22,6 @@ Last line: JSON with single / batch / attention for both paths and the ratios.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import statistics
 import sys
@@ -35,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_engine as a sibling module
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_engine import chats, ours_batch, ours_single  # noqa: E402
+from bench_engine import ab_arguments, ab_summary, chats, ours_batch, ours_single  # noqa: E402
 
 from atb_plugin import LLM, SamplingParams  # noqa: E402
 from atb_plugin.default_model import default_model_dir  # noqa: E402
@@ -76,12 +74,7 @@ def attention_ms(case) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=32)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    args = ab_arguments(__doc__)
     if cpu_native.library_for(torch.float32, torch.device("cpu")) is None:
         sys.exit("the native CPU kernels did not build here (see the warning above): nothing to compare")
 
@@ -105,8 +98,6 @@ def main() -> None:
     llm.close()
 
     med = {path: {k: statistics.median(v) for k, v in r.items()} for path, r in results.items()}
-    same_single = tokens["native"][0] == tokens["torch"][0]
-    same_batch = sum(a == b for a, b in zip(tokens["native"][1], tokens["torch"][1]))
     ratios = {"single": med["native"]["single_tok_s"] / med["torch"]["single_tok_s"],
               "batch": med["native"]["batch_tok_s"] / med["torch"]["batch_tok_s"],
               "attention": med["torch"]["attention_ms"] / med["native"]["attention_ms"]}
@@ -117,10 +108,7 @@ def main() -> None:
           f"{med['torch']['batch_tok_s']:.1f} tok/s ({ratios['batch']:.2f}x)")
     print(f"decode attention, {args.batch} requests x 30 layers: native {med['native']['attention_ms']:.1f} vs "
           f"torch (gather + SDPA) {med['torch']['attention_ms']:.1f} ms ({ratios['attention']:.2f}x faster)")
-    print(f"greedy tokens equal: single {same_single}, batch {same_batch} of {args.batch}")
-    print(json.dumps({"runs": args.runs, "medians": {p: {k: round(v, 2) for k, v in m.items()} for p, m in med.items()},
-                      "ratios": {k: round(v, 3) for k, v in ratios.items()}, "same_single": same_single,
-                      "same_batch": same_batch}))
+    ab_summary(args.runs, med, ratios, tokens["native"], tokens["torch"], args.batch)
 
 
 if __name__ == "__main__":

@@ -16,18 +16,14 @@ Last line: JSON with both sides' medians, the ratios and whether the tokens are 
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_engine as a sibling module
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench_engine import chats, ours_batch, ours_single  # noqa: E402
+from bench_engine import ab_arguments, ab_summary, chats, ours_batch, ours_single  # noqa: E402
 
 from atb_plugin import LLM, SamplingParams  # noqa: E402
 from atb_plugin.default_model import default_model_dir  # noqa: E402
@@ -36,12 +32,7 @@ SIDES = ("captured", "eager")
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=32)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    args = ab_arguments(__doc__)
     llms = {side: LLM(default_model_dir(), max_num_seqs=args.batch, max_num_batched_tokens=2048, num_threads=1,
                       enforce_eager=side == "eager") for side in SIDES}
     outcome = llms["captured"].engine.core.runner.decode_capture
@@ -66,16 +57,11 @@ def main() -> None:
 
     med = {side: {k: statistics.median(v) for k, v in r.items()} for side, r in results.items()}
     ratios = {k: med["captured"][f"{k}_tok_s"] / med["eager"][f"{k}_tok_s"] for k in ("single", "batch")}
-    same_single = tokens["captured"][0] == tokens["eager"][0]
-    same_batch = sum(a == b for a, b in zip(tokens["captured"][1], tokens["eager"][1]))
     print(f"SmolLM2-135M-Instruct fp32, 1 torch thread, medians of {args.runs} interleaved runs")
     for key, label in (("single", "single stream"), ("batch", f"{args.batch} x {args.tokens}")):
         print(f"{label}: captured {med['captured'][f'{key}_tok_s']:.1f} vs eager {med['eager'][f'{key}_tok_s']:.1f} "
               f"tok/s ({ratios[key]:.2f}x)")
-    print(f"greedy tokens equal: single {same_single}, batch {same_batch} of {args.batch}")
-    print(json.dumps({"runs": args.runs, "medians": {s: {k: round(v, 2) for k, v in m.items()} for s, m in med.items()},
-                      "ratios": {k: round(v, 3) for k, v in ratios.items()}, "same_single": same_single,
-                      "same_batch": same_batch}))
+    ab_summary(args.runs, med, ratios, tokens["captured"], tokens["eager"], args.batch)
 
 
 if __name__ == "__main__":

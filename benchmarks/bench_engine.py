@@ -89,6 +89,30 @@ def ours_batch(llm: LLM, prompts: list[list[int]], tokens: int) -> tuple[float, 
     return len(prompts) * tokens / elapsed, [list(o.outputs[0].token_ids) for o in outputs]
 
 
+def ab_arguments(doc: str) -> argparse.Namespace:
+    """The flags of an A/B benchmark of two engine settings (--runs, --tokens, --batch), parsed;
+    torch set to one thread, as every engine-speed claim here is measured."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=32)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    return args
+
+
+def ab_summary(runs: int, med: dict, ratios: dict, tokens_a: tuple, tokens_b: tuple, batch: int) -> None:
+    """The closing lines of an A/B benchmark of two engine settings (bench_cpu_kernels.py,
+    bench_decode_capture.py): whether the sides' greedy tokens agree ((single, batch) token
+    lists each), then the JSON line with the medians, the ratios and that agreement."""
+    same_single = tokens_a[0] == tokens_b[0]
+    same_batch = sum(a == b for a, b in zip(tokens_a[1], tokens_b[1]))
+    print(f"greedy tokens equal: single {same_single}, batch {same_batch} of {batch}")
+    print(json.dumps({"runs": runs, "medians": {s: {k: round(v, 2) for k, v in m.items()} for s, m in med.items()},
+                      "ratios": {k: round(v, 3) for k, v in ratios.items()}, "same_single": same_single,
+                      "same_batch": same_batch}))
+
+
 def ours_prefill(llm: LLM, ids: list[int]) -> float:
     start = time.perf_counter()
     llm.generate([ids], SamplingParams(temperature=0, max_tokens=1, ignore_eos=True))

@@ -20,7 +20,6 @@ captured; prefill and mixed steps take the eager forward. ``EngineConfig.enforce
 
 from __future__ import annotations
 
-import ctypes
 
 import torch
 
