@@ -211,25 +211,26 @@ void silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows
  * A tile of MR rows of x times one panel keeps MR x 4 vector sums in registers: per k, 4 vector
  * loads of the panel, MR broadcasts of x, 4 MR fused multiply-adds. One row (decode of a single
  * stream) streams the panels once, front to back; with more rows, the panel (K x 256 bytes) stays
- * in L2 for the row tiles after the first, and those tiles prefetch the next panel into L2 while
- * they compute, so reading the weights from DRAM overlaps the arithmetic instead of alternating
- * with it (that overlap is what beats oneDNN's packed GEMM at 32 rows: benchmarks/RESULTS.md). */
+ * in L2 for all its row tiles, which share out prefetching the next panel into L2 while they
+ * compute, so reading the weights from DRAM overlaps the arithmetic instead of alternating with it
+ * (that overlap is what beats oneDNN's packed GEMM at 32 rows: benchmarks/RESULTS.md). */
 #define PANEL 64
 #define MR 6
-#define PREFETCH_AHEAD 8 /* k steps (of 256 bytes) the first tile prefetches ahead in its panel */
+#define PREFETCH_AHEAD 8 /* k steps (of 256 bytes) a tile streaming its own panel prefetches ahead */
 
 /* Always inlined and called with a constant `rows` (linear_rows below), so that each row count
  * gets its own loop with its rows x 4 sums in registers: a loop over a variable row count keeps
  * them in memory (that cost the first version 6-30 % at 1-4 rows and 0.70x oneDNN at 2048). */
 static inline __attribute__((always_inline)) void linear_tile(
         const float *x, int64_t x_stride, const int rows, int64_t K, const float *panel, const float *bias, float *y,
-        int64_t y_stride, int64_t cols, const float *prefetch, int per_k) {
+        int64_t y_stride, int64_t cols, const float *prefetch, int64_t lines) {
     vf acc[MR][4];
+    int64_t due = 0; /* lines * (k + 1) / K prefetches are due after step k, issued as they fall due */
     for (int r = 0; r < rows; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = bias ? load(bias + LANES * j) : (vf){0};
     for (int64_t k = 0; k < K; k++) {
         const float *w = panel + k * PANEL;
-        for (int i = 0; i < per_k; i++) __builtin_prefetch(prefetch + (k * per_k + i) * LANES, 0, 2);
+        for (due += lines; due >= K; due -= K, prefetch += LANES) __builtin_prefetch(prefetch, 0, 2);
         const vf w0 = load(w), w1 = load(w + LANES), w2 = load(w + 2 * LANES), w3 = load(w + 3 * LANES);
 #pragma GCC unroll 6
         for (int r = 0; r < rows; r++) {
@@ -249,9 +250,9 @@ static inline __attribute__((always_inline)) void linear_tile(
     }
 }
 
-#define LINEAR_TILE(n) linear_tile(x, x_stride, n, K, panel, bias, y, y_stride, cols, prefetch, per_k)
+#define LINEAR_TILE(n) linear_tile(x, x_stride, n, K, panel, bias, y, y_stride, cols, prefetch, lines)
 static void linear_rows(const float *x, int64_t x_stride, int rows, int64_t K, const float *panel, const float *bias,
-                        float *y, int64_t y_stride, int64_t cols, const float *prefetch, int per_k) {
+                        float *y, int64_t y_stride, int64_t cols, const float *prefetch, int64_t lines) {
     switch (rows) {
     case 1: LINEAR_TILE(1); break;
     case 2: LINEAR_TILE(2); break;
@@ -274,25 +275,24 @@ void linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const fl
         for (int64_t t = 0; t < row_tiles; t++) {
             const int64_t m0 = t * MR;
             const int rows = (int)(M - m0 < MR ? M - m0 : MR);
-            /* Tile 0 prefetches its own panel, ahead of where it reads. The tiles after it share
-             * the next panel's lines out among them, a whole number per k step (at least one)
-             * (a prefetch past the panel's end is a wasted hint, never a fault). */
+            /* What this tile prefetches into L2, spread evenly over its K steps: a lone tile (at
+             * most MR rows) and the first panel's first tile stream their own panel, ahead of
+             * where they read; otherwise the tiles share out the next panel's lines in proportion
+             * to their rows (the first panel's first tile sits that out), so the next panel
+             * arrives while this one is computed. A prefetch past the panels' end is a wasted
+             * hint, never a fault. */
             const float *prefetch = NULL;
-            int per_k = 0;
-            if (t == 0) {
+            int64_t lines = 0;
+            if (row_tiles == 1 || (t == 0 && p == 0)) {
                 prefetch = panel + PREFETCH_AHEAD * PANEL;
-                per_k = PANEL / LANES;
+                lines = panel_lines;
             } else if (p + 1 < num_panels) {
-                const int64_t share = (panel_lines + row_tiles - 2) / (row_tiles - 1);
-                const int64_t first = (t - 1) * share;
-                const int64_t count = panel_lines - first < share ? panel_lines - first : share;
-                if (count > 0) {
-                    per_k = count / K > 0 ? (int)(count / K) : 1;
-                    prefetch = panel + K * PANEL + first * LANES;
-                }
+                const int64_t skip = p == 0 ? MR : 0, first = panel_lines * (m0 - skip) / (M - skip);
+                lines = panel_lines * (m0 + rows - skip) / (M - skip) - first;
+                prefetch = panel + K * PANEL + first * LANES;
             }
             linear_rows(x + m0 * x_stride, x_stride, rows, K, panel, bias ? bias + p * PANEL : NULL,
-                        y + m0 * y_stride + p * PANEL, y_stride, cols, prefetch, per_k);
+                        y + m0 * y_stride + p * PANEL, y_stride, cols, prefetch, lines);
         }
     }
 }
