@@ -97,6 +97,20 @@ def test_silu_and_mul_over_the_whole_float_range(library):
     torch.testing.assert_close(native[0], F.silu(gate) * x[0, gate.numel():], rtol=1e-6, atol=1e-30)
 
 
+@pytest.mark.parametrize("width", [1, 5, 16, 17, 100, 49152])
+def test_argmax_equals_torch_on_ties_nan_and_infinities(library, gen, width):
+    cases = [torch.randn(9, width, generator=gen) for _ in range(3)]
+    ties = torch.randn(9, width, generator=gen).round()  # many equal maxima: the first one wins
+    ties[4] = 1.0
+    special = torch.randn(9, width, generator=gen)
+    special[1, -1] = float("inf")
+    special[2, width // 2] = float("nan")  # torch counts NaN as the maximum: its first NaN
+    special[3] = float("-inf")
+    special[5, :width // 3] = float("-inf")
+    for x in [*cases, ties, special, special[:, :max(1, width - 1)]]:  # the last: rows a stride apart
+        assert torch.equal(cpu_native.argmax(library, x), x.argmax(dim=-1))
+
+
 def test_half_precision_and_other_devices_take_the_torch_ops(library):
     assert cpu_native.library_for(torch.bfloat16, torch.device("cpu")) is None
     assert cpu_native.library_for(torch.float32, torch.device("meta")) is None

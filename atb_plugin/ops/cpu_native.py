@@ -97,6 +97,7 @@ _SIGNATURES = {  # name: (restype, argtypes), as in csrc/cpu_kernels.c
     "rms_norm_f32": (None, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _INT]),
     "rotary_f32": (None, [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]),
     "silu_and_mul_f32": (None, [_PTR, _I64, _PTR, _I64, _I64, _INT]),
+    "argmax_f32": (None, [_PTR, _I64, _I64, _I64, _PTR, _INT]),
     "linear_f32": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT]),
     "decode_scratch_floats": (_I64, [_PTR, _I64]),
     "decode_step_f32": (_INT, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _INT]),
@@ -270,6 +271,17 @@ def silu_and_mul(library, x: torch.Tensor) -> torch.Tensor:
     library.silu_and_mul_f32(rows.data_ptr(), stride, out.data_ptr(), rows.shape[0], width, torch.get_num_threads())
     return out
 
+
+
+def argmax(library, x: torch.Tensor) -> torch.Tensor:
+    """``x.argmax(dim=-1)`` for float32 ``(rows, width)``: the first index of each row's maximum
+    (the first NaN where a row holds one, as torch), int64."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] == 0:
+        raise ValueError(f"argmax: x {tuple(x.shape)} {x.dtype}, expected float32 (rows, width > 0)")
+    rows, stride = _rows(x)
+    out = torch.empty(rows.shape[0], dtype=torch.int64)
+    library.argmax_f32(rows.data_ptr(), stride, rows.shape[0], rows.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
 
 # -- the captured decode step (decode_step_f32; built from a model by models/native_decode.py) --------
 
