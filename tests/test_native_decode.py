@@ -16,7 +16,9 @@ from atb_plugin import LLM, SamplingParams
 from atb_plugin.engine.config import EngineConfig
 from atb_plugin.models import native_decode
 from atb_plugin.ops import AttentionMetadata, cpu_native
+from atb_plugin.platform import use_platform
 from atb_plugin.server.cli import parse_config
+from atb_plugin.testing import fake_torch_npu
 from atb_plugin.testing.tiny import tiny_checkpoint
 
 PROMPTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a", "one two three four five six"]
@@ -108,6 +110,14 @@ def test_no_capture_without_the_native_kernels_or_their_panels(monkeypatch):
     assert outcome.startswith("the native CPU kernels are not in use")
     with LLM(tiny_checkpoint("bert"), runner="pooling") as llm:
         assert llm.engine.core.runner.decode_capture == "off (pooling)"
+
+
+def test_other_platforms_decode_eager(monkeypatch):
+    monkeypatch.delenv(cpu_native.KERNELS_ENV, raising=False)
+    with fake_torch_npu.install(), use_platform("npu"):
+        with LLM(tiny_checkpoint("qwen2")) as llm:
+            assert llm.engine.core.runner.decode_capture == "eager (no captured decode step on npu yet)"
+            assert llm.engine.core.runner.model.get_language_model().model.captured_decode is None
 
 
 def test_the_step_refuses_indices_outside_the_cache():

@@ -30,6 +30,7 @@ from atb_plugin.engine.scheduler import SchedulerOutput
 from atb_plugin.engine.structured_output import GrammarViolation, StructuredOutputManager
 from atb_plugin.models.interfaces import SupportsMedia, SupportsMRoPE, SupportsTokenTypes
 from atb_plugin.multimodal import MediaBlockError, MultimodalPrompt
+from atb_plugin.platform import platform_for
 from atb_plugin.pooling.poolers import DispatchPooler, PoolingBatch
 
 logger = logging.getLogger(__name__)
@@ -78,8 +79,14 @@ class ModelRunner:
         self.kv_caches = model.make_kv_caches(num_blocks, config.block_size)
         # The captured decode step (vLLM's CUDA graphs; here the CPU's native plan): made once,
         # over these caches, which are never reallocated.
-        self.decode_capture = "off (enforce_eager)" if config.enforce_eager else "off (pooling)"
-        if pooler is None and not config.enforce_eager:
+        platform = platform_for(config.device)
+        if config.enforce_eager:
+            self.decode_capture = "off (enforce_eager)"
+        elif pooler is not None:
+            self.decode_capture = "off (pooling)"
+        elif not platform.captures_decode_step:
+            self.decode_capture = f"eager (no captured decode step on {platform.name} yet)"
+        else:
             self.decode_capture = model.get_language_model().capture_decode_step(self.kv_caches, config.max_num_seqs)
         logger.info("decode step: %s", self.decode_capture)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size)

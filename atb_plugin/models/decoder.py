@@ -160,7 +160,8 @@ class DecoderForCausalLM(PretrainedModel):
     - ``get_input_embeddings(input_ids, mm_embeds=None)`` -> ``(T, hidden)``;
     - ``forward(input_ids, positions, kv_caches, attn_metadata, inputs_embeds=None)`` -> hidden states
       of the step's tokens; ``compute_logits(hidden)`` -> ``(T, vocab)``;
-    - ``make_kv_caches(num_blocks, block_size)``; ``load_weights(pairs)`` -> names filled;
+    - ``make_kv_caches(num_blocks, block_size)``; ``capture_decode_step(kv_caches, max_rows)``
+      where the platform replays captured decode steps; ``load_weights(pairs)`` -> names filled;
       ``accepts_weight(name)`` says whether a checkpoint tensor belongs to the model.
     """
 

@@ -45,13 +45,16 @@ class Platform:
 
     Start-up checks (``EngineConfig`` calls ``check_engine_config`` once, so an illegal setting
     fails before any model is loaded, never at the first forward): ``resolve_dtype("auto")`` is
-    the platform's dtype, ``default_block_size(head_size)`` its KV block size."""
+    the platform's dtype, ``default_block_size(head_size)`` its KV block size.
+    ``captures_decode_step``: decode-only steps can replay a captured decode step there
+    (``DecoderForCausalLM.capture_decode_step``; the CPU's native plan so far)."""
 
     name: str
     device_type: str
     dist_backend: str
     visible_devices_env: str | None
     kernels_module: str
+    captures_decode_step: bool = False
 
     @property
     def kernels(self) -> ModuleType:

@@ -17,6 +17,7 @@ class CpuPlatform(Platform):
     dist_backend: str = "gloo"
     visible_devices_env: str | None = None
     kernels_module: str = "atb_plugin.ops.torch_kernels"
+    captures_decode_step: bool = True  # with the native kernels: models/native_decode.py
 
     def is_available(self) -> bool:
         return True
