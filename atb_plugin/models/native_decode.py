@@ -20,7 +20,6 @@ captured; prefill and mixed steps take the eager forward. ``EngineConfig.enforce
 
 from __future__ import annotations
 
-
 import torch
 
 from atb_plugin.ops import AttentionMetadata, cpu_native
@@ -97,11 +96,10 @@ class NativeDecodeStep:
 
 def capture(model, kv_caches, max_rows: int) -> tuple[NativeDecodeStep | None, str]:
     """A ``NativeDecodeStep`` over ``model`` (a ``decoder.DecoderModel``) and its caches, or None
-    and why the decode step stays eager (another platform, dtype or layout; no native kernels)."""
+    and why the decode step stays eager (a dtype or layout the plan cannot hold; no native kernels).
+    The model runner asks only on a platform that ``captures_decode_step``."""
     weight = model.embed_tokens.weight
-    if weight.device.type != "cpu":
-        return None, f"no captured decode step on {weight.device.type} yet"
-    library = cpu_native.library_for(weight.dtype, weight.device)
+    library = cpu_native.library_for(weight.dtype, weight.device)  # None off the CPU or float32
     if library is None:
         return None, f"the native CPU kernels are not in use ({weight.dtype}, {cpu_native.KERNELS_ENV}={cpu_native.choice()})"
     if model.config.head_dim % cpu_native.DECODE_HEAD_DIM_MULTIPLE:
@@ -110,7 +108,7 @@ def capture(model, kv_caches, max_rows: int) -> tuple[NativeDecodeStep | None, s
         linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
         if not all(isinstance(linear, PanelLinear) for linear in linears):
             return None, "the linear layers are not in native panels (pack_weights off)"
-    tensors = [p for p in model.parameters()] + [cache for pair in kv_caches for cache in pair]
+    tensors = [*model.parameters(), *(cache for pair in kv_caches for cache in pair)]
     if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
         return None, "a weight or cache is not contiguous float32"
     if len(kv_caches) != len(model.layers) or max_rows < 1:
