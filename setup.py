@@ -22,8 +22,8 @@ setup(
         # The service (atb_plugin/server): HTTP, request models, metrics, IPC between its processes.
         "fastapi==0.163.2",
         "uvicorn==0.54.0",
-        # uvicorn's C HTTP parser (llhttp): an image chat's multi-megabyte body took ~10 ms per
-        # request through the pure-Python h11 parser (benchmarks/RESULTS.md, P5).
+        # uvicorn's C HTTP parser (llhttp): an image chat's multi-megabyte body is slow through the
+        # pure-Python h11 parser (benchmarks/RESULTS.md, bench_multiturn_image, P5's fifth round).
         "httptools==0.9.0",
         "pydantic==2.14.3",
         "prometheus-client==0.26.0",

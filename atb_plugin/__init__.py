@@ -1,4 +1,4 @@
-"""atb-plugin device side and service: platform, ops, models, multimodal, engine, server.
+"""atb-plugin device side and service: platform, ops, models, multimodal, engine, frontend, server.
 
 ``from atb_plugin import LLM, SamplingParams, PoolingParams`` is the offline API (imported lazily, so
 ``import atb_plugin.testing.tiny`` and friends stay light)."""
@@ -8,7 +8,7 @@ __all__ = ["LLM", "SamplingParams", "PoolingParams"]
 
 def __getattr__(name):
     if name == "LLM":
-        from atb_plugin.engine.llm import LLM
+        from atb_plugin.frontend.llm import LLM
 
         return LLM
     if name == "SamplingParams":

@@ -16,11 +16,12 @@ tokenizer) sees an ordinary Llama checkpoint (``model_type: llama``, tied embedd
         .complete    <- written last: what was converted, and each file's size and checksum
 
 Every call checks the directory against ``.complete`` before trusting it: one ``stat`` per file
-(size) and the sha256 of each file's first and last MiB (~2 ms in all; a full sha256 of the
-weights would take 0.4-1.6 s). A directory that fails (a file deleted, truncated or overwritten,
-a marker from an older version that lists no files) is converted again, with a warning on stderr
-saying what was wrong. All files get the same mode, 0666 less the umask (0644 usually), so a
-cache shared between users is readable by all of them.
+(size) and the sha256 of each file's first and last MiB (a small fraction of what a full sha256
+of the weights would take: benchmarks/RESULTS.md, "Figures formerly in code comments"). A
+directory that fails (a file deleted, truncated or overwritten, a marker from an older version
+that lists no files) is converted again, with a warning on stderr saying what was wrong. All
+files get the same mode, 0666 less the umask (0644 usually), so a cache shared between users is
+readable by all of them.
 
 Weights are kept in fp32 because they are exactly the dequantised GGUF values (fp16 scale x 4-bit
 code + fp16 minimum), which bf16 could not hold; pass ``dtype`` when loading to serve in half.

@@ -41,10 +41,11 @@ def keep_request_buffers_in_heap() -> bool:
     Why: an image chat resends its data URL every turn, megabytes of base64 that are read,
     parsed and re-encoded several times per request. By default glibc serves blocks that large
     with ``mmap`` and returns them to the OS on ``free``, so every copy faults in and zeroes new
-    pages: ~2,700 page faults (~11 MB) per resent 1280x720 PNG in the API process, ~5 ms of a
-    ~35 ms turn. With blocks up to 32 MiB taken from the heap, and up to 64 MiB of free heap
-    kept before trimming, those faults are gone (benchmarks/RESULTS.md, P5). The cost is bounded:
-    at most ~80 MiB of freed memory stays mapped per process, the same amount whatever the load."""
+    pages: thousands of page faults per resent 1280x720 PNG in the API process, a visible share
+    of a turn's time. With blocks up to 32 MiB taken from the heap, and up to 64 MiB of free heap
+    kept before trimming, those faults are gone (benchmarks/RESULTS.md, bench_multiturn_image,
+    P5's fifth round). The cost is bounded: at most ~80 MiB of freed memory stays mapped per
+    process, the same amount whatever the load."""
     import ctypes
 
     try:

@@ -21,7 +21,8 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from atb_plugin.server.workers import TokenizerPool, WorkerSettings
+from atb_plugin.engine.config import EngineConfig
+from atb_plugin.frontend.tokenizer_pool import TokenizerPool, WorkerSettings
 from input_builders.media import MediaConfig
 
 import bench_image_frontend as frontend  # a sibling script: `python benchmarks/X.py` puts benchmarks/ on sys.path
@@ -30,7 +31,7 @@ WORKERS = (1, 2)
 
 
 async def measure(model: str, rounds: int, batch: int) -> dict[int, list[float]]:
-    pools = {n: TokenizerPool(WorkerSettings(model, MediaConfig()), n, None,
+    pools = {n: TokenizerPool(WorkerSettings(EngineConfig(model=model), MediaConfig()), n, None,
                               on_worker_death=lambda index, reason: None) for n in WORKERS}
     try:
         await asyncio.gather(*(pool.start() for pool in pools.values()))

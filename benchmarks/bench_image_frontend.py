@@ -36,7 +36,8 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywhere in the repo
 
-from atb_plugin.server.workers import TokenizerPool, WorkerSettings  # noqa: E402
+from atb_plugin.engine.config import EngineConfig  # noqa: E402
+from atb_plugin.frontend.tokenizer_pool import ChatJob, StatsJob, TokenizerPool, WorkerSettings  # noqa: E402
 from atb_plugin.testing.tiny import tiny_checkpoint  # noqa: E402
 from input_builders.media import MediaConfig  # noqa: E402
 
@@ -74,7 +75,7 @@ def checkpoint_with_default_pixels(root: Path) -> str:
 async def run_batch(pool: TokenizerPool, urls: list[str], tag: str) -> float:
     async def one(i: int, url: str):
         request_id = f"{tag}-{i}"
-        index, _, ids = await pool.call("chat", messages=chat(url), request_id=request_id)
+        index, _, ids = await pool.call(ChatJob(request_id, chat(url)))
         assert min(ids) < 0  # the block's handle slots: the image went through shm
         pool.release(index, request_id)
 
@@ -99,14 +100,14 @@ async def interleaved_rates(pools: dict, rounds: int, batch: int) -> dict[object
 async def measure(model: str, rounds: int, batch: int) -> dict:
     pools = {}
     for wire in WIRES:
-        settings = WorkerSettings(model, MediaConfig(), mm_wire_dtype=wire)
+        settings = WorkerSettings(EngineConfig(model=model, mm_wire_dtype=wire), MediaConfig())
         pools[wire] = TokenizerPool(settings, 1, None, on_worker_death=lambda index, reason: None)
     try:
         await asyncio.gather(*(pool.start() for pool in pools.values()))
         shm_bytes = {}
         for wire, pool in pools.items():  # warm-up, and the bytes one image takes
-            index, _, _ = await pool.call("chat", messages=chat(photo(10_000)), request_id="warm")
-            _, _, stats = await pool.call("stats")
+            index, _, _ = await pool.call(ChatJob("warm", chat(photo(10_000))))
+            _, _, stats = await pool.call(StatsJob())
             shm_bytes[wire] = stats["leased_bytes"]
             pool.release(index, "warm")
         return {"rates": await interleaved_rates(pools, rounds, batch), "shm_bytes": shm_bytes}

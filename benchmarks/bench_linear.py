@@ -49,7 +49,8 @@ def main() -> None:
              "MKL dense": dense}
     report = {}
     for rows in (int(r) for r in args.rows.split(",")):
-        layers = LAYERS if rows <= 128 else 4  # 2048 rows: 4 layers are already ~0.4 s
+        # Past 128 rows 4 layers already take long enough to time (RESULTS.md, bench_engine "Fourth round").
+        layers = LAYERS if rows <= 128 else 4
         inputs = {k: torch.randn(rows, k) for _, k in SHAPES}
         with torch.inference_mode():
             for name, modules in paths.items():

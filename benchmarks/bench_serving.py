@@ -671,8 +671,9 @@ async def send_request(client: httpx.AsyncClient, path: str, body: dict, timeout
                        planned_prompt_tokens: int) -> RequestRecord:
     """One request, timed; every failure becomes the record's error kind, never an exception, so
     one bad response cannot end the run. The body is encoded before the clock starts: JSON
-    encoding is this client's own work (~9 ms for a 1280x720 PNG data URL in httpx), not the
-    server's, and it would otherwise be inside every TTFT."""
+    encoding is this client's own work (milliseconds for a 1280x720 PNG data URL in httpx:
+    RESULTS.md, bench_multiturn_image's fifth round), not the server's, and it would otherwise be
+    inside every TTFT."""
     content = json.dumps(body, separators=(",", ":")).encode()
     record = RequestRecord(start=clock())
     try:

@@ -117,7 +117,7 @@ class InputBuilder:
         if cls.model_type is None:
             return cls.max_images_per_prompt
         from atb_plugin.models import registry
-        from atb_plugin.multimodal.profiling import supported_mm_limit
+        from atb_plugin.models.interfaces import supported_mm_limit
 
         return supported_mm_limit(registry.import_model_class(registry.MODEL_CLASSES[cls.model_type]))
 

@@ -6,11 +6,10 @@ two slots carry NAME and SHAPE of the ``[1, 3, H, W]`` pixel values.
 
 from __future__ import annotations
 
+from atb_plugin.multimodal.wire import LLAVA_BLOCK
 from input_builders.base import InputBuilder, PreparedImage
 from input_builders.media import LoadedImage
 from input_builders.preprocess import ClipPreprocessor
-
-METADATA_SLOTS = 2  # NAME, SHAPE
 
 
 class LlavaInputBuilder(InputBuilder):
@@ -32,4 +31,4 @@ class LlavaInputBuilder(InputBuilder):
 
     def media_block(self, image: PreparedImage) -> list[int]:
         metadata = [image.handle.name_value, image.handle.shape_value]
-        return metadata + [self.image_anchor_id] * (image.num_tokens - METADATA_SLOTS)
+        return metadata + [self.image_anchor_id] * (image.num_tokens - LLAVA_BLOCK.metadata_slots)

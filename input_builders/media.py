@@ -126,9 +126,10 @@ class MediaConfig:
     # Encoded size. 20 MiB is OpenAI's per-image limit, so clients written for it fit.
     max_image_bytes: int = 20 * 1024 * 1024
     # 36 MP: admits 8K UHD (33.2 MP) and 12–33 MP camera photos; the biggest input any family uses is
-    # Qwen2-VL's 12.8 MP max_pixels, so more only costs decode time and memory (108 MB as RGB, ~250 MB
-    # peak while converting). It is below Pillow's own bomb threshold (PIL.Image.MAX_IMAGE_PIXELS,
-    # 89.5 MP), so our check fires first with our message; raising it above that needs Pillow's raised too.
+    # Qwen2-VL's 12.8 MP max_pixels, so more only costs decode time and memory (108 MB as RGB, more at
+    # peak while converting: benchmarks/RESULTS.md, "Figures formerly in code comments"). It is below
+    # Pillow's own bomb threshold (PIL.Image.MAX_IMAGE_PIXELS, 89.5 MP), so our check fires first with
+    # our message; raising it above that needs Pillow's raised too.
     max_image_pixels: int = 6000 * 6000
     # Per socket operation and for the whole download.
     http_timeout_s: float = 10.0
@@ -258,10 +259,10 @@ _FINGERPRINT_PROBE = 256  # characters sampled at each of a data URL's start, mi
 def _inline_key(ref: str) -> tuple[int, int] | None:
     """A data: URL's fingerprint (None for any other reference): its length and a hash of three
     short samples of its text. A resent data URL is the same text; the cache confirms a hit by
-    comparing the whole text with the one it kept (a memcmp: ~0.25 ms for a 1280x720 PNG's
-    3.7 MB, where hashing it took ~2.5 ms and base64-decoding it ~25 ms), so a fingerprint that
-    collides costs a decode, never a wrong image. Paths and URLs are never keyed by their text:
-    the file or the resource behind them may change."""
+    comparing the whole text with the one it kept (a memcmp, a fraction of what hashing the text
+    or base64-decoding it costs: benchmarks/RESULTS.md, bench_multiturn_image's third and fifth
+    rounds), so a fingerprint that collides costs a decode, never a wrong image. Paths and URLs
+    are never keyed by their text: the file or the resource behind them may change."""
     if ref[:64].lstrip()[:5].lower() != "data:":
         return None
     middle = len(ref) // 2

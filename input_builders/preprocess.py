@@ -20,8 +20,9 @@ of two wire dtypes (``atb_plugin.multimodal.wire``; the preprocessor's ``wire_dt
 Where the time goes, and why the code looks the way it does: the resize is Pillow's own bicubic
 ``Image.resize`` on the uint8 image, exactly what the Pil processors call, because only that
 reproduces their output bit for bit (one uint8 step off is 1/255/std ~ 0.015, far beyond 1e-5).
-At photo sizes it is 35-70 % of the reference's time and 76-98 % of the float32 path's, which is
-why the uint8 wire (nothing after the resize but a copy) is the default. Everything else, which the reference does as a chain
+At photo sizes it is a large share of the reference's time and most of the float32 path's
+(benchmarks/RESULTS.md, bench_preprocess), which is why the uint8 wire (nothing after the resize
+but a copy) is the default. Everything else, which the reference does as a chain
 of full-size copies (RGB convert, HWC->CHW, back to PIL, float64 rescale, float32 normalise,
 strided float layout), is one vectorised pass here: layout gathers on uint8, then uint8 ->
 float32 with a per-channel ``x * scale + offset`` (``PixelNormalization``, folded once per
@@ -318,7 +319,8 @@ class Qwen2VLPreprocessor(ImagePreprocessor):
             # The temporal repeat sits between channel and patch rows, so the normalised frame
             # is written t times. Done a few window rows at a time so the frame (half the output
             # at t=2) stays in L2 between its normalise and its copies instead of going through
-            # memory (~15 % of this step at photo sizes).
+            # memory (a measurable share of this step at photo sizes: benchmarks/RESULTS.md,
+            # bench_preprocess).
             pixel_values = np.empty((*patches.shape[:3], t, p, p), dtype=np.float32)
             row_bytes = patches[0].size * 4
             step = max(1, _BLOCK_BYTES // row_bytes)
@@ -387,7 +389,7 @@ class ClipPreprocessor(ImagePreprocessor):
         # The whole image is resized, then cropped, as the reference does. Resizing only the
         # columns the crop keeps would be cheaper but is not bit-identical: Pillow's two resize
         # passes do not round-trip through uint8 (splitting them into two calls differs by one
-        # step on ~26 % of random geometries with Pillow 13).
+        # step on many random geometries: benchmarks/RESULTS.md, bench_preprocess).
         hwc = np.asarray(_resize_bicubic(image, resized_width, resized_height))
         return self._chw_output(_center_crop(hwc, self.crop_height, self.crop_width))
 

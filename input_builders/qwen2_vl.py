@@ -9,13 +9,14 @@ and replaces all n slots with the merged patch features.
 
 from __future__ import annotations
 
+from atb_plugin.multimodal.wire import QWEN2_VL_BLOCK
 from input_builders.base import InputBuilder, PreparedImage
 from input_builders.conversation import InputBuilderError
 from input_builders.media import LoadedImage
 from input_builders.preprocess import Qwen2VLPreprocessor
 from shm import encode_shape_to_int64
 
-METADATA_SLOTS = 3  # NAME, SHAPE, THW
+METADATA_SLOTS = QWEN2_VL_BLOCK.metadata_slots  # NAME, SHAPE, THW
 
 
 class Qwen2VlInputBuilder(InputBuilder):

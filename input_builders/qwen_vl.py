@@ -10,12 +10,13 @@ and the two ids after it, as in the public checkpoint.
 
 from __future__ import annotations
 
+from atb_plugin.multimodal.wire import QWEN_VL_BLOCK
 from input_builders.base import InputBuilder, PreparedImage
 from input_builders.conversation import ImagePart, Message, TextPart
 from input_builders.media import LoadedImage
 from input_builders.preprocess import QwenVLPreprocessor
 
-NUM_QUERIES = 256  # resampler queries: slots between <img> and </img>
+NUM_QUERIES = QWEN_VL_BLOCK.tokens_per_block  # resampler queries: slots between <img> and </img>
 DEFAULT_SYSTEM = "You are a helpful assistant."
 
 

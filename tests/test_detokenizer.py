@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from atb_plugin.engine.detokenizer import IncrementalDetokenizer, special_token_ids
+from atb_plugin.frontend.detokenizer import IncrementalDetokenizer, special_token_ids
 from atb_plugin.engine.sampling_params import SamplingParams
 from atb_plugin.testing.tiny import tiny_checkpoint
 

@@ -6,7 +6,7 @@ import ctypes
 
 import pytest
 
-from atb_plugin.server import engine_process
+from atb_plugin.engine import process as engine_process
 
 
 def test_the_heap_is_trimmed_once_per_interval(monkeypatch):

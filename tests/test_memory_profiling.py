@@ -1,4 +1,4 @@
-"""Start-up memory profiling and KV sizing (atb_plugin.multimodal.profiling, EngineCore's
+"""Start-up memory profiling and KV sizing (atb_plugin.engine.memory_profile, EngineCore's
 ``_blocks_for_budget``): each multimodal family declares its image limit and its largest image;
 the dummy prompt is that image, min(model, user) times; on a device the KV cache gets what the
 profile leaves of ``gpu_memory_utilization``, on the CPU ``kv_cache_bytes``.
@@ -20,11 +20,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from atb_plugin.engine import core as core_module
+from atb_plugin.engine import memory_profile
 from atb_plugin.engine.config import EngineConfig
 from atb_plugin.engine.core import EngineCore
+from atb_plugin.engine.memory_profile import dummy_inputs
 from atb_plugin.models import registry
-from atb_plugin.multimodal import profiling
-from atb_plugin.multimodal.profiling import MultimodalProcessingInfo, dummy_inputs
+from atb_plugin.models.interfaces import MultimodalProcessingInfo
 from atb_plugin.multimodal.prompt import encode_pixels
 from atb_plugin.platform.cpu import CpuPlatform
 from atb_plugin.server.cli import parse_config
@@ -264,7 +265,7 @@ def test_the_cpu_path_still_honours_kv_cache_bytes(monkeypatch, caplog):
     def refused(*args):
         raise AssertionError("no profile expected")
 
-    monkeypatch.setattr(profiling, "profile_run", refused)
+    monkeypatch.setattr(memory_profile, "profile_run", refused)
     # Text-only on the CPU: no profile, it could not change the size.
     assert _core("qwen2", kv_cache_bytes=4 * MiB).kv_cache_blocks == 1 + 512
     # Capped at what every sequence at full length needs: 2 x 256 blocks.
@@ -275,7 +276,7 @@ def test_the_cpu_path_still_honours_kv_cache_bytes(monkeypatch, caplog):
 
 
 def test_profiling_imports_no_frontend():
-    tree = ast.parse((ROOT / "atb_plugin/multimodal/profiling.py").read_text())
+    tree = ast.parse((ROOT / "atb_plugin/engine/memory_profile.py").read_text())
     names = [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
     names += [node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module]
     assert not [n for n in names if n.startswith(("input_builders", "routers", "shm", "atb_plugin.server"))], names
@@ -285,7 +286,7 @@ def test_an_explicit_kv_cache_memory_wins_on_a_device(simulated_device, monkeypa
     def refused(*args):
         raise AssertionError("an explicit budget needs no profile for a text model")
 
-    monkeypatch.setattr(profiling, "profile_run", refused)
+    monkeypatch.setattr(memory_profile, "profile_run", refused)
     assert _core("qwen2", kv_cache_bytes=4 * MiB, max_num_seqs=512).kv_cache_blocks == 1 + 4 * MiB // 8192
 
 

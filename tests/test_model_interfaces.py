@@ -113,7 +113,7 @@ def test_pooling_capabilities_of_native_and_adapted_classes():
     from atb_plugin.models.bert import BertEmbeddingModel, BertForSequenceClassification
     from atb_plugin.models.interfaces import SupportsPooling, SupportsTokenTypes
     from atb_plugin.models.qwen2 import Qwen2ForRewardModel
-    from atb_plugin.pooling.adapters import as_pooling_model
+    from atb_plugin.models.pooling_adapters import as_pooling_model
 
     for cls in (BertEmbeddingModel, BertForSequenceClassification, Qwen2ForRewardModel):
         assert issubclass(cls, SupportsPooling) and as_pooling_model(cls, "embed", {}) is cls  # used as they are

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from atb_plugin import LLM, SamplingParams
-from atb_plugin.engine.output_processor import CompletionOutput, RequestOutput
-from atb_plugin.engine.parallel_sampling import ParentRequest, child_sampling_params, fans_out
+from atb_plugin.frontend.output_processor import CompletionOutput, RequestOutput
+from atb_plugin.frontend.parallel_sampling import ParentRequest, child_sampling_params, fans_out
 from atb_plugin.testing.tiny import tiny_checkpoint
 
 PROMPT = "one two three four five six seven eight nine ten eleven twelve"

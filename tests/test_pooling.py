@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,10 +21,10 @@ import torch.nn.functional as F
 import transformers
 
 from atb_plugin.default_model import embedding_model_dir
-from atb_plugin.engine.llm import LLM
+from atb_plugin.frontend.llm import LLM
+from atb_plugin.models.poolers import DispatchPooler, PoolingBatch, classifier_pooler, embedding_pooler, pool_rows
 from atb_plugin.pooling.config import PoolerConfig, pooler_config, resolve_runner
 from atb_plugin.pooling.params import PoolingParams
-from atb_plugin.pooling.poolers import DispatchPooler, PoolingBatch, classifier_pooler, embedding_pooler, pool_rows
 from atb_plugin.testing.tiny import tiny_checkpoint
 
 ATOL = 1e-5
@@ -97,6 +100,13 @@ def test_pooling_params_are_validated():
         PoolingParams("embed", normalize="yes")
     assert PoolingParams("token_classify").use_activation is False  # raw rewards by default
     assert PoolingParams("classify").use_activation is True
+
+
+def test_the_pooling_types_import_no_torch():
+    # atb_plugin.pooling is the API process's: the torch side is atb_plugin.models.poolers / pooling_adapters.
+    code = ("import sys, atb_plugin.pooling.config, atb_plugin.pooling.params, atb_plugin.pooling.inputs, "
+            "atb_plugin.pooling.outputs; assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 
 
 # -- poolers on hand-computed tensors ------------------------------------------------------------

@@ -15,7 +15,7 @@ ROOT = 'process 10:"python -m atb_plugin.server --model m"'
 TRACKER = 'process 11:"python -B -c from multiprocessing.resource_tracker import main;main(22)"'
 ENGINE = 'process 12:"python -B -c from multiprocessing.spawn import spawn_main; spawn_main(pipe_handle=25)"'
 WORKER = 'process 13:"python -B -c from multiprocessing.spawn import spawn_main; spawn_main(pipe_handle=30)"'
-ENGINE_LOOP = "run_engine_core (atb_plugin/server/engine_process.py:64);_loop (atb_plugin/server/engine_process.py:100)"
+ENGINE_LOOP = "run_engine_core (atb_plugin/engine/process.py:64);_loop (atb_plugin/engine/process.py:100)"
 STEP = "EngineCore.step (atb_plugin/engine/core.py:146)"
 EXECUTE = "ModelRunner.execute (atb_plugin/engine/model_runner.py:158)"
 
@@ -35,22 +35,22 @@ RAW = "\n".join([
     line([ROOT, ENGINE], "thread (12): MainThread",
          [ENGINE_LOOP, STEP, "Scheduler.schedule (atb_plugin/engine/scheduler.py:200)"], 5),
     line([ROOT, ENGINE], "thread (12): MainThread",
-         ["run_engine_core (atb_plugin/server/engine_process.py:64)",
-          "_loop (atb_plugin/server/engine_process.py:103)", "encode (atb_plugin/engine/messages.py:154)"], 4),
+         ["run_engine_core (atb_plugin/engine/process.py:64)",
+          "_loop (atb_plugin/engine/process.py:103)", "encode (atb_plugin/engine/messages.py:154)"], 4),
     line([ROOT, ENGINE], "thread (12): MainThread",
-         ["run_engine_core (atb_plugin/server/engine_process.py:64)",
-          "_loop (atb_plugin/server/engine_process.py:84)", "decode_request (atb_plugin/engine/messages.py:158)"], 1),
+         ["run_engine_core (atb_plugin/engine/process.py:64)",
+          "_loop (atb_plugin/engine/process.py:84)", "decode_request (atb_plugin/engine/messages.py:158)"], 1),
     line([ROOT, ENGINE], "thread (12): MainThread",
-         ["run_engine_core (atb_plugin/server/engine_process.py:64)", "Poller.poll (zmq/sugar/poll.py:106)"], 15),
+         ["run_engine_core (atb_plugin/engine/process.py:64)", "Poller.poll (zmq/sugar/poll.py:106)"], 15),
     line([ROOT, ENGINE], "thread (99): compile", ["Thread.run (threading.py:982)"], 100),  # not the main thread
     line([ROOT, WORKER], "thread (13): MainThread",
-         ["run_tokenizer_worker (atb_plugin/server/workers.py:87)", "Poller.poll (zmq/sugar/poll.py:106)"], 100),
+         ["run_tokenizer_worker (atb_plugin/frontend/tokenizer_pool.py:87)", "Poller.poll (zmq/sugar/poll.py:106)"], 100),
     line([ROOT], "thread (10): MainThread",
-         ["EngineClient._read_outputs (atb_plugin/server/engine_client.py:71)",
-          "AsyncEngine.on_outputs (atb_plugin/server/async_engine.py:214)",
-          "IncrementalDetokenizer.update (atb_plugin/engine/detokenizer.py:80)"], 30),
+         ["MPClient._read_outputs (atb_plugin/engine/client.py:71)",
+          "AsyncLLM.on_outputs (atb_plugin/frontend/async_llm.py:214)",
+          "IncrementalDetokenizer.update (atb_plugin/frontend/detokenizer.py:80)"], 30),
     line([ROOT], "thread (10): MainThread",
-         ["EngineClient._read_outputs (atb_plugin/server/engine_client.py:71)",
+         ["MPClient._read_outputs (atb_plugin/engine/client.py:71)",
           "decode_outputs (atb_plugin/engine/messages.py:162)"], 10),
     line([ROOT], "thread (10): MainThread",
          ["BaseEventLoop._run_once (asyncio/base_events.py:1884)", "EpollSelector.select (selectors.py:468)"], 60),
@@ -93,8 +93,8 @@ def test_the_step_in_milliseconds_and_the_non_forward_share_of_busy_time():
 def test_two_processes_of_one_role_are_told_apart():
     second_worker = 'process 14:"python -B -c from multiprocessing.spawn import spawn_main; spawn_main(pipe_handle=31)"'
     raw = RAW + "\n" + line([ROOT, second_worker], "thread (14): MainThread",
-                            ["run_tokenizer_worker (atb_plugin/server/workers.py:113)",
-                             "_run_job (atb_plugin/server/workers.py:113)"], 7)
+                            ["run_tokenizer_worker (atb_plugin/frontend/tokenizer_pool.py:113)",
+                             "run_job (atb_plugin/frontend/tokenizer_pool.py:113)"], 7)
     processes = profile.breakdown(profile.parse_raw(raw))
     assert {"worker 13", "worker 14"} <= set(processes)
     assert processes["worker 14"]["shares"] == {"render + tokenise + images": 1.0}

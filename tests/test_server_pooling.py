@@ -28,7 +28,8 @@ from atb_plugin.engine.config import EngineConfig
 from atb_plugin.pooling.params import PoolingParams
 from atb_plugin.server.cli import parse_config
 from atb_plugin.server.errors import APIError
-from atb_plugin.server.pooling_api import PoolingRoutes
+from atb_plugin.frontend.input_processor import InputLimits, InputProcessor
+from atb_plugin.server.pooling_api import run_all
 from atb_plugin.testing.tiny import tiny_checkpoint
 from tests.server_helpers import ServerProcess
 
@@ -295,7 +296,7 @@ class _FakeEngine:
     def check_admission(self, new_requests: int = 1) -> None:
         assert new_requests == 3
 
-    async def encode(self, request_id, ids, params, worker, token_type_start):
+    async def encode(self, request_id, prompt, params):
         if request_id == self.failing:
             raise APIError(500, f"{request_id} failed")
         try:
@@ -310,12 +311,12 @@ def test_a_failing_input_or_a_gone_client_aborts_the_others(gone, message):
     engine = _FakeEngine(failing=None if gone else "r-1")
     raw = SimpleNamespace(is_disconnected=lambda: asyncio.sleep(0, gone))
     config = EngineConfig(model=str(tiny_checkpoint("bert")), block_size=16)
-    routes = PoolingRoutes(SimpleNamespace(config=SimpleNamespace(engine=config, served_model_name="m"),
-                                           max_tokens_per_request=64), None, None)
+    router = SimpleNamespace(eos_token_ids=[], generation_config={})
+    engine.processor = InputProcessor(config, router, InputLimits(max_tokens_per_request=64))
 
     async def main():
         with pytest.raises(APIError, match=message):
-            await routes.run(raw, engine, "r", [([1, 2], None)] * 3, PoolingParams("embed"))
+            await run_all(raw, engine, "r", [([1, 2], None)] * 3, PoolingParams("embed"))
         await asyncio.sleep(0.01)  # the cancelled ones run their abort
 
     asyncio.run(main())

@@ -10,6 +10,8 @@ import pytest
 from pydantic import ValidationError
 
 from atb_plugin.engine.sampler import LogprobsEntry
+from atb_plugin.frontend.errors import InvalidRequestError
+from atb_plugin.frontend.input_processor import check_context_length, generation_defaults_from_config
 from atb_plugin.server.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -24,17 +26,14 @@ from atb_plugin.server.protocol import (
     CompletionResponseStreamChoice,
     DeltaMessage,
     DetokenizeRequest,
-    InvalidRequestError,
     ModelCard,
     ModelList,
     TokenizeRequest,
     UsageInfo,
     chat_logprobs,
-    check_context_length,
     completion_logprobs,
     error_response,
     format_validation_error,
-    generation_defaults_from_config,
 )
 
 USER = [{"role": "user", "content": "Hello"}]

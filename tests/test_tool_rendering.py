@@ -9,7 +9,9 @@ import copy
 import pytest
 from jinja2 import TemplateSyntaxError
 
-from atb_plugin.server.workers import _run_job
+from atb_plugin.engine.config import EngineConfig
+from atb_plugin.frontend.input_processor import InputProcessor
+from atb_plugin.frontend.tokenizer_pool import ChatJob, run_job
 from atb_plugin.testing.tiny import tiny_checkpoint
 from input_builders import InputBuilderError, UnsupportedContentError
 from input_builders.conversation import ChatTemplateError, ConversationError, parse_conversation
@@ -176,11 +178,11 @@ def test_parsed_message_keeps_the_calls_and_the_answered_id():
 
 
 def test_the_worker_chat_job_forwards_tools(qwen2_5, store):
-    job = {"id": 1, "op": "chat", "messages": ROUND_TRIP, "request_id": "r", "tools": TOOLS}
-    reply = _run_job(job, qwen2_5, qwen2_5.input_builder, store)
-    assert reply["ok"] == qwen2_5.input_builder.make_context(0, ROUND_TRIP, tools=TOOLS, request_id="r")
-    assert qwen2_5.tokenizer.decode(reply["ok"]) == EXPECTED_QWEN2_5
+    processor = InputProcessor(EngineConfig(model=str(tiny_checkpoint("qwen2_5"))), qwen2_5, shm_store=store)
+    reply = run_job(1, ChatJob("r", ROUND_TRIP, tools=TOOLS), processor, store)
+    assert reply.ok == qwen2_5.input_builder.make_context(0, ROUND_TRIP, tools=TOOLS, request_id="r")
+    assert qwen2_5.tokenizer.decode(reply.ok) == EXPECTED_QWEN2_5
     bad = copy.deepcopy(ROUND_TRIP)
     bad[2]["tool_calls"][0]["function"]["arguments"] = "not json"
-    reply = _run_job({**job, "messages": bad}, qwen2_5, qwen2_5.input_builder, store)
-    assert reply["kind"] == "client" and "message 2, tool call 0" in reply["error"]
+    reply = run_job(1, ChatJob("r", bad, tools=TOOLS), processor, store)
+    assert reply.kind == "client" and "message 2, tool call 0" in reply.error

@@ -11,14 +11,17 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from atb_plugin.engine.memory_profile import DEFAULT_KV_CACHE_BYTES
 from atb_plugin.engine.scheduler import SchedulerConfig
 from atb_plugin.models import registry
-from atb_plugin.multimodal.profiling import DEFAULT_KV_CACHE_BYTES, resolve_mm_limit
+from atb_plugin.models.interfaces import resolve_mm_limit
 from atb_plugin.multimodal.wire import DEFAULT_WIRE_DTYPE, check_wire_dtype
 from atb_plugin.pooling.config import resolve_runner, sentence_transformers_max_len
 from atb_plugin.platform import platform_for
 from atb_plugin.platform.base import DTYPES as TORCH_DTYPES
 from atb_plugin.utils import available_cores
+
+__all__ = ["DEFAULT_KV_CACHE_BYTES", "DEVICES", "DTYPES", "EngineConfig", "FALLBACK_MAX_MODEL_LEN", "head_size"]
 
 DTYPES = ("auto", *TORCH_DTYPES)
 DEVICES = ("auto", "cpu", "cuda", "npu")
@@ -54,7 +57,7 @@ class EngineConfig:
     declared window; ``kv_cache_blocks`` (including the null block) defaults to what the KV budget
     holds (``kv_cache_bytes`` when given; else on the CPU ``DEFAULT_KV_CACHE_BYTES``, on NPU / CUDA
     ``gpu_memory_utilization`` of the device memory less the start-up memory profile,
-    ``atb_plugin.multimodal.profiling``), capped at what
+    ``atb_plugin.engine.memory_profile``), capped at what
     ``max_num_seqs`` full-length requests need. ``limit_mm_per_prompt`` (images per prompt) is
     resolved to the model's own limit when None and may not exceed it.
     ``shm_instances``: if not empty, the only shared-memory instances the core accepts handles

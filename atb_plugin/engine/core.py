@@ -9,10 +9,12 @@ A structured-output request (``SamplingParams.structured_outputs``) has its gram
 background thread by the ``StructuredOutputManager``; the scheduler holds it back until then, the
 runner masks its logits to the grammar and advances its matcher with each sampled token.
 
-No tokenizer, no ``ShmStore``, no text: the frontend (the offline ``LLM`` in the same process,
-or the server's API process over IPC) owns those. Pixels are read by the model runner through
-``atb_plugin.multimodal`` from the segments each request registered. The same class runs in both
-places; ``atb_plugin.server.engine_process`` wraps it in a busy loop.
+No tokenizer, no ``ShmStore``, no text: the frontend owns those, either the offline ``LLM``
+(``atb_plugin.frontend.llm``) calling this class in its own process, or the service's frontend
+talking over IPC to the engine-core process (``atb_plugin.engine.process``), which wraps this
+class in a busy loop. Pixels are read by the model runner through ``atb_plugin.multimodal`` from
+the segments each request registered. The KV budget comes from the start-up memory profile
+(``atb_plugin.engine.memory_profile``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import torch
 
 from atb_plugin.engine.config import EngineConfig
 from atb_plugin.engine.kv_cache_manager import KVCacheManager
+from atb_plugin.engine.memory_profile import MiB, kv_bytes_per_block, kv_cache_budget
 from atb_plugin.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from atb_plugin.engine.model_runner import ModelRunner
 from atb_plugin.engine.request import Request, RequestStatus
@@ -30,9 +33,8 @@ from atb_plugin.engine.scheduler import Scheduler
 from atb_plugin.engine.structured_output import StructuredOutputManager
 from atb_plugin.engine.structured_output import check as check_structured_outputs
 from atb_plugin.models import registry
-from atb_plugin.multimodal.profiling import MiB, kv_bytes_per_block, kv_cache_budget
+from atb_plugin.models.pooling_adapters import as_pooling_model
 from atb_plugin.platform import platform_for
-from atb_plugin.pooling.adapters import as_pooling_model
 from atb_plugin.pooling.config import pooler_config
 from atb_plugin.utils import cdiv
 
@@ -83,7 +85,7 @@ class EngineCore:
                     self.kv_cache_blocks, config.block_size)
 
     def _blocks_for_budget(self) -> int:
-        """Blocks that fit the KV budget (``profiling.kv_cache_budget``: ``kv_cache_bytes`` on the
+        """Blocks that fit the KV budget (``memory_profile.kv_cache_budget``: ``kv_cache_bytes`` on the
         CPU, what the start-up memory profile leaves of ``gpu_memory_utilization`` of the device
         memory on NPU / CUDA), but no more than every sequence at full length needs. A budget that
         cannot hold one ``max_model_len`` request is a start-up error naming what it needs."""

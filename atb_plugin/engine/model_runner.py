@@ -29,9 +29,9 @@ from atb_plugin.engine.sampler import Sampler, make_generator
 from atb_plugin.engine.scheduler import SchedulerOutput
 from atb_plugin.engine.structured_output import GrammarViolation, StructuredOutputManager
 from atb_plugin.models.interfaces import SupportsMedia, SupportsMRoPE, SupportsTokenTypes
+from atb_plugin.models.poolers import DispatchPooler, PoolingBatch
 from atb_plugin.multimodal import MediaBlockError, MultimodalPrompt
 from atb_plugin.platform import platform_for
-from atb_plugin.pooling.poolers import DispatchPooler, PoolingBatch
 
 logger = logging.getLogger(__name__)
 
@@ -277,8 +277,10 @@ class ModelRunner:
                       if s.media is not None and s.media.blocks and a < s.media.token_ids.shape[0]]
         if not with_media:
             return None
+        # The batch's ids are the restored prompts (_add feeds the InputBatch media.token_ids), so
+        # each span's rows are already its text embeddings: only the feature rows are written.
         embeds = self.model.get_input_embeddings(input_ids)
         for state, offset, start, end in with_media:
             prompt_end = min(end, state.media.token_ids.shape[0])
-            embeds[offset:offset + prompt_end - start] = state.media.embed(self.model, start, prompt_end)
+            state.media.merge_features(self.model, embeds[offset:offset + prompt_end - start], start, prompt_end)
         return embeds

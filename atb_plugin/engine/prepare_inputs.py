@@ -112,8 +112,9 @@ def prepare_inputs(batch: InputBatch, request_ids: Sequence[str], num_scheduled_
     be in the batch's token table and covered by its blocks. The batch is not modified (advancing
     ``num_computed_tokens`` after the step is the caller's job)."""
     # Called once per engine step between model forwards, i.e. with cold caches, and for a decode
-    # batch each numpy call costs more than its arithmetic: so few calls as possible (the checks are
-    # one test with a slow path that explains, nothing is gathered through req_indices).
+    # batch each numpy call costs more than its arithmetic (benchmarks/RESULTS.md,
+    # bench_prepare_inputs): so few calls as possible (the checks are one test with a slow path
+    # that explains, nothing is gathered through req_indices).
     num_reqs = len(request_ids)
     num_scheduled = np.asarray(num_scheduled_tokens, dtype=np.int64)
     if num_reqs == 0 or num_scheduled.shape != (num_reqs,):
@@ -236,7 +237,8 @@ def _arange(n: int) -> np.ndarray:
 
 def _divmod_block_size(positions: np.ndarray, block_size: int) -> tuple[np.ndarray, np.ndarray]:
     """``(positions // block_size, positions % block_size)``; a shift and a mask for the usual
-    power-of-two block sizes (numpy's integer ``%`` is several times slower than ``&``)."""
+    power-of-two block sizes (numpy's integer ``%`` is several times slower than ``&``:
+    benchmarks/RESULTS.md, bench_prepare_inputs)."""
     if block_size & (block_size - 1) == 0:
         return positions >> (block_size.bit_length() - 1), positions & (block_size - 1)
     blocks = positions // block_size

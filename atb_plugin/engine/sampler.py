@@ -1,4 +1,4 @@
-"""``Sampler``: one token per request from the step's last-position logits, and ``check_stop``.
+"""``Sampler``: one token per request from the step's last-position logits.
 
 Per step, for the B requests that sample (vLLM v1's order)::
 
@@ -31,7 +31,7 @@ exactly k (its own top_k, when at most 1024) or V draws of its own generator per
 else is in the batch, so the same seed and prompt give the same tokens in any batch.
 
 Stop checks (EOS, stop ids, lengths) are the scheduler's (``scheduler.check_stop``); stop strings
-are text, so the frontend's detokenizer checks them (``detokenizer.IncrementalDetokenizer``).
+are text, so the frontend's detokenizer (atb_plugin/frontend/detokenizer.py) checks them.
 """
 
 from __future__ import annotations
@@ -240,7 +240,8 @@ class Sampler:
 
         Sparse: only the (row, id) entries a prompt or output holds are read and written, a few
         thousand per row, not the whole (rows, vocab) block: on the CPU the dense form cost more
-        than the rest of the sampler (Qwen2 checkpoints turn repetition_penalty on by default)."""
+        than the rest of the sampler (Qwen2 checkpoints turn repetition_penalty on by default;
+        benchmarks/RESULTS.md, "Figures formerly in code comments")."""
         vocab, device = logits.shape[1], logits.device
         flat = logits.view(-1)  # ``sample``'s own contiguous copy
         penalty_of = torch.ones(logits.shape[0], dtype=logits.dtype)  # per batch row
@@ -337,9 +338,10 @@ class Sampler:
         (a token is kept when the mass before it is < p, so the most likely one always is).
         Returns the masked sorted logits and, per position, the vocabulary id it holds: the
         whole row, or only its largest ``max(top_k)`` entries when every row has a small top-k
-        (``topk`` instead of a full sort: 10x less work for top_k = 20 over a 49k vocabulary,
-        and nothing past rank k survives anyway; top-p then renormalises over those, as it does
-        over the masked full row)."""
+        (``topk`` instead of a full sort: much less work for a small top_k, such as Qwen2's
+        default 20 over a 49k vocabulary, as measured in benchmarks/RESULTS.md, "Figures
+        formerly in code comments"; and nothing past rank k survives anyway: top-p then
+        renormalises over those, as it does over the masked full row)."""
         device = logits.device
         widest = max(top_k)
         if widest <= _TOPK_INSTEAD_OF_SORT:
@@ -386,7 +388,8 @@ class Sampler:
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax (the first maximum): the native CPU kernel where it runs (torch's argmax
-    took 3.1 ms for 32 rows of a 49k vocabulary, the kernel ~0.3), else torch's."""
+    """Each row's argmax (the first maximum): the native CPU kernel where it runs (several times
+    faster than torch's over a 49k vocabulary: benchmarks/RESULTS.md, bench_engine "Fifth
+    round"), else torch's."""
     library = cpu_native.library_for(logits.dtype, logits.device)
     return logits.argmax(dim=-1) if library is None else cpu_native.argmax(library, logits)

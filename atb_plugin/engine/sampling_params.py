@@ -4,57 +4,25 @@ Every field is type- and range-checked on construction; a bad one raises ``Value
 ``TypeError``: the HTTP server answers any ``ValueError`` with 400) whose message starts with
 the field's name and gives the value and what is accepted. Ints must be ints (``bool`` and
 ``2.0`` are refused; numpy integers are taken as ints), floats take ints or floats but must be
-finite, flags must be ``bool``. Accepted values are stored normalised: floats as ``float``, ints
-as ``int``, ``stop`` / ``stop_token_ids`` as fresh lists.
+finite, flags must be ``bool`` (the checks: ``atb_plugin.validation``, shared with
+``PoolingParams``). Accepted values are stored normalised: floats as ``float``, ints as ``int``,
+``stop`` / ``stop_token_ids`` as fresh lists.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import numbers
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from atb_plugin.validation import check_bool, check_float, check_int, check_list, describe
 
 _SEED_LIMIT = 2**64  # torch.Generator.manual_seed takes [0, 2**64) (and negatives, which we refuse)
 # top_k and logprobs count vocabulary entries: anything above this is a client bug, and an
 # unbounded int would overflow the int64 tensors and messages it travels in.
 _COUNT_LIMIT = 2**31 - 1
 _TOKEN_ID_LIMIT = 2**63  # token ids travel as int64
-
-
-def _describe(value) -> str:
-    return f"{value!r} ({type(value).__name__})"
-
-
-def _int(name: str, value, accepted: str) -> int:
-    """``value`` as an int, or ValueError naming ``name``; ``accepted`` describes the valid range."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an int {accepted}, got {_describe(value)}")
-    return int(value)
-
-
-def _float(name: str, value, accepted: str) -> float:
-    """``value`` (an int or a float) as a finite float, or ValueError naming ``name``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number {accepted}, got {_describe(value)}")
-    number = float(value)
-    if not math.isfinite(number):
-        raise ValueError(f"{name} must be a finite number {accepted}, got {value!r}")
-    return number
-
-
-def _bool(name: str, value) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {_describe(value)}")
-    return value
-
-
-def _list(name: str, value, accepted: str) -> list:
-    """A list or tuple (not a string, not a set: order and repeats are the caller's) as a new list."""
-    if not isinstance(value, Sequence) or isinstance(value, (str, bytes)):
-        raise ValueError(f"{name} must be a list {accepted}, got {_describe(value)}")
-    return list(value)
 
 
 _BIAS_LIMIT = 100.0  # OpenAI's range for a logit_bias value
@@ -85,14 +53,14 @@ class StructuredOutputsParams:
         if isinstance(self.json, Mapping):
             self.json = json.dumps(self.json)
         if self.json is not None and not isinstance(self.json, str):
-            raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {_describe(self.json)}")
-        self.json_object = _bool("structured_outputs.json_object", self.json_object)
+            raise ValueError(f"structured_outputs.json must be a JSON schema (an object), got {describe(self.json)}")
+        self.json_object = check_bool("structured_outputs.json_object", self.json_object)
         for name in ("regex", "grammar"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {_describe(value)}")
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string, got {describe(value)}")
         if self.choice is not None:
-            choice = _list("structured_outputs.choice", self.choice, "of non-empty strings")
+            choice = check_list("structured_outputs.choice", self.choice, "of non-empty strings")
             if not choice or not all(isinstance(c, str) and c for c in choice):
                 raise ValueError(f"structured_outputs.choice must be a non-empty list of non-empty strings, "
                                  f"got {self.choice!r}")
@@ -149,69 +117,69 @@ class SamplingParams:
     structured_outputs: StructuredOutputsParams | None = None
 
     def __post_init__(self):
-        self.n = _int("n", self.n, ">= 1")
+        self.n = check_int("n", self.n, ">= 1")
         if self.n < 1:
             raise ValueError(f"n must be >= 1, got {self.n!r}")
-        self.temperature = _float("temperature", self.temperature, ">= 0 (0: greedy)")
+        self.temperature = check_float("temperature", self.temperature, ">= 0 (0: greedy)")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0 (0: greedy), got {self.temperature!r}")
-        self.top_p = _float("top_p", self.top_p, "in (0, 1]")
+        self.top_p = check_float("top_p", self.top_p, "in (0, 1]")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        self.top_k = _int("top_k", self.top_k, "(-1 or 0: disabled, else >= 1)")
+        self.top_k = check_int("top_k", self.top_k, "(-1 or 0: disabled, else >= 1)")
         if not -1 <= self.top_k <= _COUNT_LIMIT:
             raise ValueError(f"top_k must be -1 or 0 (disabled) or in [1, {_COUNT_LIMIT}], got {self.top_k!r}")
         if self.seed is not None:
-            self.seed = _int("seed", self.seed, "in [0, 2**64) or None")
+            self.seed = check_int("seed", self.seed, "in [0, 2**64) or None")
             if not 0 <= self.seed < _SEED_LIMIT:
                 raise ValueError(f"seed must be in [0, 2**64) or None, got {self.seed!r}")
         if self.max_tokens is not None:
-            self.max_tokens = _int("max_tokens", self.max_tokens, ">= 1 or None")
+            self.max_tokens = check_int("max_tokens", self.max_tokens, ">= 1 or None")
             if not 1 <= self.max_tokens < _TOKEN_ID_LIMIT:
                 raise ValueError(f"max_tokens must be >= 1 or None, got {self.max_tokens!r}")
         upper = "max_tokens" if self.max_tokens is None else f"max_tokens = {self.max_tokens}"
-        self.min_tokens = _int("min_tokens", self.min_tokens, f"in [0, {upper}]")
+        self.min_tokens = check_int("min_tokens", self.min_tokens, f"in [0, {upper}]")
         if self.min_tokens < 0 or (self.max_tokens is not None and self.min_tokens > self.max_tokens):
             raise ValueError(f"min_tokens must be in [0, {upper}], got {self.min_tokens!r}")
         if self.logprobs is not None:
-            self.logprobs = _int("logprobs", self.logprobs, ">= 0 or None")
+            self.logprobs = check_int("logprobs", self.logprobs, ">= 0 or None")
             if not 0 <= self.logprobs <= _COUNT_LIMIT:
                 raise ValueError(f"logprobs must be in [0, {_COUNT_LIMIT}] or None, got {self.logprobs!r}")
         self.stop = self._stop(self.stop)
         self.stop_token_ids = self._stop_token_ids(self.stop_token_ids)
-        self.ignore_eos = _bool("ignore_eos", self.ignore_eos)
-        self.skip_special_tokens = _bool("skip_special_tokens", self.skip_special_tokens)
-        self.include_stop_str_in_output = _bool("include_stop_str_in_output", self.include_stop_str_in_output)
+        self.ignore_eos = check_bool("ignore_eos", self.ignore_eos)
+        self.skip_special_tokens = check_bool("skip_special_tokens", self.skip_special_tokens)
+        self.include_stop_str_in_output = check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         self._check_penalties()
         self.logit_bias = self._logit_bias(self.logit_bias)
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = self._token_ids("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must not be empty (null: every token is allowed)")
-        self.bad_words_token_ids = [self._token_ids("bad_words_token_ids", ids) for ids in
-                                    _list("bad_words_token_ids", self.bad_words_token_ids or [], "of token-id lists")]
+        bad_words = check_list("bad_words_token_ids", self.bad_words_token_ids or [], "of token-id lists")
+        self.bad_words_token_ids = [self._token_ids("bad_words_token_ids", ids) for ids in bad_words]
         if any(not ids for ids in self.bad_words_token_ids):
             raise ValueError("bad_words_token_ids must not hold an empty list")
         if self.prompt_logprobs is not None:
-            self.prompt_logprobs = _int("prompt_logprobs", self.prompt_logprobs, ">= 0 or None")
+            self.prompt_logprobs = check_int("prompt_logprobs", self.prompt_logprobs, ">= 0 or None")
             if not 0 <= self.prompt_logprobs <= _COUNT_LIMIT:
                 raise ValueError(f"prompt_logprobs must be in [0, {_COUNT_LIMIT}] or None, got {self.prompt_logprobs!r}")
         if isinstance(self.structured_outputs, Mapping):
             self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
             raise ValueError(f"structured_outputs must be a StructuredOutputsParams, got "
-                             f"{_describe(self.structured_outputs)}")
+                             f"{describe(self.structured_outputs)}")
 
     def _check_penalties(self) -> None:
         for name in ("presence_penalty", "frequency_penalty"):
-            value = _float(name, getattr(self, name), "in [-2, 2]")
+            value = check_float(name, getattr(self, name), "in [-2, 2]")
             if not -2.0 <= value <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {value!r}")
             setattr(self, name, value)
-        self.repetition_penalty = _float("repetition_penalty", self.repetition_penalty, "in (0, 2]")
+        self.repetition_penalty = check_float("repetition_penalty", self.repetition_penalty, "in (0, 2]")
         if not 0.0 < self.repetition_penalty <= 2.0:
             raise ValueError(f"repetition_penalty must be in (0, 2] (1: off), got {self.repetition_penalty!r}")
-        self.min_p = _float("min_p", self.min_p, "in [0, 1]")
+        self.min_p = check_float("min_p", self.min_p, "in [0, 1]")
         if not 0.0 <= self.min_p <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p!r}")
 
@@ -220,14 +188,14 @@ class SamplingParams:
         if value is None:
             return {}
         if not isinstance(value, Mapping):
-            raise ValueError(f"logit_bias must be a map of token id -> bias, got {_describe(value)}")
+            raise ValueError(f"logit_bias must be a map of token id -> bias, got {describe(value)}")
         bias = {}
         for token, amount in value.items():
             if isinstance(token, str) and token.lstrip("-").isdigit():
                 token = int(token)  # JSON object keys are strings
             if isinstance(token, bool) or not isinstance(token, numbers.Integral) or not 0 <= token < _TOKEN_ID_LIMIT:
-                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {_describe(token)}")
-            amount = _float("logit_bias", amount, f"in [-{_BIAS_LIMIT:g}, {_BIAS_LIMIT:g}]")
+                raise ValueError(f"logit_bias keys must be token ids (ints >= 0), got {describe(token)}")
+            amount = check_float("logit_bias", amount, f"in [-{_BIAS_LIMIT:g}, {_BIAS_LIMIT:g}]")
             if not -_BIAS_LIMIT <= amount <= _BIAS_LIMIT:
                 raise ValueError(f"logit_bias values must be in [-{_BIAS_LIMIT:g}, {_BIAS_LIMIT:g}], "
                                  f"got {amount!r} for token {token}")
@@ -237,10 +205,10 @@ class SamplingParams:
     @staticmethod
     def _token_ids(name: str, value) -> list[int]:
         accepted = "of token ids (ints in [0, 2**63))"
-        ids = _list(name, value, accepted)
+        ids = check_list(name, value, accepted)
         for t in ids:
             if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < _TOKEN_ID_LIMIT:
-                raise ValueError(f"{name} must be a list {accepted}, got {_describe(t)} in {value!r}")
+                raise ValueError(f"{name} must be a list {accepted}, got {describe(t)} in {value!r}")
         return [int(t) for t in ids]
 
     def check_vocabulary(self, vocab_size: int) -> None:
@@ -265,10 +233,10 @@ class SamplingParams:
             return []
         if isinstance(value, str):
             value = [value]
-        stop = _list("stop", value, "of non-empty strings (or one string)")
+        stop = check_list("stop", value, "of non-empty strings (or one string)")
         for s in stop:
             if not isinstance(s, str) or not s:
-                raise ValueError(f"stop must be a string or a list of non-empty strings, got {_describe(s)} "
+                raise ValueError(f"stop must be a string or a list of non-empty strings, got {describe(s)} "
                                  f"in {value!r}")
         return stop
 

@@ -36,10 +36,10 @@ from torch import nn
 from atb_plugin import ops
 from atb_plugin.models.base import PretrainedModel
 from atb_plugin.models.clip import activation
+from atb_plugin.models.poolers import DispatchPooler, embedding_pooler
+from atb_plugin.models.pooling_adapters import classification_poolers, num_labels
 from atb_plugin.models.weights import IGNORE
-from atb_plugin.pooling.adapters import classification_poolers, num_labels
 from atb_plugin.pooling.config import CONVERT_TASKS, PoolerConfig
-from atb_plugin.pooling.poolers import DispatchPooler, embedding_pooler
 
 _QKV = {"query": ("qkv", 0), "key": ("qkv", 1), "value": ("qkv", 2)}
 _BUFFERS = {"embeddings.position_ids"}  # known checkpoint tensors that are not parameters

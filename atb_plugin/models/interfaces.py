@@ -1,4 +1,4 @@
-"""Model capabilities, as runtime-checkable protocols.
+"""Model capabilities, as runtime-checkable protocols, and what a multimodal family declares.
 
 The engine asks what a model can do with ``isinstance(model, SupportsMedia)`` /
 ``isinstance(model, SupportsMRoPE)`` instead of probing single attributes with ``hasattr``: a
@@ -13,29 +13,37 @@ Which family has what::
     Qwen2-VL, Qwen2.5-VL           SupportsMedia, SupportsMRoPE
     pooling models                 SupportsPooling (BERT also SupportsTokenTypes): native ones
                                    (BERT, Qwen2ForRewardModel) and generative classes adapted
-                                   by ``atb_plugin.pooling.adapters``
+                                   by ``atb_plugin.models.pooling_adapters``
 
 ``isinstance`` against a protocol checks that the members exist, not their signatures. On
 Python < 3.12 it reads ``media_layout`` to do so: keep that property cheap and free of side
 effects.
+
+A multimodal family also declares its per-prompt limit and its largest item
+(``MultimodalProcessingInfo``, ``supported_mm_limit``, ``resolve_mm_limit``): the input builders,
+``EngineConfig.limit_mm_per_prompt`` and the start-up memory profile
+(``atb_plugin.engine.memory_profile``) read them. This module imports no torch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
 
+    from atb_plugin.models.poolers import DispatchPooler
     from atb_plugin.multimodal import MediaLayout
-    from atb_plugin.multimodal.profiling import MultimodalProcessingInfo
     from atb_plugin.pooling.config import PoolerConfig
-    from atb_plugin.pooling.poolers import DispatchPooler
 
 GridTHW = tuple[int, int, int]  # an image's patch grid (temporal, height, width)
+MODALITIES = ("image",)
 
-__all__ = ["GridTHW", "SupportsMRoPE", "SupportsMedia", "SupportsPooling", "SupportsTokenTypes"]
+__all__ = ["GridTHW", "MODALITIES", "MultimodalProcessingInfo", "SupportsMRoPE", "SupportsMedia", "SupportsPooling",
+           "SupportsTokenTypes", "resolve_mm_limit", "supported_mm_limit"]
 
 
 @runtime_checkable
@@ -58,7 +66,7 @@ class SupportsMedia(Protocol):
       the placeholder positions in order; a model may refuse ``mm_embeds`` (NotImplementedError)
       and leave the merge to ``MultimodalPrompt.embed``.
     - ``get_processing_info(model_dir)``: the family's per-prompt limit and its largest item
-      (``atb_plugin.multimodal.profiling.MultimodalProcessingInfo``), for the start-up memory
+      (``MultimodalProcessingInfo`` below), for the start-up memory
       profile. The class also declares ``supported_mm_limits`` (``{"image": N}``), which the input
       builders and ``EngineConfig.limit_mm_per_prompt`` read.
     """
@@ -121,3 +129,65 @@ class SupportsTokenTypes(Protocol):
 
     def forward_with_token_types(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches,
                                  attn_metadata, token_type_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+# ------------------------------------------------------------------------------------------------
+# what a multimodal family declares
+
+
+@dataclass(frozen=True)
+class MultimodalProcessingInfo:
+    """What a multimodal family takes per prompt, and its largest item (vLLM's
+    ``BaseProcessingInfo``: supported limits, tokens per item, the size with the most features).
+
+    ``max_tokens_per_item``: the media block of the largest item, i.e. the encoder's feature rows
+    for it; ``max_item_size``: ``(height, width)`` in pixels, after preprocessing, of that item
+    (its uint8 wire form is ``[height, width, 3]``); ``pixel_shape`` / ``grid_thw``: that item as
+    the encoder takes it (the float32 wire form and the block's THW slot, None for layouts
+    without one)."""
+
+    modality: str
+    max_items_per_prompt: int
+    max_tokens_per_item: int
+    max_item_size: tuple[int, int]
+    pixel_shape: tuple[int, ...]
+    grid_thw: GridTHW | None = None
+
+    def __post_init__(self):
+        if self.modality not in MODALITIES:
+            raise ValueError(f"MultimodalProcessingInfo.modality = {self.modality!r}: expected one of {MODALITIES}")
+        for name in ("max_items_per_prompt", "max_tokens_per_item"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"MultimodalProcessingInfo.{name} = {value!r}: must be an integer >= 1")
+        for name in ("max_item_size", "pixel_shape") + (("grid_thw",) if self.grid_thw is not None else ()):
+            value = tuple(getattr(self, name))
+            if not value or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value):
+                raise ValueError(f"MultimodalProcessingInfo.{name} = {value!r}: must be positive integers")
+            object.__setattr__(self, name, value)
+        if len(self.max_item_size) != 2:
+            raise ValueError(f"MultimodalProcessingInfo.max_item_size = {self.max_item_size}: expected (height, width)")
+        if self.grid_thw is not None and (len(self.grid_thw) != 3 or math.prod(self.grid_thw) != self.pixel_shape[0]):
+            raise ValueError(f"MultimodalProcessingInfo: grid_thw {self.grid_thw} does not match the "
+                             f"{self.pixel_shape[0]} patch rows of pixel_shape {self.pixel_shape}")
+
+
+def supported_mm_limit(model_cls: type, modality: str = "image") -> int:
+    """The most items of ``modality`` one prompt may carry, as the model class declares it
+    (``supported_mm_limits``); 0 for a model that takes none (text-only models declare nothing)."""
+    return int(getattr(model_cls, "supported_mm_limits", {}).get(modality, 0))
+
+
+def resolve_mm_limit(model_cls: type, requested: int | None) -> int:
+    """``limit_mm_per_prompt``: the model's own limit when None, else ``requested``, which may not
+    exceed it (ValueError naming both: a limit silently lowered would refuse requests the operator
+    believes allowed; vLLM refuses it at start-up too)."""
+    supported = supported_mm_limit(model_cls)
+    if requested is None:
+        return supported
+    if requested > supported:
+        what = f"at most {supported} images per prompt" if supported else "no images"
+        fix = f"set it to {supported} or less, or leave it unset" if supported else "leave it unset (or 0)"
+        raise ValueError(f"EngineConfig.limit_mm_per_prompt = {requested} (--limit-mm-per-prompt): "
+                         f"{model_cls.__name__} takes {what}; {fix}")
+    return requested

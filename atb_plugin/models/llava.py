@@ -32,9 +32,10 @@ from torch import nn
 from atb_plugin.models.base import MultimodalModel
 from atb_plugin.models.clip import CLIPVisionConfig, CLIPVisionModel, activation
 from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM
+from atb_plugin.models.interfaces import MultimodalProcessingInfo
 from atb_plugin.models.weights import IGNORE, OLD_ROTARY_BUFFER, STACKED_QKV_GATE_UP
 from atb_plugin.multimodal.pixels import ChwImageFormat
-from atb_plugin.multimodal.profiling import MultimodalProcessingInfo
+from atb_plugin.multimodal.wire import LLAVA_BLOCK
 
 # transformers' LlamaConfig defaults: llava-hf's published text_config lists only what differs
 # from them (llava-1.5-7b-hf gives no hidden_size, no num_hidden_layers ...).
@@ -139,7 +140,7 @@ class LlavaForConditionalGeneration(MultimodalModel):
     def media_layout(self):
         from atb_plugin.multimodal import MediaLayout
 
-        return MediaLayout(placeholder_id=self.config.image_token_id, num_metadata_slots=2,
+        return MediaLayout(placeholder_id=self.config.image_token_id, num_metadata_slots=LLAVA_BLOCK.metadata_slots,
                            tokens_per_block=self.config.tokens_per_image, merge_size=1)
 
     # Images one prompt may carry: the input builder's limit and the most EngineConfig's

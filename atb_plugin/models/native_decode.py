@@ -1,8 +1,8 @@
 """The captured decode step on the CPU: a decoder's whole decode forward replayed by one native call.
 
 Why: at one request a decode step is ~300 native kernel calls and ~650 torch ops, each with
-~10 us of Python, dispatch and output allocation around well under a microsecond of work for
-the small ones: ~9 ms of a ~55 ms step (benchmarks/RESULTS.md). A GPU removes that host cost by
+Python, dispatch and output allocation around far less work for the small ones: a sizeable share
+of the step (benchmarks/RESULTS.md, bench_engine.py, "Fifth round"). A GPU removes that host cost by
 capturing the step once as a CUDA graph (an NPU, as an ACL graph) and replaying it; here the
 same idea is a plan: ``capture`` records, once per engine, the address of every layer's weights
 (the native linear kernel's column panels, the norms) and KV cache, the sizes, and a scratch

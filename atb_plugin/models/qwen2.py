@@ -3,9 +3,9 @@
 from torch import nn
 
 from atb_plugin.models.decoder import Qwen2ForCausalLM
-from atb_plugin.pooling.adapters import PoolingModelMixin, classification_poolers
+from atb_plugin.models.poolers import DispatchPooler
+from atb_plugin.models.pooling_adapters import PoolingModelMixin, classification_poolers
 from atb_plugin.pooling.config import CONVERT_TASKS, PoolerConfig
-from atb_plugin.pooling.poolers import DispatchPooler
 
 __all__ = ["Qwen2ForCausalLM", "Qwen2ForRewardModel"]
 

@@ -46,10 +46,11 @@ from torch import nn
 from atb_plugin import ops
 from atb_plugin.models.base import MultimodalModel
 from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM, DecoderModel, RMSNorm
+from atb_plugin.models.interfaces import MultimodalProcessingInfo
 from atb_plugin.models.weights import IGNORE, STACKED_QKV_GATE_UP
 from atb_plugin.multimodal import MediaLayout
 from atb_plugin.multimodal.pixels import Qwen2VLPatchFormat
-from atb_plugin.multimodal.profiling import MultimodalProcessingInfo
+from atb_plugin.multimodal.wire import QWEN2_VL_BLOCK
 from atb_plugin.utils import cdiv
 
 GridTHW = tuple[int, int, int]
@@ -488,7 +489,8 @@ class Qwen2VLForConditionalGeneration(MultimodalModel):
 
     @property
     def media_layout(self) -> MediaLayout:
-        return MediaLayout(placeholder_id=self.config.image_token_id, num_metadata_slots=3, tokens_per_block=None,
+        return MediaLayout(placeholder_id=self.config.image_token_id, num_metadata_slots=QWEN2_VL_BLOCK.metadata_slots,
+                           tokens_per_block=QWEN2_VL_BLOCK.tokens_per_block,
                            merge_size=self.config.vision.spatial_merge_size)
 
     @property

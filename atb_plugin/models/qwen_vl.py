@@ -53,12 +53,15 @@ from torch import nn
 from atb_plugin import ops
 from atb_plugin.models.base import MultimodalModel
 from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM
+from atb_plugin.models.interfaces import MultimodalProcessingInfo
 from atb_plugin.models.weights import IGNORE, STACKED_QKV_GATE_UP
 from atb_plugin.multimodal.pixels import ChwImageFormat
-from atb_plugin.multimodal.profiling import MultimodalProcessingInfo
+from atb_plugin.multimodal.wire import QWEN_VL_BLOCK
 from atb_plugin.utils import cdiv
 
-NUM_QUERIES = 256  # Qwen-VL's resampler: one query per image slot between <img> and </img>
+# Qwen-VL's resampler: one query per image slot between <img> and </img> (config.json's visual.n_queries
+# where it says; the input builder always lays out this many).
+NUM_QUERIES = QWEN_VL_BLOCK.tokens_per_block
 
 
 # --------------------------------------------------------------------------------------------
@@ -384,7 +387,8 @@ class QwenVLForCausalLM(MultimodalModel):
         from atb_plugin.multimodal import MediaLayout
 
         # <img> = image_start_id, </img> = +1, <imgpad> = +2 (the public tokenizer's layout).
-        return MediaLayout(placeholder_id=self.config.vision.image_start_id + 2, num_metadata_slots=2,
+        return MediaLayout(placeholder_id=self.config.vision.image_start_id + 2,
+                           num_metadata_slots=QWEN_VL_BLOCK.metadata_slots,
                            tokens_per_block=self.config.vision.num_queries, merge_size=1)
 
     # Images one prompt may carry: the input builder's limit and the most EngineConfig's

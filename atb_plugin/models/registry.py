@@ -24,7 +24,7 @@ MODEL_CLASSES: dict[str, str] = {
 
 # Native pooling models, by architecture name (config.json's ``architectures[0]``): served as they
 # are with ``runner="pooling"``. Any other architecture of a family above is its generative class,
-# which ``atb_plugin.pooling.adapters`` converts when the runner is "pooling".
+# which ``atb_plugin.models.pooling_adapters`` converts when the runner is "pooling".
 POOLING_CLASSES: dict[str, str] = {
     "BertModel": "atb_plugin.models.bert:BertEmbeddingModel",
     "BertForSequenceClassification": "atb_plugin.models.bert:BertForSequenceClassification",

@@ -152,8 +152,8 @@ class Qwen2VLPatchFormat(PixelFormat):
         _, h, w = grid_thw
         p, m, frames = self.patch_size, self.merge_size, self.temporal_patch_size
         # Gather on uint8, normalise contiguously, cast, then write the frame ``frames`` times:
-        # the fastest order on the CPU of the alternatives measured (2-3x a strided float gather),
-        # and the repeat moves the model's dtype, not float32.
+        # the fastest order on the CPU of the alternatives measured (vs a strided float gather:
+        # benchmarks/RESULTS.md, bench_preprocess.py), and the repeat moves the model's dtype, not float32.
         windows = image.reshape(h // m, m, p, w // m, m, p, 3).permute(0, 3, 1, 4, 6, 2, 5).contiguous()
         values = normalize_image(windows, self.normalization).to(dtype)  # (gh/m, gw/m, m, m, 3, p, p)
         values = values.unsqueeze(-3).expand(*values.shape[:5], frames, p, p)

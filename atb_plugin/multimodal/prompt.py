@@ -10,9 +10,10 @@ A media block is found by its first metadata slot (ids < 0 are always metadata):
 ``MultimodalPrompt.from_ids`` checks every block (layout, handle, segment header) and reads the
 pixels zero-copy from shared memory; the model's ``pixel_format`` checks their dtype and shape
 and makes the encoder's input on its device (atb_plugin/multimodal/pixels.py); the encoder runs
-once per prompt (not at all for a block the prefix cache already holds) and ``embed(model,
-start, end)`` merges the rows that fall in a prefill chunk ``[start, end)``, so a chunk boundary
-may cut a block anywhere. Any problem raises ``MediaBlockError`` for this prompt only, naming
+once per prompt (not at all for a block the prefix cache already holds) and
+``merge_features(model, embeds, start, end)`` writes the rows that fall in a prefill chunk
+``[start, end)`` over that chunk's text embeddings (``embed(model, start, end)``: both steps), so
+a chunk boundary may cut a block anywhere. Any problem raises ``MediaBlockError`` for this prompt only, naming
 the block and the counts; nothing is ever replaced by zeros.
 """
 
@@ -42,7 +43,9 @@ class MediaBlockError(ValueError):
 
 @dataclass(frozen=True)
 class MediaLayout:
-    """How a family lays out a block (docs/wire-format.md), as the model's config says."""
+    """How a family lays out a block (docs/wire-format.md), as the model's config says: the
+    family's ``wire.MediaBlockShape`` (metadata slots, a fixed length or none; shared with its input
+    builder) completed with the checkpoint's placeholder id, block length and merge size."""
 
     placeholder_id: int  # what every slot holds once the metadata is restored
     num_metadata_slots: int  # NAME, SHAPE (2) or NAME, SHAPE, THW (3)
@@ -157,6 +160,13 @@ class MultimodalPrompt:
         end = self.token_ids.shape[0] if end is None else end
         weight = next(model.parameters())
         embeds = model.get_input_embeddings(self.token_ids[start:end].to(weight.device))
+        return self.merge_features(model, embeds, start, end)
+
+    def merge_features(self, model, embeds: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """Write the feature rows of the media blocks in prompt positions ``[start, end)`` into
+        ``embeds`` (``(end - start, hidden)``: those positions' text embeddings, i.e. of the
+        restored ``token_ids[start:end]``), in place, and return it. The model runner passes its
+        slice of the whole step's embeddings, so the text is embedded once."""
         for block, rows in zip(self.blocks, self.features(model) if self.blocks else []):
             lo, hi = max(start, block.start), min(end, block.start + block.length)
             if lo < hi:

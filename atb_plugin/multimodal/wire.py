@@ -1,5 +1,8 @@
 """What an image is on the shm wire, as both sides must agree (docs/wire-format.md, section 3).
 
+Each family's media block shape (``MediaBlockShape``: metadata slots, a fixed length or none):
+its input builder writes blocks of that shape, its model's ``media_layout`` reads them.
+
 Two wire dtypes, told apart by the segment header's dtype code, never by convention:
 
 * ``uint8`` (the default): the decoded image after the family's resize (and CLIP's centre crop),
@@ -11,7 +14,8 @@ Two wire dtypes, told apart by the segment header's dtype code, never by convent
   eight for Qwen2-VL (the temporal repeat).
 
 This module is torch-free: the input builders import it for the one normalisation rule both
-sides apply, so the frontend's float32 path and the device's uint8 path give the same values.
+sides apply, so the frontend's float32 path and the device's uint8 path give the same values, and
+for the block shapes.
 """
 
 from __future__ import annotations
@@ -25,14 +29,38 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["DEFAULT_WIRE_DTYPE", "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD", "PixelNormalization", "WIRE_DTYPES",
-           "check_wire_dtype"]
+__all__ = ["DEFAULT_WIRE_DTYPE", "LLAVA_BLOCK", "MediaBlockShape", "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD",
+           "PixelNormalization", "QWEN2_VL_BLOCK", "QWEN_VL_BLOCK", "WIRE_DTYPES", "check_wire_dtype"]
 
 WIRE_DTYPES = ("uint8", "float32")
 DEFAULT_WIRE_DTYPE = "uint8"
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+@dataclass(frozen=True)
+class MediaBlockShape:
+    """One family's media block in the prompt ids (docs/wire-format.md, section 3), the one
+    declaration its input builder (which writes the block) and its model (whose ``MediaLayout``
+    reads it) share: ``metadata_slots`` ids < 0 first (NAME, SHAPE (2) or NAME, SHAPE, THW (3)),
+    placeholders after them. ``tokens_per_block``: the block's length where the family fixes it
+    (Qwen-VL: one slot per resampler query); None where the checkpoint sets it (LLaVA: the vision
+    tower's patches) or each image's THW slot does (Qwen2-VL: ``t·h·w / merge²``)."""
+
+    metadata_slots: int
+    tokens_per_block: int | None = None
+
+    def __post_init__(self):
+        if self.metadata_slots not in (2, 3):
+            raise ValueError(f"metadata_slots must be 2 or 3, got {self.metadata_slots}")
+        if self.tokens_per_block is not None and self.tokens_per_block < self.metadata_slots:
+            raise ValueError(f"tokens_per_block {self.tokens_per_block} < {self.metadata_slots} metadata slots")
+
+
+LLAVA_BLOCK = MediaBlockShape(metadata_slots=2)  # NAME, SHAPE; (image_size / patch_size)² (+1 "full") slots
+QWEN_VL_BLOCK = MediaBlockShape(metadata_slots=2, tokens_per_block=256)  # NAME, SHAPE; 256 resampler queries
+QWEN2_VL_BLOCK = MediaBlockShape(metadata_slots=3)  # NAME, SHAPE, THW; t·h·w / merge² slots (Qwen2.5-VL too)
 
 
 def check_wire_dtype(value: Any, knob: str = "mm_wire_dtype") -> str:

@@ -1,13 +1,13 @@
 """Native CPU kernels: a small C library (``csrc/cpu_kernels.c``) built on first use.
 
-Why: on the CPU the host's cost per torch op (~5-8 us of dispatch) is paid ~60 times per layer
-and step, and the torch decode attention gathers every request's KV blocks into a padded copy
-(``index_select``) before SDPA reads it again. The library has one call for each of: decode
-attention over the blocks in place (what vLLM's CPU backend and the NPU's paged-attention op
-do), RMSNorm, rotary and SiLU-and-mul (4 to 8 torch ops each), and the linear layers over
-weights laid out in column panels (``PanelLinear`` in ``packed_linear.py``), whose reads of the
-next panel overlap the arithmetic on the current one. Measured in
-``benchmarks/RESULTS.md`` (bench_engine, "Third round").
+Why: on the CPU the host's dispatch cost per torch op is paid for each of the tens of ops of a
+layer, every step (benchmarks/RESULTS.md, bench_engine "Third round"), and the torch decode
+attention gathers every request's KV blocks into a padded copy (``index_select``) before SDPA
+reads it again. The library has one call for each of: decode attention over the blocks in place
+(what vLLM's CPU backend and the NPU's paged-attention op do), RMSNorm, rotary and SiLU-and-mul
+(4 to 8 torch ops each), and the linear layers over weights laid out in column panels
+(``PanelLinear`` in ``packed_linear.py``), whose reads of the next panel overlap the arithmetic
+on the current one. Measured in ``benchmarks/RESULTS.md`` (bench_engine, "Third round").
 
 How it is built: the machine's C compiler (``$CC``, else ``cc``) with ``-O3 -march=native
 -fopenmp``; the shared library is cached under ``${XDG_CACHE_HOME:-~/.cache}/atb-plugin/kernels``

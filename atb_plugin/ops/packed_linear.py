@@ -3,23 +3,21 @@
 A ``torch.nn.Linear`` on the CPU multiplies by the weight as the checkpoint lays it out
 (``(out, in)`` row-major) through MKL's GEMM, which repacks panels of the weight on every call.
 oneDNN can reorder a weight once, at load, into the blocked layout its kernels stream; the
-product is the same up to float32 summation order (max |diff| ~1e-6 relative). Measured on the
-2-vCPU EPYC, one thread, SmolLM2-135M's four projections over 30 layers (weights streamed from
-DRAM as in a real step; benchmarks/RESULTS.md, bench_engine):
-
-    rows (tokens)          1      4      8     16     32    128    512   2048
-    dense nn.Linear, ms   41     67     72     81    120    373   1334   5750
-    packed, ms            33     30     37     48     90    307   1119   4208
+product is the same up to float32 summation order (max |diff| ~1e-6 relative). In the
+measurement that chose it (a 2-vCPU EPYC), packing made SmolLM2-135M's projections (30 layers,
+weights streamed from DRAM as in a real step) faster than the dense ``nn.Linear`` from one row
+to a 2048-token prefill, most at a few rows (benchmarks/RESULTS.md, bench_engine "Second
+round"; bench_linear.py times the two again).
 
 This is what vLLM's CPU backend does for every unquantised linear layer and what inductor's
 weight freezing does; here it is a module swap after the weights are loaded
 (``pack_linear_layers``), so the models' code and parameter names stay those of the checkpoint.
 
 Where the native CPU kernels load (``atb_plugin.ops.cpu_native``, float32), a linear layer holds
-its weight in their column panels instead (``PanelLinear``): at 32 rows the kernel reads the
-next panel from DRAM while it computes on the current one, 1.21-1.24x oneDNN's speed (1.07-1.16x
-at one row, 0.89-0.98x at 2048; benchmarks/RESULTS.md, bench_engine "Fourth round").
-oneDNN packing remains for bfloat16 and wherever the library is unavailable.
+its weight in their column panels instead (``PanelLinear``): the kernel reads the next panel
+from DRAM while it computes on the current one, which makes it faster than oneDNN up to 32 rows
+and a little slower at prefill sizes (benchmarks/RESULTS.md, bench_engine "Fourth round",
+bench_linear.py). oneDNN packing remains for bfloat16 and wherever the library is unavailable.
 
 The dense weight is dropped once packed (no memory grows) unless another module still reads it:
 a tied LM head shares the input embedding's weight, so it gets a packed copy and the embedding

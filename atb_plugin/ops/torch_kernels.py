@@ -40,8 +40,8 @@ def _all_slots_valid(slot_mapping: torch.Tensor) -> bool:
 def _sdpa(query, key, value, scale, mask, causal: bool = False):
     """(q_len, H, D) x (k_len, Hkv, D) with GQA; mask (q_len, k_len) bool or None; ``causal``
     (q_len == k_len) lets SDPA use its causal kernel instead of reading a mask."""
-    # 4-D (1, H, L, D): on CPU, 3-D inputs fall back to SDPA's unfused math path (~1.4x slower
-    # for BERT-sized heads, measured with benchmarks/bench_embed.py's profile).
+    # 4-D (1, H, L, D): on CPU, 3-D inputs fall back to SDPA's unfused math path, slower for
+    # BERT-sized heads (benchmarks/RESULTS.md, bench_embed).
     out = F.scaled_dot_product_attention(
         query.transpose(0, 1)[None], key.transpose(0, 1)[None], value.transpose(0, 1)[None], attn_mask=mask,
         scale=scale, is_causal=causal, enable_gqa=query.shape[1] != key.shape[1],
@@ -116,8 +116,8 @@ class _AttentionStep:
 
 def _gather_blocks(cache, block_ids: torch.Tensor) -> torch.Tensor:
     """``cache[block_ids]`` for an index tensor of any shape, as ``index_select`` over the
-    flattened ids: each block is one contiguous row to copy, ~7x faster on the CPU than advanced
-    indexing's element-wise gather (measured: 32 requests x 9 blocks, 0.13 vs 0.95 ms)."""
+    flattened ids: each block is one contiguous row to copy, several times faster on the CPU than
+    advanced indexing's element-wise gather (benchmarks/RESULTS.md, bench_engine "Second round")."""
     return cache.index_select(0, block_ids.flatten()).view(*block_ids.shape, *cache.shape[1:])
 
 
@@ -130,7 +130,7 @@ def _batched_decode(query, key_cache, value_cache, decodes: _Decodes, scale):
     value = _gather_blocks(value_cache, decodes.tables).flatten(1, 2)[:, :decodes.max_seq_len]
     # GQA as query length: a KV head's query heads are consecutive (head h reads KV head
     # h // group), so (B, Hkv, group, D) queries attend each gathered K/V head once, where
-    # enable_gqa walks it once per query head (the step at 32 decodes: flash 34 -> 28 ms).
+    # enable_gqa walks it once per query head (benchmarks/RESULTS.md, bench_engine "Second round").
     batch, heads, head_dim = query.shape
     kv_heads = key.shape[2]
     grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim)
@@ -168,9 +168,10 @@ def paged_attention(query, key_cache, value_cache, metadata, scale) -> torch.Ten
 def _chunk_after_prefix(query, key, value, scale, prefix: int):
     """A prefill chunk after ``prefix`` cached tokens (chunked prefill), on the CPU: every cached
     key is visible to every new token, the chunk's own keys causally. Rather than one SDPA call
-    with a ``(q_len, seq_len)`` mask (the masked path: 1.4x slower at 2k new x 8k keys), two
-    mask-free flash calls whose outputs are merged by their log-sum-exps (the softmax over the
-    union): ``out = (o1 e^(l1-m) + o2 e^(l2-m)) / (e^(l1-m) + e^(l2-m))``, ``m = max(l1, l2)``."""
+    with a ``(q_len, seq_len)`` mask (the masked path is slower: benchmarks/RESULTS.md,
+    bench_engine), two mask-free flash calls whose outputs are merged by their log-sum-exps (the
+    softmax over the union):
+    ``out = (o1 e^(l1-m) + o2 e^(l2-m)) / (e^(l1-m) + e^(l2-m))``, ``m = max(l1, l2)``."""
     heads, kv_heads = query.shape[1], key.shape[1]
     q = query.transpose(0, 1)[None]  # (1, H, q_len, D)
     k = key.repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1)[None]  # the op takes no GQA

@@ -120,7 +120,7 @@ class Platform:
         the first step: the CPU packs linear weights for oneDNN (``atb_plugin.ops.packed_linear``)
         when ``pack_weights``; nothing by default."""
 
-    # --- memory (the start-up profile, atb_plugin.multimodal.profiling, sizes the KV cache) ------
+    # --- memory (the start-up profile, atb_plugin.engine.memory_profile, sizes the KV cache) ------
 
     def total_memory(self) -> int | None:
         """Bytes of device memory the KV cache is sized from; None where there is none (CPU, the

@@ -71,9 +71,10 @@ def pair_ids(tokenizer, first: str, second: str, max_model_len: int,
     return ids, start
 
 
-def score_pairs(first: list[str], second: list[str], names: tuple[str, str] = ("text_1", "text_2")) -> list[tuple[str, str]]:
+def score_pairs(first: list, second: list, names: tuple[str, str] = ("text_1", "text_2")) -> list[tuple]:
     """The pairs a score request means: one text against each of N (1 -> N) or pairwise (N -> N);
-    other shapes are a ValueError naming the two sides (``names``)."""
+    other shapes are a ValueError naming the two sides (``names``). The same rule pairs the two
+    sides' embeddings when an embedding model scores by cosine similarity."""
     if not first or not second:
         raise ValueError(f"{names[0]} and {names[1]} each need at least one text")
     if len(first) > 1 and len(first) != len(second):

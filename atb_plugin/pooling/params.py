@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from atb_plugin.engine.sampling_params import _bool, _int
+from atb_plugin.validation import check_bool, check_int
 
 POOLING_TASKS = ("embed", "token_embed", "classify", "token_classify", "score")
 EMBED_TASKS = ("embed", "token_embed")
@@ -35,12 +35,12 @@ class PoolingParams:
         if self.dimensions is not None:
             if self.task not in EMBED_TASKS:
                 raise ValueError(f"dimensions applies to embeddings only, not to task {self.task!r}")
-            self.dimensions = _int("dimensions", self.dimensions, ">= 1")
+            self.dimensions = check_int("dimensions", self.dimensions, ">= 1")
             if self.dimensions < 1:
                 raise ValueError(f"dimensions must be >= 1, got {self.dimensions}")
         for name in ("normalize", "activation"):
             if getattr(self, name) is not None:
-                _bool(name, getattr(self, name))
+                check_bool(name, getattr(self, name))
         if self.normalize is not None and self.task not in EMBED_TASKS:
             raise ValueError(f"normalize applies to embeddings only, not to task {self.task!r}")
         if self.activation is not None and self.task in EMBED_TASKS:

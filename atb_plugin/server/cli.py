@@ -181,8 +181,8 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                           convert=values["convert"], hf_overrides=values["hf_overrides"])
     if values["num_threads"] is None and engine.limit_mm_per_prompt > 0:
         # Images keep the tokenizer workers busy: leave them their cores. An OpenMP pool sharing
-        # a core with a busy process stalls at every barrier (measured: 2 threads next to one
-        # preprocessing worker on 2 cores decode 3x slower than 1 thread; docs/architecture.md).
+        # a core with a busy process stalls at every barrier (docs/architecture.md "Threads";
+        # benchmarks/RESULTS.md, bench_engine first round, the --busy-frontend table).
         workers = values["tokenizer_workers"] or default_tokenizer_workers()
         engine = engine.replace(num_threads=max(1, available_cores() - workers))
     return ServerConfig(
@@ -227,15 +227,16 @@ def serve(config: ServerConfig) -> int:
     """Run until SIGTERM/SIGINT (exit 0 after draining) or the engine core dies (exit 1)."""
     import uvicorn
 
-    from atb_plugin.server.api_server import build_app, log_shm_capacity
+    from atb_plugin.server.api_server import create_app, log_shm_capacity
     from atb_plugin.utils import keep_request_buffers_in_heap
 
     keep_request_buffers_in_heap()  # request bodies of megabytes: no fresh pages per copy
     logger.info("atb-plugin server configuration:\n%s", config.describe())
     log_shm_capacity(config)
-    app = build_app(config)
-    # httptools, not h11: the C parser reads a multi-megabyte image body several times faster
-    # (an install requirement, so asked for by name: a missing one is an error, not a slow server)
+    app = create_app(config)
+    # httptools, not h11: the C parser reads a multi-megabyte image body faster (benchmarks/RESULTS.md,
+    # P5 "Fifth round"); an install requirement, so asked for by name: a missing one is an error,
+    # not a slow server
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                timeout_graceful_shutdown=config.shutdown_timeout, access_log=False,
                                http="httptools")

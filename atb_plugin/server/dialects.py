@@ -1,6 +1,6 @@
 """How the two generate routes shape a request's outputs: one JSON body, or SSE chunks.
 
-One engine request runs per choice (``n > 1`` fans out; ``AsyncEngine.generate_choices``), so
+One engine request runs per choice (``n > 1`` fans out; ``AsyncLLM.generate``), so
 the dialects work per choice index::
 
     RequestOutput of choice i ──► ChatDialect:
@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from atb_plugin.engine.output_processor import RequestOutput
+from atb_plugin.frontend.output_processor import RequestOutput
 from atb_plugin.server import protocol
 from atb_plugin.server.reasoning_parsers import get_reasoning_parser
 from atb_plugin.server.tool_parsers import (ToolCall, get_tool_parser, make_tool_call_id, named_tool_choice,

@@ -10,12 +10,16 @@ Policies, each for a reason:
 
 - Unknown request fields are ignored and logged (vLLM does the same), so clients that send
   OpenAI-only extras (``store``, ``metadata``...) keep working.
-- Fields vLLM or OpenAI define whose effect this backend does not implement (penalties,
-  ``logit_bias``, tools, beam search, structured output...) are accepted only with their neutral
-  value; any other value is refused with "<field>=<value> is not supported yet". Ignoring them
-  would return output the client did not ask for, with nothing to tell it so.
+- Fields vLLM or OpenAI define whose effect this backend does not implement (``_NEUTRAL_ONLY``:
+  beam search, ``length_penalty``, ``best_of``, ``suffix``, priorities, KV transfer...) are
+  accepted only with their neutral value; any other value is refused with "<field>=<value> is
+  not supported yet". Ignoring them would return output the client did not ask for, with
+  nothing to tell it so. Penalties, ``logit_bias``, tools, structured output, logprobs and
+  prompt logprobs are implemented.
 - Sampling defaults from the checkpoint's ``generation_config.json`` apply only to fields the
-  request leaves unset, as in vLLM (``to_sampling_params``).
+  request leaves unset, as in vLLM (``to_sampling_params``, with the frontend's
+  ``generation_defaults_from_config``); the context-window rules are the frontend's
+  (``atb_plugin.frontend.input_processor``), the same for the offline ``LLM``.
 """
 
 from __future__ import annotations
@@ -32,15 +36,16 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
 from atb_plugin.engine.sampling_params import SamplingParams, StructuredOutputsParams
+from atb_plugin.frontend.errors import InvalidRequestError
+from atb_plugin.frontend.input_processor import fit_max_tokens, generation_defaults_from_config
 
 if TYPE_CHECKING:  # annotations only: the HTTP process need not import the sampler (torch)
-    from atb_plugin.engine.sampler import LogprobsEntry
+    from atb_plugin.engine.messages import LogprobsEntry
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
     "MAX_TOP_LOGPROBS",
-    "InvalidRequestError",
     "OpenAIBaseModel",
     "ErrorInfo",
     "ErrorResponse",
@@ -83,8 +88,6 @@ __all__ = [
     "DeltaToolCall",
     "DeltaFunctionCall",
     "PromptLogprob",
-    "generation_defaults_from_config",
-    "check_context_length",
     "random_uuid",
 ]
 
@@ -101,15 +104,6 @@ _LOGPROB_FLOOR = -9999.0
 
 def random_uuid() -> str:
     return uuid.uuid4().hex
-
-
-class InvalidRequestError(ValueError):
-    """A request that parses but cannot be served as asked; ``param`` names the field at fault
-    (vLLM's ``VLLMValidationError.parameter``), for the error JSON's ``param``."""
-
-    def __init__(self, message: str, *, param: str | None = None):
-        super().__init__(message)
-        self.param = param
 
 
 # -- base ------------------------------------------------------------------------------------------
@@ -311,56 +305,6 @@ class ResponseFormat(OpenAIBaseModel):
         return {"json": self.json_schema["schema"]}
 
 
-# generation_config.json keys vLLM takes sampling defaults from, and transformers' defaults for
-# them: vLLM reads ``GenerationConfig.to_diff_dict()``, which drops values equal to these.
-_HF_GENERATION_DEFAULTS: dict[str, Any] = {"temperature": 1.0, "top_p": 1.0, "top_k": 50,
-                                           "repetition_penalty": 1.0, "min_p": None, "max_new_tokens": None}
-_SUPPORTED_DEFAULTS = {"temperature": float, "top_p": float, "top_k": int, "max_tokens": int,
-                       "repetition_penalty": float, "min_p": float}
-
-
-def generation_defaults_from_config(config: Mapping[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
-    """Sampling defaults from a checkpoint's ``generation_config.json`` contents, as vLLM derives
-    them: ``({"temperature", "top_p", "top_k", "repetition_penalty", "min_p", "max_tokens"} that
-    are set, [unusable])``. ``max_new_tokens`` becomes ``max_tokens`` (a cap on every request's
-    output, as in vLLM); values equal to transformers' defaults are dropped. The second item
-    lists, as ``"name=value"``, values that are not numbers of the right kind, for a startup
-    warning."""
-    defaults: dict[str, Any] = {}
-    unsupported: list[str] = []
-    for key, value in (config or {}).items():
-        if value is None or value == _HF_GENERATION_DEFAULTS.get(key, object()):
-            continue
-        name = "max_tokens" if key == "max_new_tokens" else key
-        if name in _SUPPORTED_DEFAULTS:
-            kind = _SUPPORTED_DEFAULTS[name]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or (kind is int and value != int(value)):
-                unsupported.append(f"{key}={value!r}")
-            else:
-                defaults[name] = kind(value)
-    return defaults, unsupported
-
-
-def check_context_length(prompt_len: int, max_model_len: int, max_tokens: int | None = None, *,
-                         max_input_tokens: int | None = None, max_tokens_param: str = "max_tokens") -> None:
-    """vLLM's context-window checks, with vLLM's messages: the prompt must leave room for one
-    token, and prompt + the request's explicit ``max_tokens`` must fit ``max_model_len``. With
-    ``max_input_tokens`` (MindIE's maxInputTokenLen) the prompt must also fit that."""
-    if max_input_tokens is not None and prompt_len > max_input_tokens:
-        raise InvalidRequestError(
-            f"The input has {prompt_len} tokens, more than this server's limit of {max_input_tokens} "
-            "input tokens. Please reduce the length of the input.", param="input_tokens")
-    if prompt_len >= max_model_len:
-        raise InvalidRequestError(
-            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
-            f"{prompt_len} input tokens. Please reduce the length of the input messages.", param="input_tokens")
-    if max_tokens is not None and prompt_len + max_tokens > max_model_len:
-        raise InvalidRequestError(
-            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's maximum "
-            f"context length is {max_model_len} tokens and your request has {prompt_len} input tokens "
-            f"({max_tokens} > {max_model_len} - {prompt_len}).", param=max_tokens_param)
-
-
 class _GenerationRequest(OpenAIBaseModel):
     """Fields and ``to_sampling_params`` shared by chat and text completions (vLLM's names)."""
 
@@ -546,17 +490,9 @@ class _GenerationRequest(OpenAIBaseModel):
         unset, its ``max_new_tokens`` caps the output; neither set: temperature 1.0, top_p 1.0,
         top_k off. Raises ``InvalidRequestError`` (a ValueError) naming the field at fault."""
         defaults, _ = generation_defaults_from_config(generation_defaults)
-        if default_max_tokens < 1:
-            raise InvalidRequestError("The prompt fills the model's context window; no room is left for output.",
-                                      param="input_tokens")
-        requested = self._requested_max_tokens()
-        if requested is not None and requested > default_max_tokens and self._max_tokens_explicit():
-            raise InvalidRequestError(
-                f"'{self._max_tokens_param()}' is too large: {requested}. Only {default_max_tokens} tokens are "
-                "left in the model's context window after the prompt.", param=self._max_tokens_param())
-        max_tokens = default_max_tokens if requested is None else min(requested, default_max_tokens)
-        if defaults.get("max_tokens") is not None:
-            max_tokens = min(max_tokens, defaults["max_tokens"])
+        max_tokens = fit_max_tokens(self._requested_max_tokens(), default_max_tokens,
+                                    explicit=self._max_tokens_explicit(), cap=defaults.get("max_tokens"),
+                                    param=self._max_tokens_param())
 
         def pick(name: str, neutral):
             value = getattr(self, name)

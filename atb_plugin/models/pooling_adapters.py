@@ -24,9 +24,9 @@ import torch
 from torch import nn
 
 from atb_plugin.models.interfaces import SupportsPooling
+from atb_plugin.models.poolers import DispatchPooler, classifier_pooler, embedding_pooler
 from atb_plugin.models.weights import IGNORE
 from atb_plugin.pooling.config import CONVERT_TASKS, PoolerConfig
-from atb_plugin.pooling.poolers import DispatchPooler, classifier_pooler, embedding_pooler
 
 __all__ = ["PoolingModelMixin", "as_pooling_model", "as_embedding_model", "as_classification_model",
            "as_reward_model", "num_labels", "classification_poolers"]

@@ -1,5 +1,9 @@
 """Memory profiling at start-up (vLLM's "dummy inputs for memory profiling") and the KV budget.
 
+The engine core's (``EngineCore._blocks_for_budget``), for text and multimodal models alike; what a
+multimodal family declares for it (its limit, its largest item) is
+``atb_plugin.models.interfaces.MultimodalProcessingInfo``.
+
 Before the KV cache exists, the engine core runs the most memory-hungry step it will ever run, on
 inputs made here, and measures what it takes; the KV cache gets what is left::
 
@@ -29,7 +33,6 @@ allocator (runtime workspaces, other processes): ``gpu_memory_utilization`` leav
 from __future__ import annotations
 
 import logging
-import math
 import time
 from dataclasses import dataclass
 
@@ -42,68 +45,9 @@ from atb_plugin.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
-MODALITIES = ("image",)
 MiB = 1 << 20
 # The KV budget where no device memory can be profiled (the CPU) and none was given.
 DEFAULT_KV_CACHE_BYTES = 1 << 30
-
-
-@dataclass(frozen=True)
-class MultimodalProcessingInfo:
-    """What a multimodal family takes per prompt, and its largest item (vLLM's
-    ``BaseProcessingInfo``: supported limits, tokens per item, the size with the most features).
-
-    ``max_tokens_per_item``: the media block of the largest item, i.e. the encoder's feature rows
-    for it; ``max_item_size``: ``(height, width)`` in pixels, after preprocessing, of that item
-    (its uint8 wire form is ``[height, width, 3]``); ``pixel_shape`` / ``grid_thw``: that item as
-    the encoder takes it (the float32 wire form and the block's THW slot, None for layouts
-    without one)."""
-
-    modality: str
-    max_items_per_prompt: int
-    max_tokens_per_item: int
-    max_item_size: tuple[int, int]
-    pixel_shape: tuple[int, ...]
-    grid_thw: GridTHW | None = None
-
-    def __post_init__(self):
-        if self.modality not in MODALITIES:
-            raise ValueError(f"MultimodalProcessingInfo.modality = {self.modality!r}: expected one of {MODALITIES}")
-        for name in ("max_items_per_prompt", "max_tokens_per_item"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"MultimodalProcessingInfo.{name} = {value!r}: must be an integer >= 1")
-        for name in ("max_item_size", "pixel_shape") + (("grid_thw",) if self.grid_thw is not None else ()):
-            value = tuple(getattr(self, name))
-            if not value or any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in value):
-                raise ValueError(f"MultimodalProcessingInfo.{name} = {value!r}: must be positive integers")
-            object.__setattr__(self, name, value)
-        if len(self.max_item_size) != 2:
-            raise ValueError(f"MultimodalProcessingInfo.max_item_size = {self.max_item_size}: expected (height, width)")
-        if self.grid_thw is not None and (len(self.grid_thw) != 3 or math.prod(self.grid_thw) != self.pixel_shape[0]):
-            raise ValueError(f"MultimodalProcessingInfo: grid_thw {self.grid_thw} does not match the "
-                             f"{self.pixel_shape[0]} patch rows of pixel_shape {self.pixel_shape}")
-
-
-def supported_mm_limit(model_cls: type, modality: str = "image") -> int:
-    """The most items of ``modality`` one prompt may carry, as the model class declares it
-    (``supported_mm_limits``); 0 for a model that takes none (text-only models declare nothing)."""
-    return int(getattr(model_cls, "supported_mm_limits", {}).get(modality, 0))
-
-
-def resolve_mm_limit(model_cls: type, requested: int | None) -> int:
-    """``limit_mm_per_prompt``: the model's own limit when None, else ``requested``, which may not
-    exceed it (ValueError naming both: a limit silently lowered would refuse requests the operator
-    believes allowed; vLLM refuses it at start-up too)."""
-    supported = supported_mm_limit(model_cls)
-    if requested is None:
-        return supported
-    if requested > supported:
-        what = f"at most {supported} images per prompt" if supported else "no images"
-        fix = f"set it to {supported} or less, or leave it unset" if supported else "leave it unset (or 0)"
-        raise ValueError(f"EngineConfig.limit_mm_per_prompt = {requested} (--limit-mm-per-prompt): "
-                         f"{model_cls.__name__} takes {what}; {fix}")
-    return requested
 
 
 # ------------------------------------------------------------------------------------------------
@@ -299,7 +243,7 @@ def kv_cache_budget(model, config, platform) -> KVBudget:
     """The KV budget of ``config`` (an ``EngineConfig``) on ``platform`` (module docstring). A
     text-only model on a platform without device memory is not profiled: its budget is explicit
     there, and the profile would only add start-up time, which every test starting an engine pays
-    (about 0.1 s for the tiny checkpoints' 2048-token forward)."""
+    (benchmarks/RESULTS.md, "Figures formerly in code comments")."""
     total = platform.total_memory()
     weights = weight_bytes(model)
     profile = None

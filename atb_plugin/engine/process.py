@@ -1,7 +1,7 @@
 """The engine-core process: ``EngineCore`` in a busy loop, fed over ZeroMQ.
 
-    API process                                     engine-core process
-    ───────────                                     ───────────────────
+    frontend (MPClient, engine/client.py)           engine-core process
+    ─────────────────────────────────────           ───────────────────
     PUSH  ipc://…-in  ── [b"ADD", msgpack EngineCoreRequest] ──►  PULL
                       ── [b"ABORT", msgpack [ids]]            ──►
                       ── [b"STOP"]                             ──►
@@ -46,10 +46,11 @@ class HeapTrimmer:
     Why: every step allocates and frees tensors of sizes that change with the batch, below
     glibc's mmap threshold, so they come from the main heap; glibc keeps what is freed there and
     re-uses it only for allocations that fit the holes. Under a 64-client soak the engine's RSS
-    grew ~15-24 MiB/min while the bytes it actually had allocated stayed flat (mallinfo2: 589 ->
-    590 MiB over 2.5 minutes; gc objects, tensors and every per-request table flat too), and one
-    ``malloc_trim(0)`` took RSS from 1122 to 960 MiB. A trim costs ~0.2-2 ms, so once per
-    interval is nothing next to a step. A no-op where the C library is not glibc."""
+    grew steadily while the bytes it actually had allocated stayed flat (mallinfo2; gc objects,
+    tensors and every per-request table flat too), and one ``malloc_trim(0)`` gave most of the
+    growth back; a trim costs about a millisecond, so once per interval is nothing next to a step
+    (benchmarks/RESULTS.md, soak.py: "The engine's +24 MiB/min traced"). A no-op where the C
+    library is not glibc."""
 
     def __init__(self, interval_s: float = _TRIM_INTERVAL_S):
         try:
@@ -70,7 +71,7 @@ class HeapTrimmer:
 
 
 def run_engine_core(config, input_address: str, output_address: str, log_level: int = logging.INFO) -> None:
-    """Process entry point (spawned by ``EngineClient``)."""
+    """Process entry point (spawned by ``MPClient``)."""
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(message)s")
     # Ctrl-C (SIGINT) and a supervisor's SIGTERM often reach the whole process group: the API
     # process decides when the core stops (after draining), so the core ignores both. It still

@@ -1,13 +1,15 @@
-"""The offline ``LLM`` API (vLLM's, which users know), and ``LLMEngine``: frontend + core in one process.
+"""The offline ``LLM`` API (vLLM's, which users know), and ``LLMEngine``: the frontend and the core in one process.
 
     LLM.generate / LLM.chat (and on pooling models LLM.embed / classify / score / reward / encode)
-    ──► input processing: router's input builder (text -> ids, images ->
-        shm segments leased to the request), client token ids checked
-    ──► LLMEngine.add_request ──► OutputProcessor.add_request + EngineCore.add_request(EngineCoreRequest)
-    ──► loop: EngineCore.step ─► [EngineCoreOutput] ─► OutputProcessor.process ─► RequestOutput
-    ──► a finished request's shm lease is released by the OutputProcessor's on_finish
+    ──► InputProcessor: prompt -> ids (images -> shm segments leased to the request), the
+        checkpoint's sampling defaults, the context-window rules, n > 1 fan-out
+    ──► RequestTracker.add: OutputProcessor + lease + InprocClient.add_request(EngineCoreRequest)
+    ──► loop: InprocClient.step ─► [EngineCoreOutput] ─► RequestTracker.process ─► RequestOutput
+    ──► a finished request's lease is released when the last request holding it ends
 
-The server runs the same pieces, with the engine core in its own process (``atb_plugin.server``).
+The server runs the same pieces (``async_llm.AsyncLLM``), with the id-making half of the input
+processor in tokenizer workers and the engine core in its own process: the same request gives
+the same answer through either door.
 """
 
 from __future__ import annotations
@@ -15,43 +17,29 @@ from __future__ import annotations
 import dataclasses
 import itertools
 
+from atb_plugin.engine.client import InprocClient
 from atb_plugin.engine.config import EngineConfig
-from atb_plugin.engine.core import EngineCore
-from atb_plugin.engine.messages import EngineCoreRequest
-from atb_plugin.engine.output_processor import CompletionOutput, OutputProcessor, RequestOutput
-from atb_plugin.engine.parallel_sampling import ParentRequest, fans_out
 from atb_plugin.engine.sampling_params import SamplingParams
+from atb_plugin.frontend.input_processor import (InputLimits, InputProcessor, Lease, PreparedPrompt, load_router,
+                                                 pooled_data)
+from atb_plugin.frontend.output_processor import CompletionOutput, RequestOutput
+from atb_plugin.frontend.request_tracker import RequestTracker
 from atb_plugin.pooling import inputs as pooling_inputs
 from atb_plugin.pooling.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput,
                                         ScoringOutput, ScoringRequestOutput, cosine_similarity)
 from atb_plugin.pooling.params import PoolingParams
-from routers import get_router
 from shm import ShmStore, ShmStoreConfig
 
-__all__ = ["LLM", "LLMEngine", "RequestOutput", "CompletionOutput", "validate_client_token_ids"]
+__all__ = ["LLM", "LLMEngine", "RequestOutput", "CompletionOutput"]
 
 _CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig) if f.init} - {"model"}
-
-
-def validate_client_token_ids(token_ids, vocab_size: int) -> list[int]:
-    """Token ids a client sent: ints in ``[0, vocab_size)``. Negative ids are reserved for the
-    media handles only our input builders write, so a client can never forge one."""
-    if not isinstance(token_ids, list) or not token_ids:
-        raise ValueError("a token-id prompt must be a non-empty list of integers")
-    if any(isinstance(t, bool) or not isinstance(t, int) for t in token_ids):
-        raise ValueError("a token-id prompt must hold integers only")
-    bad = [t for t in token_ids if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size}) "
-                         "(negative ids are reserved for media handles)")
-    return list(token_ids)
 
 
 class LLMEngine:
     """The frontend and the engine core in one process: what ``LLM`` drives (tests step it by hand).
 
-    ``add_request`` takes ids as the input builder made them (media handles included);
-    ``step`` returns the ``RequestOutput`` of every request that progressed."""
+    ``add_request`` takes a prepared prompt (``input_processor``'s ids, media handles included)
+    and finalized params; ``step`` returns the ``RequestOutput`` of every request that progressed."""
 
     def __init__(self, config: EngineConfig, *, shm_store: ShmStore | None = None, media_config=None,
                  owns_store: bool | None = None):
@@ -61,51 +49,56 @@ class LLMEngine:
         self.owns_store = shm_store is None if owns_store is None else owns_store
         self.shm_store = shm_store if shm_store is not None else ShmStore()
         try:
-            self.router = get_router(config.model, shm_store=self.shm_store, media_config=media_config,
-                                     max_images_per_prompt=config.limit_mm_per_prompt,
-                                     mm_wire_dtype=config.mm_wire_dtype)
-            self.core = EngineCore(config)
+            self.router = load_router(config, self.shm_store, media_config)
+            self.client = InprocClient(config)
         except BaseException:
             if self.owns_store:  # a failed start (bad checkpoint, kernels refused) leaves no segment
                 self.shm_store.close()
             raise
         self.tokenizer = self.router.tokenizer
-        self.eos_token_ids = tuple(self.router.eos_token_ids)
-        self.output_processor = OutputProcessor(self.tokenizer, on_finish=self._release)
-
-    def _release(self, output: RequestOutput) -> None:
-        self.shm_store.release(output.request_id)  # its images are no longer needed
+        self.input_processor = InputProcessor(
+            config, self.router, InputLimits(max_tokens_per_request=self.client.max_tokens_per_request),
+            shm_store=self.shm_store)
+        self.tracker = RequestTracker(self.client, self.tokenizer,
+                                      release=lambda lease: self.shm_store.release(lease.lease_id))
 
     # The core's parts, for tests and benchmarks.
-    scheduler = property(lambda self: self.core.scheduler)
-    kv_cache_manager = property(lambda self: self.core.kv_cache_manager)
-    runner = property(lambda self: self.core.runner)
+    core = property(lambda self: self.client.core)
+    scheduler = property(lambda self: self.client.core.scheduler)
+    kv_cache_manager = property(lambda self: self.client.core.kv_cache_manager)
+    runner = property(lambda self: self.client.core.runner)
+    output_processor = property(lambda self: self.tracker.output_processor)
+
+    @property
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self.input_processor.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids) -> None:  # tests pretend a token is the model's EOS
+        self.input_processor.eos_token_ids = tuple(ids)
+
+    def prepared(self, request_id: str, ids: list[int], token_type_start: int | None = None) -> PreparedPrompt:
+        """Ids made for ``request_id`` by this engine's input processor, with their lease."""
+        return PreparedPrompt(list(ids), Lease(request_id), self.shm_store.instance_id, token_type_start)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
-                    prompt=None, token_type_start: int | None = None) -> None:
-        self.output_processor.add_request(request_id, prompt, prompt_token_ids, params)
-        pooling = isinstance(params, PoolingParams)
-        try:
-            self.core.add_request(EngineCoreRequest(
-                request_id, list(prompt_token_ids), None if pooling else params, self.eos_token_ids,
-                (self.shm_store.instance_id,), pooling_params=params if pooling else None,
-                token_type_start=token_type_start))
-        except BaseException:
-            self.output_processor.abort(request_id)  # releases its lease
-            raise
+                    prompt=None, token_type_start: int | None = None):
+        """Queue one prompt's request(s) (n > 1: its children); returns the ``ParentRequest``
+        that merges their choices, or None. The prompt's segments (leased to ``request_id``)
+        are released when the last of them ends."""
+        requests, parent = self.input_processor.make_requests(
+            request_id, self.prepared(request_id, prompt_token_ids, token_type_start), params)
+        self.tracker.add(requests, prompt, Lease(request_id))
+        return parent
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        self.core.abort([request_id])
-        return self.output_processor.abort(request_id)
+        return self.tracker.abort(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return self.core.has_unfinished_requests()
+        return self.client.has_unfinished_requests()
 
     def step(self) -> list[RequestOutput]:
-        processed = self.output_processor.process(self.core.step())
-        if processed.to_abort:
-            self.core.abort(processed.to_abort)
-        return processed.request_outputs
+        return self.tracker.process(self.client.step())
 
     def close(self) -> None:
         if self.owns_store:
@@ -121,6 +114,9 @@ class LLM:
     ``EngineConfig`` as ``model``. A prompt is a string, a list of token ids, or MindIE's list of
     ``{"image": ...}`` / ``{"text": ...}`` items; a conversation is a list of OpenAI/MindIE
     messages. Use as a context manager (or call ``close``) to release every shared-memory segment.
+
+    Without ``sampling_params`` a request samples with ``get_default_sampling_params()``: the
+    checkpoint's ``generation_config.json`` defaults, as the server applies them (vLLM's rule).
 
     A pooling model (``runner="pooling"``, or a checkpoint whose architecture is one: BERT,
     ``*ForSequenceClassification``, reward models) answers ``embed``, ``classify``, ``score``,
@@ -146,7 +142,11 @@ class LLM:
             owned = shm_store is None
         self.engine = LLMEngine(config, shm_store=shm_store, media_config=media_config, owns_store=owned)
         self.router = self.engine.router
+        self.input_processor = self.engine.input_processor
         self._ids = itertools.count()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.input_processor.default_sampling_params()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict)))
@@ -154,7 +154,7 @@ class LLM:
             raise ValueError(f"prompts must be a string, a list of token ids, a list of MindIE items, or a "
                              f"non-empty list of those; got {type(prompts).__name__}")
         prompts = [prompts] if single else list(prompts)
-        return self._run(prompts, sampling_params, self._prompt_ids)
+        return self._run(prompts, sampling_params, self.input_processor.prompt_ids)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
         if not isinstance(messages, (list, tuple)) or not messages:
@@ -163,9 +163,7 @@ class LLM:
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         if not all(isinstance(c, list) and c for c in conversations):
             raise ValueError("each conversation must be a non-empty list of message dicts")
-        builder = self.router.input_builder
-        return self._run(conversations, sampling_params,
-                         lambda conversation, request_id: builder.make_context(0, conversation, request_id=request_id))
+        return self._run(conversations, sampling_params, self.input_processor.chat_ids)
 
     # -- pooling ---------------------------------------------------------------------------------
 
@@ -195,38 +193,31 @@ class LLM:
         return self._pool(prompts, params, truncate_prompt_tokens)
 
     def score(self, data_1, data_2, *, truncate_prompt_tokens: int | None = None) -> list[ScoringRequestOutput]:
-        """Relevance of each (data_1, data_2) pair: 1 -> N (one text against many) or N -> N (pairwise).
-        A cross-encoder (a model serving "score") reads each pair together; an embedding model
-        scores by the cosine similarity of the two embeddings."""
+        """Relevance of each (data_1, data_2) pair: 1 -> N (one text against many) or N -> N
+        (pairwise), scored as ``InputProcessor.score_mode`` says (a cross-encoder reads each pair
+        together; an embedding model scores by cosine similarity)."""
         first = [data_1] if isinstance(data_1, str) else list(data_1)
         second = [data_2] if isinstance(data_2, str) else list(data_2)
         pairs = pooling_inputs.score_pairs(first, second, ("data_1", "data_2"))
-        config = self.engine.config
-        if "score" in config.tasks:
-            truncate_to = pooling_inputs.truncation_length(truncate_prompt_tokens, config.max_model_len)
-            tokenizer = self.engine.tokenizer
-            outputs = self._run(pairs, [PoolingParams("score")] * len(pairs),
-                                lambda pair, _: pooling_inputs.pair_ids(tokenizer, *pair, config.max_model_len,
-                                                                        truncate_to))
+        mode, params = self.input_processor.score_mode()
+        if mode == "pair":
+            truncate_to = self.input_processor.truncation(truncate_prompt_tokens)
+            outputs = self._run(pairs, [params] * len(pairs),
+                                lambda pair, _: self.input_processor.pair_ids([pair], truncate_to)[0])
             results = []
-            for output in self._checked(outputs):
-                if output.outputs.data.shape != (1,):
-                    raise ValueError(f"{config.model} has {output.outputs.data.shape[-1]} labels; scoring needs "
+            for output in outputs:
+                data = pooled_data(output)
+                if data.shape != (1,):
+                    raise ValueError(f"{self.engine.config.model} has {data.shape[-1]} labels; scoring needs "
                                      "a one-label cross-encoder")
                 results.append(ScoringRequestOutput(output.request_id, output.prompt_token_ids,
-                                                    ScoringOutput(float(output.outputs.data[0]))))
+                                                    ScoringOutput(float(data[0]))))
             return results
-        if "embed" not in config.tasks:
-            raise ValueError(f"{config.model} serves {', '.join(config.tasks)}: scoring needs a cross-encoder "
-                             "(score) or an embedding model (embed)")
         # Each side's texts embedded once (1 -> N embeds the one text a single time).
         embeddings = self.embed(first + second, truncate_prompt_tokens=truncate_prompt_tokens)
-        left, right = embeddings[:len(first)], embeddings[len(first):]
-        results = []
-        for a, b in zip(left * len(right) if len(left) == 1 else left, right):
-            results.append(ScoringRequestOutput(a.request_id, a.prompt_token_ids + b.prompt_token_ids, ScoringOutput(
-                cosine_similarity(a.outputs.embedding, b.outputs.embedding))))
-        return results
+        return [ScoringRequestOutput(a.request_id, a.prompt_token_ids + b.prompt_token_ids,
+                                     ScoringOutput(cosine_similarity(a.outputs.embedding, b.outputs.embedding)))
+                for a, b in pooling_inputs.score_pairs(embeddings[:len(first)], embeddings[len(first):])]
 
     def _pool(self, prompts, params: PoolingParams | list[PoolingParams], truncate_prompt_tokens) -> list[PoolingRequestOutput]:
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int))
@@ -235,73 +226,51 @@ class LLM:
                              f"got {type(prompts).__name__}")
         prompts = [prompts] if single else list(prompts)
         params = [params] * len(prompts) if isinstance(params, PoolingParams) else params
-        config = self.engine.config
-        truncate_to = pooling_inputs.truncation_length(truncate_prompt_tokens, config.max_model_len)
-        tokenizer = self.engine.tokenizer
-
-        def to_ids(prompt, _):
-            if isinstance(prompt, str):
-                return pooling_inputs.text_ids(tokenizer, prompt, config.max_model_len, truncate_to)
-            ids = validate_client_token_ids(prompt, config.vocab_size)
-            return pooling_inputs.token_ids(ids, config.max_model_len, truncate_to)
-
-        return self._checked(self._run(prompts, params, to_ids))
-
-    @staticmethod
-    def _checked(outputs: list[PoolingRequestOutput]) -> list[PoolingRequestOutput]:
+        truncate_to = self.input_processor.truncation(truncate_prompt_tokens)
+        outputs = self._run(prompts, params, lambda prompt, _: self.input_processor.pooling_ids([prompt], truncate_to)[0])
         for output in outputs:
-            if output.outputs.data is None:
-                raise RuntimeError(f"request {output.request_id} failed: {output.error or output.finish_reason}")
+            pooled_data(output)  # a failed one raises
         return outputs
 
-    def _prompt_ids(self, prompt, request_id: str) -> list[int]:
-        if isinstance(prompt, str):
-            return self.router.tokenize(prompt)
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return validate_client_token_ids(prompt, self.engine.config.vocab_size)
-        if isinstance(prompt, list) and prompt and all(isinstance(item, dict) for item in prompt):
-            return self.router.input_builder.tokenize(prompt, request_id=request_id)
-        raise ValueError(f"a prompt must be a string, a non-empty list of token ids or of MindIE items "
-                         f"({{'image': ...}} / {{'text': ...}}); got {prompt!r:.80}")
-
-    def _run(self, prompts, sampling_params, to_ids) -> list:
+    def _run(self, prompts, params_list, to_ids) -> list:
         """Add every prompt (``to_ids(prompt, request_id)`` -> ids, or ``(ids, token_type_start)``)
         with its params and step until all finished; returns their final outputs in order. A
         prompt with ``n > 1`` runs as n child requests merged into one output (parallel_sampling)."""
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
-        if not isinstance(sampling_params, (list, tuple)) or len(sampling_params) != len(prompts):
+        if params_list is None or isinstance(params_list, SamplingParams):
+            params_list = [params_list or self.get_default_sampling_params()] * len(prompts)
+        if not isinstance(params_list, (list, tuple)) or len(params_list) != len(prompts):
             raise ValueError(f"params must be one SamplingParams / PoolingParams or a list of them, one per "
                              f"prompt ({len(prompts)})")
-        kind = PoolingParams if isinstance(sampling_params[0], PoolingParams) else SamplingParams
-        if not all(isinstance(p, kind) for p in sampling_params):
+        kind = PoolingParams if isinstance(params_list[0], PoolingParams) else SamplingParams
+        if not all(isinstance(p, kind) for p in params_list):
             raise ValueError(f"params must all be {kind.__name__}s, one per prompt")
         # Whether the model serves this kind of request at all, before anything is queued (the core
         # checks each request again).
-        self.engine.config.check_task(sampling_params[0] if kind is PoolingParams else None)
-        engine = self.engine
+        self.engine.config.check_task(params_list[0] if kind is PoolingParams else None)
+        engine, processor = self.engine, self.input_processor
         order: list[str] = []  # one request id per prompt
-        parents: dict[str, ParentRequest] = {}  # the prompts with n > 1
+        parents = {}  # the prompts with n > 1
         added: list[str] = []  # the engine's request ids (a parent's children in its place)
         finished: dict[str, RequestOutput] = {}
         try:
-            for prompt, params in zip(prompts, sampling_params):
+            for prompt, params in zip(prompts, params_list):
                 request_id = str(next(self._ids))
                 try:
                     ids = to_ids(prompt, request_id)
+                    ids, token_type_start = ids if isinstance(ids, tuple) else (ids, None)
+                    if kind is SamplingParams:
+                        processor.check_prompt(len(ids))
+                        params = processor.finalize(len(ids), params)
+                    else:
+                        processor.check_pooling_prompts([ids])
                 except BaseException:
-                    engine.shm_store.release(request_id)  # segments the builder made before failing
+                    processor.release(request_id)  # segments the builder made before failing
                     raise
-                ids, token_type_start = ids if isinstance(ids, tuple) else (ids, None)
                 order.append(request_id)
-                if fans_out(params):
-                    parents[request_id] = parent = ParentRequest(request_id, params)
-                    for child_id, child_params in parent.children:
-                        engine.add_request(child_id, ids, child_params, prompt, token_type_start)
-                        added.append(child_id)
-                else:
-                    engine.add_request(request_id, ids, params, prompt, token_type_start)
-                    added.append(request_id)
+                parent = engine.add_request(request_id, ids, params, prompt, token_type_start)
+                if parent is not None:
+                    parents[request_id] = parent
+                added += parent.child_ids if parent is not None else [request_id]
             while engine.has_unfinished_requests():
                 for output in engine.step():
                     if output.finished:
@@ -311,10 +280,6 @@ class LLM:
             for request_id in added:
                 if request_id not in finished:
                     engine.abort_request(request_id)
-            # The prompt's images are leased to the parent's id (its children finish under their
-            # own ids, which hold no lease): released once all of them are done.
-            for request_id in parents:
-                engine.shm_store.release(request_id)
         for parent in parents.values():
             for child_id in parent.child_ids:
                 parent.add_child_output(finished[child_id])

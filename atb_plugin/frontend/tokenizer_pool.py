@@ -1,18 +1,25 @@
-"""The tokenizer worker pool: processes that turn requests into token ids (with media handles).
+"""The tokenizer worker pool: the input processor's id-making half, out of the API process.
 
-Each worker owns a router (tokenizer, chat template, input builder) and its own ``ShmStore``, so
-the shared-memory segments of a request belong to the worker that built it::
+Each worker owns an ``InputProcessor`` (router: tokenizer, chat template, input builder) and its
+own ``ShmStore``, so the shared-memory segments of a request belong to the worker that built it::
 
-    API process ── [msgpack job] ──► worker i (PULL ipc://…-w<i>)
-        ▲                             router.input_builder.make_context / tokenize
-        │                             images: load → preprocess → store_i.put(…, request_id)
-        └──── [msgpack result] ◄───── PUSH ipc://…-results (shared by all workers)
+    API process ── [msgpack Job] ──► worker i (PULL ipc://…-w<i>)
+        ▲                              InputProcessor.chat_ids / prompt_ids / pooling_ids / pair_ids
+        │                              images: load → preprocess → store_i.put(…, request_id)
+        └──── [msgpack Reply] ◄─────── PUSH ipc://…-results (shared by all workers)
 
-A request's lease ends when the API process sends ``release`` to the worker that built it (the
-OutputProcessor's on_finish, whatever ended the request). Ownership is per worker so no store is
-shared across processes, and a worker that dies takes nothing with it: the replacement's
-``ShmStore()`` reaps the dead instance's segments on start, and the API process fails the
-requests that were using them.
+Jobs and replies are typed msgspec structs (``Job``, ``Reply``), as ``engine/messages.py`` is
+for the core: a job names the input processor's method and carries its arguments, so the
+offline ``LLM`` (which calls the same methods in its own process) and the server run the same
+input rules. A request's lease ends when the API process sends ``ReleaseJob`` to the worker
+that built it (the request tracker, whatever ended the request). Ownership is per worker so no
+store is shared across processes, and a worker that dies takes nothing with it: the
+replacement's ``ShmStore()`` reaps the dead instance's segments on start, and the API process
+fails the requests that were using them.
+
+Errors: bad input (the builders' ``InputBuilderError`` / ``MediaError``, the input processor's
+``InvalidRequestError``) is the client's 400; a full store is 503; anything else raised in a
+worker is our bug: a 500, its traceback logged by the worker.
 """
 
 from __future__ import annotations
@@ -27,30 +34,108 @@ import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any, Union
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-from atb_plugin.multimodal.wire import DEFAULT_WIRE_DTYPE
-from atb_plugin.server import processes
-from atb_plugin.server.errors import APIError
+from atb_plugin import processes
+from atb_plugin.engine.config import EngineConfig
+from atb_plugin.frontend.errors import InvalidRequestError, RequestError
 
 logger = logging.getLogger(__name__)
 
 
+# -- the messages ----------------------------------------------------------------------------------
+
+class ChatJob(msgspec.Struct, tag="chat"):
+    """``InputProcessor.chat_ids``; ``release_now``: only the ids are wanted (/tokenize)."""
+
+    request_id: str
+    messages: list[Any]
+    add_generation_prompt: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[Any] | None = None
+    release_now: bool = False
+
+
+class PromptJob(msgspec.Struct, tag="prompt"):
+    """``InputProcessor.prompt_ids`` of a text (or MindIE's item list)."""
+
+    request_id: str
+    prompt: Any
+    add_special_tokens: bool = True
+    release_now: bool = False
+
+
+class PoolJob(msgspec.Struct, tag="pool"):
+    """``InputProcessor.pooling_ids`` of texts."""
+
+    request_id: str
+    items: list[str]
+    truncate_to: int | None = None
+    label: str = "input"
+
+
+class PairJob(msgspec.Struct, tag="pair"):
+    """``InputProcessor.pair_ids`` of ``[first, second]`` texts (cross-encoders)."""
+
+    request_id: str
+    items: list[list[str]]
+    truncate_to: int | None = None
+    label: str = "input"
+
+
+class StatsJob(msgspec.Struct, tag="stats"):
+    """The worker's store statistics and its compute threads."""
+
+
+class ReleaseJob(msgspec.Struct, tag="release"):
+    request_id: str
+
+
+class StopJob(msgspec.Struct, tag="stop"):
+    pass
+
+
+Job = Union[ChatJob, PromptJob, PoolJob, PairJob, StatsJob, ReleaseJob, StopJob]
+
+
+class Envelope(msgspec.Struct):
+    id: int  # -1: no reply expected (release, stop)
+    job: Job
+
+
+class Reply(msgspec.Struct, tag="reply"):
+    id: int
+    ok: Any = None
+    error: str | None = None
+    kind: str | None = None  # with error: "client" (400), "busy" (503) or "internal" (500)
+
+
+class Ready(msgspec.Struct, tag="ready"):
+    index: int
+    instance: str
+
+
+_job_decoder = msgspec.msgpack.Decoder(Envelope)
+_reply_decoder = msgspec.msgpack.Decoder(Union[Reply, Ready])
+_encoder = msgspec.msgpack.Encoder()
+
+
 @dataclass(frozen=True)
 class WorkerSettings:
-    """What a worker needs to build a router (picklable: it crosses the spawn)."""
+    """What a worker needs to build its input processor (picklable: it crosses the spawn)."""
 
-    model: str
+    engine: EngineConfig
     media_config: object
-    max_images_per_prompt: int | None = None
-    mm_wire_dtype: str = DEFAULT_WIRE_DTYPE  # what the builders write to shm (EngineConfig.mm_wire_dtype)
     chat_template: str | None = None
     shm_capacity_bytes: int | None = None
     shm_cache_bytes: int | None = None  # None: the store's own default (a quarter of /dev/shm, <= 1 GiB)
 
+
+# -- the worker process ----------------------------------------------------------------------------
 
 def run_tokenizer_worker(index: int, settings: WorkerSettings, job_address: str, result_address: str,
                          log_level: int = logging.INFO) -> None:
@@ -67,7 +152,7 @@ def run_tokenizer_worker(index: int, settings: WorkerSettings, job_address: str,
     limit_compute_threads(1)
     keep_request_buffers_in_heap()  # the data URLs of image requests arrive here too
     import shm
-    from routers import get_router
+    from atb_plugin.frontend.input_processor import InputProcessor, load_router
 
     parent = os.getppid()
     if settings.shm_capacity_bytes is not None:
@@ -76,31 +161,27 @@ def run_tokenizer_worker(index: int, settings: WorkerSettings, job_address: str,
         limit_decoded_image_cache(settings.shm_capacity_bytes)
     store = shm.ShmStore(shm.ShmStoreConfig(capacity_bytes=settings.shm_capacity_bytes,
                                             cache_bytes=settings.shm_cache_bytes))
-    router = get_router(settings.model, shm_store=store, media_config=settings.media_config,
-                        max_images_per_prompt=settings.max_images_per_prompt, mm_wire_dtype=settings.mm_wire_dtype)
-    if settings.chat_template is not None:
-        router.tokenizer.chat_template = settings.chat_template
-    builder = router.input_builder
+    router = load_router(settings.engine, store, settings.media_config, settings.chat_template)
+    processor = InputProcessor(settings.engine, router, shm_store=store)
     context = zmq.Context()
     jobs = context.socket(zmq.PULL)
     jobs.connect(job_address)
     results = context.socket(zmq.PUSH)
     results.connect(result_address)
-    results.send(msgspec.msgpack.encode({"ready": index, "instance": store.instance_id}))
+    results.send(_encoder.encode(Ready(index, store.instance_id)))
     try:
         while True:
             if not jobs.poll(500):
                 if os.getppid() != parent:
                     return
                 continue
-            job = msgspec.msgpack.decode(jobs.recv())
-            op = job["op"]
-            if op == "stop":
+            envelope = _job_decoder.decode(jobs.recv())
+            if isinstance(envelope.job, StopJob):
                 return
-            if op == "release":
-                store.release(job["request_id"])
+            if isinstance(envelope.job, ReleaseJob):
+                store.release(envelope.job.request_id)
                 continue
-            results.send(msgspec.msgpack.encode(_run_job(job, router, builder, store)))
+            results.send(_encoder.encode(run_job(envelope.id, envelope.job, processor, store)))
     finally:
         store.close()
         results.close(linger=1000)
@@ -108,67 +189,45 @@ def run_tokenizer_worker(index: int, settings: WorkerSettings, job_address: str,
         context.term()
 
 
-def _run_job(job: dict, router, builder, store) -> dict:
+def run_job(job_id: int, job: Job, processor, store) -> Reply:
+    """One job on this worker's input processor. A failed job's segments are released."""
     import shm
+    from input_builders import InputBuilderError
+    from input_builders.media import MediaError
 
-    reply = {"id": job["id"]}
+    request_id = getattr(job, "request_id", "")
     try:
-        op = job["op"]
-        if op == "chat":
-            reply["ok"] = builder.make_context(
-                0, job["messages"], add_generation_prompt=job.get("add_generation_prompt", True),
-                request_id=job["request_id"], chat_template_kwargs=job.get("chat_template_kwargs"),
-                tools=job.get("tools"))
-        elif op == "prompt":
-            prompt = job["prompt"]
-            reply["ok"] = builder.tokenize(prompt, request_id=job["request_id"],
-                                           add_special_tokens=job.get("add_special_tokens", True))
-        elif op in ("pool", "pair"):
-            reply["ok"] = _pooling_ids(router.tokenizer, job)
-        elif op == "detokenize":
-            reply["ok"] = router.tokenizer.decode(job["tokens"])
-        elif op == "stats":
+        if isinstance(job, ChatJob):
+            ok = processor.chat_ids(job.messages, job.request_id, add_generation_prompt=job.add_generation_prompt,
+                                    chat_template_kwargs=job.chat_template_kwargs, tools=job.tools)
+        elif isinstance(job, PromptJob):
+            ok = processor.prompt_ids(job.prompt, job.request_id, job.add_special_tokens)
+        elif isinstance(job, PoolJob):
+            ok = processor.pooling_ids(job.items, job.truncate_to, job.label)
+        elif isinstance(job, PairJob):
+            ok = [list(pair) for pair in processor.pair_ids(job.items, job.truncate_to, job.label)]
+        elif isinstance(job, StatsJob):
             torch = sys.modules.get("torch")
             threads = torch.get_num_threads() if torch is not None else int(os.environ["OMP_NUM_THREADS"])
-            reply["ok"] = {**store.stats(), "compute_threads": threads}
+            ok = {**store.stats(), "compute_threads": threads}
         else:
-            raise RuntimeError(f"unknown job {op!r}")
-        if op in ("chat", "prompt") and job.get("release_now"):
-            store.release(job["request_id"])  # /tokenize: the ids are all the caller wants
+            raise RuntimeError(f"unknown job {type(job).__name__}")
+        if getattr(job, "release_now", False):
+            store.release(request_id)  # /tokenize: the ids are all the caller wants
+        return Reply(job_id, ok)
     except shm.ShmStoreFullError as error:
-        store.release(job.get("request_id", ""))
-        reply.update(error=str(error), kind="busy")
+        store.release(request_id)
+        return Reply(job_id, error=str(error), kind="busy")
     except RecursionError:
-        store.release(job.get("request_id", ""))
-        reply.update(error="the request is nested too deeply to render", kind="client")
-    except ValueError as error:  # the builders' and media loaders' contract: bad input
-        store.release(job.get("request_id", ""))
-        reply.update(error=str(error), kind="client")
+        store.release(request_id)
+        return Reply(job_id, error="the request is nested too deeply to render", kind="client")
+    except (InputBuilderError, MediaError, InvalidRequestError) as error:  # bad input, by contract
+        store.release(request_id)
+        return Reply(job_id, error=str(error), kind="client")
     except Exception as error:  # noqa: BLE001 - reported as a 500 with the traceback logged here
-        logger.error("job %s failed:\n%s", job.get("op"), traceback.format_exc())
-        store.release(job.get("request_id", ""))
-        reply.update(error=f"{type(error).__name__}: {error}", kind="internal")
-    return reply
-
-
-def _pooling_ids(tokenizer, job: dict) -> list:
-    """Prompts of a pooling request: ``pool`` -> the ids of each text in ``items``; ``pair`` ->
-    ``[ids, token_type_start]`` of each ``[first, second]`` pair (cross-encoders). Truncation
-    keeps each text's start (``atb_plugin.pooling.inputs``); an input over ``max_model_len`` is a
-    client error naming it (``label[i]``) and the limit. No shared memory: nothing to release."""
-    from atb_plugin.pooling import inputs
-
-    max_model_len, truncate_to, items = job["max_model_len"], job.get("truncate_to"), job["items"]
-    results = []
-    for i, item in enumerate(items):
-        try:
-            if job["op"] == "pool":
-                results.append(inputs.text_ids(tokenizer, item, max_model_len, truncate_to))
-            else:
-                results.append(list(inputs.pair_ids(tokenizer, item[0], item[1], max_model_len, truncate_to)))
-        except ValueError as error:
-            raise ValueError(f"{job.get('label', 'input')}[{i}]: {error}" if len(items) > 1 else str(error)) from None
-    return results
+        logger.error("job %s failed:\n%s", type(job).__name__, traceback.format_exc())
+        store.release(request_id)
+        return Reply(job_id, error=f"{type(error).__name__}: {error}", kind="internal")
 
 
 @dataclass
@@ -188,9 +247,9 @@ _ZERO_COPY_BYTES = 64 << 10
 
 
 class TokenizerPool:
-    """N tokenizer workers. ``await call(op, **fields)`` runs a job on the least busy worker (or
-    ``worker=i``) and returns ``(worker index, instance id, result)``; a client error becomes a
-    400 ``APIError``, a full shm store a 503, anything else a 500."""
+    """N tokenizer workers. ``await call(job)`` runs a job on the least busy worker (or
+    ``worker=...``) and returns ``(worker index, instance id, result)``; a client error becomes
+    an ``InvalidRequestError`` (400), a full shm store a 503 ``RequestError``, anything else a 500."""
 
     def __init__(self, settings: WorkerSettings, num_workers: int, shm_budget_bytes: int | None,
                  on_worker_death: Callable[[int, str | None], None], shm_help: str = ""):
@@ -242,19 +301,19 @@ class TokenizerPool:
 
     async def _read_results(self) -> None:
         while True:
-            message = msgspec.msgpack.decode(await self._results.recv())
-            if "ready" in message:
-                future = self._ready.pop(message["ready"], None)
+            message = _reply_decoder.decode(await self._results.recv())
+            if isinstance(message, Ready):
+                future = self._ready.pop(message.index, None)
                 if future is not None and not future.done():
-                    future.set_result(message["instance"])
+                    future.set_result(message.instance)
                 continue
-            entry = self._futures.pop(message["id"], None)
+            entry = self._futures.pop(message.id, None)
             if entry is None:
                 continue
             future, index = entry
             worker = self._workers[index]
             if worker is not None:
-                worker.pending.discard(message["id"])
+                worker.pending.discard(message.id)
             if not future.done():
                 future.set_result(message)
 
@@ -265,7 +324,7 @@ class TokenizerPool:
         for job_id in list(worker.pending):
             future, _ = self._futures.pop(job_id, (None, None))
             if future is not None and not future.done():
-                future.set_exception(APIError(500, f"tokenizer worker {worker.index} died while preparing "
+                future.set_exception(RequestError(500, f"tokenizer worker {worker.index} died while preparing "
                                                    "this request; retry it"))
         worker.jobs.close(linger=0)
         processes.unlink_ipc([worker.address])  # its replacement binds a fresh one
@@ -282,17 +341,17 @@ class TokenizerPool:
     def _pick(self) -> _Worker:
         live = [w for w in self._workers if w is not None and w.instance_id is not None and w.process.is_alive()]
         if not live:
-            raise APIError(503, "no tokenizer worker is available (one is being restarted); retry shortly",
+            raise RequestError(503, "no tokenizer worker is available (one is being restarted); retry shortly",
                            retry_after=1)
         return min(live, key=lambda w: len(w.pending))
 
-    async def call(self, op: str, worker: _Worker | None = None, **fields) -> tuple[int, str, object]:
+    async def call(self, job: Job, worker: _Worker | None = None) -> tuple[int, str, object]:
         worker = worker or self._pick()
         job_id = next(self._job_ids)
         try:
-            payload = msgspec.msgpack.encode({"id": job_id, "op": op, **fields})
+            payload = _encoder.encode(Envelope(job_id, job))
         except (UnicodeEncodeError, OverflowError, TypeError) as error:  # unpaired surrogates, huge ints
-            raise APIError(400, f"the request holds a value that cannot be processed: {error}") from None
+            raise InvalidRequestError(f"the request holds a value that cannot be processed: {error}") from None
         future = asyncio.get_running_loop().create_future()
         self._futures[job_id] = (future, worker.index)
         worker.pending.add(job_id)
@@ -301,18 +360,18 @@ class TokenizerPool:
             reply = await future
         except asyncio.CancelledError:
             # The client went away while its request was being prepared: drop its leases.
-            if "request_id" in fields:
-                self.release(worker.index, fields["request_id"])
+            if hasattr(job, "request_id"):
+                self.release(worker.index, job.request_id)
             raise
-        if "error" in reply:
-            if reply["kind"] == "client":
-                raise APIError(400, reply["error"])
-            if reply["kind"] == "busy":
-                raise APIError(503, f"{reply['error']}. The shared-memory budget for images is "
-                                    f"{self._budget_text()}; retry shortly, or give the service more "
-                                    f"shared memory{self.shm_help}", retry_after=1)
-            raise APIError(500, reply["error"])
-        return worker.index, worker.instance_id, reply["ok"]
+        if reply.error is not None:
+            if reply.kind == "client":
+                raise InvalidRequestError(reply.error)
+            if reply.kind == "busy":
+                raise RequestError(503, f"{reply.error}. The shared-memory budget for images is "
+                                        f"{self._budget_text()}; retry shortly, or give the service more "
+                                        f"shared memory{self.shm_help}", retry_after=1)
+            raise RequestError(500, reply.error)
+        return worker.index, worker.instance_id, reply.ok
 
     def _budget_text(self) -> str:
         if self.shm_budget_bytes is None:
@@ -322,7 +381,7 @@ class TokenizerPool:
     def release(self, index: int, request_id: str) -> None:
         worker = self._workers[index]
         if worker is not None and worker.process.is_alive():
-            worker.jobs.send(msgspec.msgpack.encode({"op": "release", "request_id": request_id}))
+            worker.jobs.send(_encoder.encode(Envelope(-1, ReleaseJob(request_id))))
 
     async def stats(self) -> dict:
         totals = {"segments": 0, "bytes": 0, "leased_segments": 0}
@@ -330,8 +389,8 @@ class TokenizerPool:
             if worker is None or worker.instance_id is None:
                 continue
             try:
-                _, _, stats = await asyncio.wait_for(self.call("stats", worker=worker), 5)
-            except (APIError, asyncio.TimeoutError):
+                _, _, stats = await asyncio.wait_for(self.call(StatsJob(), worker=worker), 5)
+            except (RequestError, asyncio.TimeoutError):
                 continue
             totals["segments"] += stats["segments"]
             totals["bytes"] += stats["leased_bytes"] + stats["cached_bytes"]
@@ -345,7 +404,7 @@ class TokenizerPool:
                 continue
             processes.stop_watching(worker.process)
             if worker.process.is_alive():
-                await worker.jobs.send(msgspec.msgpack.encode({"op": "stop"}))
+                await worker.jobs.send(_encoder.encode(Envelope(-1, StopJob())))
         for worker in self._workers:
             if worker is None:
                 continue

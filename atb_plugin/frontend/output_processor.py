@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from atb_plugin.engine.detokenizer import IncrementalDetokenizer
+from atb_plugin.frontend.detokenizer import IncrementalDetokenizer
 from atb_plugin.engine.messages import EngineCoreOutput, LogprobsEntry
 from atb_plugin.engine.sampling_params import SamplingParams
 from atb_plugin.pooling.outputs import PoolingOutput, PoolingRequestOutput
@@ -99,6 +99,9 @@ class OutputProcessor:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._states
 
     @property
     def request_ids(self) -> list[str]:
