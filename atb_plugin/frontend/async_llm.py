@@ -194,13 +194,17 @@ class AsyncLLM:
 
     # -- requests ----------------------------------------------------------------------------------
 
-    async def generate(self, request_id: str, prompt: PreparedPrompt,
-                       params: SamplingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
-        """Run one prompt (``params.n`` choices); yields (choice index, that choice's
+    def generate(self, request_id: str, prompt: PreparedPrompt,
+                 params: SamplingParams | PoolingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+        """Run one prompt (``params.n`` choices): its requests reach the core now, before the
+        first ``anext`` (a stream whose body never starts still ends them, and releases the
+        prompt's lease, when they finish). The iterator yields (choice index, that choice's
         RequestOutput) as each steps, until all are finished. Closing it early aborts them all;
         a failing choice (an engine or worker death) ends them all with that exception."""
         queue: asyncio.Queue = asyncio.Queue()
-        requests = self._add(request_id, prompt, params, queue)
+        return self._outputs(self._add(request_id, prompt, params, queue), queue)
+
+    async def _outputs(self, requests: list, queue: asyncio.Queue) -> AsyncIterator[tuple[int, RequestOutput]]:
         running = len(requests)
         finished: set[str] = set()
         try:

@@ -15,6 +15,7 @@ the same answer through either door.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 
 from atb_plugin.engine.client import InprocClient
@@ -156,14 +157,20 @@ class LLM:
         prompts = [prompts] if single else list(prompts)
         return self._run(prompts, sampling_params, self.input_processor.prompt_ids)
 
-    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             tools: list | None = None) -> list[RequestOutput]:
+        """One conversation or a list of them, through the checkpoint's chat template (with
+        ``chat_template_kwargs`` and ``tools`` as the server's chat route passes them)."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError(f"messages must be a conversation (a non-empty list of message dicts) or a list of "
                              f"conversations; got {type(messages).__name__}")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
         if not all(isinstance(c, list) and c for c in conversations):
             raise ValueError("each conversation must be a non-empty list of message dicts")
-        return self._run(conversations, sampling_params, self.input_processor.chat_ids)
+        return self._run(conversations, sampling_params, functools.partial(
+            self.input_processor.chat_ids, add_generation_prompt=add_generation_prompt,
+            chat_template_kwargs=chat_template_kwargs, tools=tools))
 
     # -- pooling ---------------------------------------------------------------------------------
 
