@@ -51,6 +51,8 @@ setup(
             # The service tests talk to a real server with the official client.
             "openai==3.51.0",
             "httpx==0.28.1",
+            # Throwaway CA, server and client certificates for the HTTPS / mutual TLS tests.
+            "cryptography==50.0.2",
         ],
         # benchmarks/profile_serving.py samples the service's processes with it (a binary wheel).
         "bench": ["py-spy==0.4.3"],

@@ -6,6 +6,10 @@
 #   scripts/launch_npu_server.sh --model /models/Qwen2-VL-7B-Instruct --port 8000
 #   scripts/launch_npu_server.sh --runner pooling                  # all-MiniLM-L6-v2 embeddings
 #   scripts/launch_npu_server.sh --model /models/bge-small-en-v1.5 --runner pooling
+#   scripts/launch_npu_server.sh --ssl-certfile server.pem --ssl-keyfile server.key   # HTTPS
+#   scripts/launch_npu_server.sh --ssl-certfile server.pem --ssl-keyfile server.key \
+#       --ssl-ca-certs ca.pem --ssl-cert-reqs required                                 # mutual TLS
+#   scripts/launch_npu_server.sh --config /etc/mindie/config.json   # MindIE's httpsEnabled, tls*, timeouts
 # On Ascend, ASCEND_RT_VISIBLE_DEVICES selects the cards (e.g. ASCEND_RT_VISIBLE_DEVICES=0).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +21,8 @@ host=127.0.0.1
 port=1025
 name=""
 runner=""
+scheme=http
+client_cert=""
 for ((i = 0; i < ${#args[@]}; i++)); do
   case "${args[i]}" in
     --host) host="${args[i + 1]}" ;;
@@ -27,6 +33,9 @@ for ((i = 0; i < ${#args[@]}; i++)); do
     --runner=*) runner="${args[i]#*=}" ;;
     --served-model-name) name="${args[i + 1]}" ;;
     --served-model-name=*) name="${args[i]#*=}" ;;
+    --ssl-certfile|--ssl-certfile=*) scheme=https ;;
+    --ssl-cert-reqs) case "${args[i + 1]}" in required|2) client_cert=" --cert client.pem --key client.key" ;; esac ;;
+    --ssl-cert-reqs=required|--ssl-cert-reqs=2) client_cert=" --cert client.pem --key client.key" ;;
     --model|--model=*|--config|--config=*) name="${name:-custom}" ;;
     -h|--help) exec python -m atb_plugin.server --help ;;
   esac
@@ -55,11 +64,12 @@ else
 fi
 
 cat <<MSG
-atb-plugin: serving on http://$host:$port (OpenAI API under /v1; stop with Ctrl-C or SIGTERM)
+atb-plugin: serving on $scheme://$host:$port (OpenAI API under /v1; stop with Ctrl-C or SIGTERM;
+a MindIE --config with httpsEnabled serves https, see its start-up log)
 Try it once it says "Application startup complete":
 
-  curl http://$host:$port$route -H 'Content-Type: application/json' \\
-    -d '$body'
+  curl $scheme://$host:$port$route -H 'Content-Type: application/json' \\
+    -d '$body'$( [ "$scheme" = https ] && echo " --cacert ca.pem$client_cert" )
 
 MSG
 exec python -m atb_plugin.server "${args[@]}"

@@ -29,10 +29,14 @@ def free_port() -> int:
 class ServerProcess:
     """The service in its own process group (API process + engine core + tokenizer workers)."""
 
-    def __init__(self, model_dir, *args: str, api_key: str | None = None, workers: int = 1, start_timeout: float = 120):
+    def __init__(self, model_dir, *args: str, api_key: str | None = None, workers: int = 1, start_timeout: float = 120,
+                 client_tls=None):
+        """``client_tls`` (an ``ssl.SSLContext``): the server serves HTTPS (its args say how) and
+        the helpers' clients connect with this context (the CA they trust, their certificate)."""
         self.port = free_port()
         self.api_key = api_key
-        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.verify = client_tls if client_tls is not None else True
+        self.base_url = f"{'https' if client_tls is not None else 'http'}://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"atb-plugin-test-server-{self.port}.log"
         command = [sys.executable, "-m", "atb_plugin.server", "--model", str(model_dir), "--port", str(self.port),
                    "--tokenizer-workers", str(workers), "--block-size", "16", "--kv-cache-memory", "64M",
@@ -52,7 +56,7 @@ class ServerProcess:
             if self.process.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.process.returncode}:\n{self.log()}")
             try:
-                if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.base_url + "/health", timeout=2, verify=self.verify).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
@@ -67,15 +71,19 @@ class ServerProcess:
     def client(self, **kwargs):
         import openai
 
+        if self.verify is not True:
+            kwargs.setdefault("http_client", httpx.Client(verify=self.verify))
         return openai.OpenAI(base_url=self.base_url + "/v1", api_key=self.api_key or "none", max_retries=0,
                              timeout=60, **kwargs)
 
     def post(self, path: str, json=None, **kwargs) -> httpx.Response:
         headers = {**self.headers, **kwargs.pop("headers", {})}
+        kwargs.setdefault("verify", self.verify)
         return httpx.post(self.base_url + path, json=json, headers=headers, timeout=60, **kwargs)
 
     def get(self, path: str, **kwargs) -> httpx.Response:
         headers = {**self.headers, **kwargs.pop("headers", {})}
+        kwargs.setdefault("verify", self.verify)
         return httpx.get(self.base_url + path, headers=headers, timeout=30, **kwargs)
 
     def pid_of(self, what: str) -> int:

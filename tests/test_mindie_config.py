@@ -108,6 +108,9 @@ def test_sample_file_maps_onto_flags(tmp_path):
         "max_num_batched_tokens": 8192,
         "max_num_seqs": 200,
         "max_new_tokens": 512,
+        "require_https": False,
+        "request_timeout": 600,
+        "token_timeout": 600,
     }
     assert mapping.env == {"ASCEND_RT_VISIBLE_DEVICES": "0,1"}
 
@@ -123,8 +126,6 @@ def test_sample_file_reports_what_has_no_effect_here(tmp_path):
         "ServerConfig.managementPort",
         "ServerConfig.metricsPort",
         "ServerConfig.maxLinkNum",
-        "ServerConfig.tokenTimeout",
-        "ServerConfig.e2eTimeout",
         "BackendConfig.ScheduleConfig.maxPrefillBatchSize",
         "BackendConfig.ScheduleConfig.prefillTimeMsPerReq",
         "BackendConfig.ScheduleConfig.prefillPolicyType",
@@ -150,8 +151,8 @@ def test_non_neutral_and_unknown_fields_are_reported():
     model.update(worldSize=2, trustRemoteCode=True, npuMemSize=8, async_scheduler_wait_time=120)
     deploy["ModelConfig"].append({"modelName": "second", "modelWeightPath": "/data/other"})
     config["BackendConfig"]["npuDeviceIds"] = [[0, 1], [2, 3]]
-    mapping = map_mindie_config(config)
-    for path in ("ServerConfig.httpsEnabled", "ServerConfig.someNewSwitch",
+    mapping = map_mindie_config(config, "/etc/mindie")
+    for path in ("ServerConfig.someNewSwitch",
                  "BackendConfig.ModelDeployConfig.truncation",
                  "BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize",
                  "BackendConfig.ModelDeployConfig.ModelConfig[0].trustRemoteCode",
@@ -160,7 +161,18 @@ def test_non_neutral_and_unknown_fields_are_reported():
                  "BackendConfig.npuDeviceIds[1]"):
         assert path in mapping.ignored, path
     assert mapping.reasons["ServerConfig.someNewSwitch"] == "unknown field"
-    assert "HTTPS" in mapping.reasons["ServerConfig.httpsEnabled"]
+    # httpsEnabled: the certificate fields become the server's TLS settings, relative to the
+    # config's folder; a CA means mutual TLS, as in MindIE.
+    assert "ServerConfig.httpsEnabled" not in mapping.ignored
+    assert {key: mapping.flags[key] for key in mapping.flags if key.startswith(("ssl", "require"))} == {
+        "require_https": True,
+        "ssl_certfile": "/etc/mindie/security/certs/server.pem",
+        "ssl_keyfile": "/etc/mindie/security/keys/server.key.pem",
+        "ssl_keyfile_password_file": "/etc/mindie/security/pass/key_pwd.txt",
+        "ssl_ca_certs": ["/etc/mindie/security/ca/ca.pem"],
+        "ssl_cert_reqs": "required",
+        "ssl_crl": ["/etc/mindie/security/certs/server_crl.pem"],
+    }
     assert mapping.flags["served_model_name"] == "qwen2-vl"  # the first model only
     assert mapping.flags["devices"] == [0, 1]
     assert mapping.flags["kv_cache_bytes"] == 8 * 2**30

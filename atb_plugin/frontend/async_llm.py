@@ -45,7 +45,7 @@ from atb_plugin.pooling.params import PoolingParams
 
 logger = logging.getLogger("atb_plugin.server")
 
-__all__ = ["AsyncLLM", "EngineDeadError", "FrontendMetrics"]
+__all__ = ["AsyncLLM", "Deadlines", "EngineDeadError", "FrontendMetrics", "RequestTimeoutError"]
 
 
 class FrontendMetrics(Protocol):
@@ -58,6 +58,43 @@ class FrontendMetrics(Protocol):
     def record_finished(self, *, prompt_tokens: int, finish_reason: str | None, e2e: float,
                         queue_time: float | None, generation_tokens: int = 0, ttft: float | None = None,
                         itls: Sequence[float] = ()) -> None: ...
+
+    def record_timeout(self, kind: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class Deadlines:
+    """A request's time limits (MindIE's e2eTimeout and tokenTimeout): ``request_timeout`` seconds
+    for the whole request from ``start``, ``token_timeout`` seconds to its first token and between
+    tokens (any choice's); None: no limit."""
+
+    request_timeout: float | None = None
+    token_timeout: float | None = None
+    start: float = field(default_factory=time.monotonic)
+
+    def next_wait(self, last_output: float) -> tuple[float | None, str]:
+        """Seconds the next output may take, and which limit that is ("request" or "token")."""
+        now = time.monotonic()
+        waits = []
+        if self.request_timeout is not None:
+            waits.append((self.start + self.request_timeout - now, "request"))
+        if self.token_timeout is not None:
+            waits.append((last_output + self.token_timeout - now, "token"))
+        return min(waits) if waits else (None, "")
+
+
+class RequestTimeoutError(RequestError):
+    """A request aborted for its time limit: 504, as a gateway reports a timed-out upstream."""
+
+    def __init__(self, kind: str, deadlines: Deadlines):
+        if kind == "request":
+            message = (f"the request ran longer than its limit of {deadlines.request_timeout:g} s "
+                       "(--request-timeout, or the request's request_timeout) and was aborted")
+        else:
+            message = (f"no token came within {deadlines.token_timeout:g} s (--token-timeout, or the request's "
+                       "token_timeout): the request was aborted")
+        super().__init__(504, message)
+        self.kind = kind
 
 
 @dataclass
@@ -194,22 +231,32 @@ class AsyncLLM:
 
     # -- requests ----------------------------------------------------------------------------------
 
-    def generate(self, request_id: str, prompt: PreparedPrompt,
-                 params: SamplingParams | PoolingParams) -> AsyncIterator[tuple[int, RequestOutput]]:
+    def generate(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams | PoolingParams,
+                 deadlines: Deadlines | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run one prompt (``params.n`` choices): its requests reach the core now, before the
         first ``anext`` (a stream whose body never starts still ends them, and releases the
         prompt's lease, when they finish). The iterator yields (choice index, that choice's
         RequestOutput) as each steps, until all are finished. Closing it early aborts them all;
-        a failing choice (an engine or worker death) ends them all with that exception."""
+        a failing choice (an engine or worker death) ends them all with that exception, and so
+        does a limit of ``deadlines`` (``RequestTimeoutError``, counted in the metrics)."""
         queue: asyncio.Queue = asyncio.Queue()
-        return self._outputs(self._add(request_id, prompt, params, queue), queue)
+        return self._outputs(self._add(request_id, prompt, params, queue), queue, deadlines)
 
-    async def _outputs(self, requests: list, queue: asyncio.Queue) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _outputs(self, requests: list, queue: asyncio.Queue,
+                       deadlines: Deadlines | None) -> AsyncIterator[tuple[int, RequestOutput]]:
         running = len(requests)
         finished: set[str] = set()
+        last_output = time.monotonic() if deadlines is None else deadlines.start
         try:
             while running:
-                item = await queue.get()
+                wait, kind = (None, "") if deadlines is None else deadlines.next_wait(last_output)
+                try:
+                    item = await (queue.get() if wait is None else asyncio.wait_for(queue.get(), max(wait, 0.0)))
+                except asyncio.TimeoutError:
+                    self.metrics.record_timeout(kind)
+                    logger.warning("request %s: %s timeout, aborted", requests[0].request_id, kind)
+                    raise RequestTimeoutError(kind, deadlines) from None  # the finally aborts them
+                last_output = time.monotonic()
                 if isinstance(item, Exception):
                     raise item
                 index, output = item

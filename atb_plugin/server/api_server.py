@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -29,7 +30,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from atb_plugin.engine.sampling_params import StructuredOutputsParams
-from atb_plugin.frontend.async_llm import AsyncLLM
+from atb_plugin.frontend.async_llm import AsyncLLM, Deadlines
 from atb_plugin.frontend.input_processor import InputLimits, PreparedPrompt, validate_client_token_ids
 from atb_plugin.frontend.output_processor import RequestOutput
 from atb_plugin.frontend.tokenizer_pool import WorkerSettings
@@ -273,10 +274,24 @@ def chat_options(config: ServerConfig, req: protocol.ChatCompletionRequest) -> t
 # -- running a generate request ----------------------------------------------------------------------
 
 
+def deadlines(config: ServerConfig, req, start: float) -> Deadlines | None:
+    """The request's time limits from ``start`` (its arrival): the server's, lowered by the
+    request's own ``request_timeout`` / ``token_timeout``; None when there are none."""
+    def lower(server: float | None, asked: float | None) -> float | None:
+        given = [value for value in (server, asked) if value is not None]
+        return min(given) if given else None
+
+    request_timeout = lower(config.request_timeout, req.request_timeout)
+    token_timeout = lower(config.token_timeout, req.token_timeout)
+    if request_timeout is None and token_timeout is None:
+        return None
+    return Deadlines(request_timeout, token_timeout, start)
+
+
 async def respond(raw: Request, req, llm: AsyncLLM, make_dialect, request_id: str, prompt: PreparedPrompt,
-                  structured=None):
-    """Run a prepared prompt and answer in the route's dialect (``make_dialect(n)``): one JSON
-    body, or SSE."""
+                  start: float, structured=None):
+    """Run a prepared prompt (arrived at ``start``) and answer in the route's dialect
+    (``make_dialect(n)``): one JSON body, or SSE."""
     try:
         params, structured_field = sampling_params(llm, req, len(prompt.ids), structured)
         await llm.check_grammar(params, structured_field)
@@ -284,13 +299,14 @@ async def respond(raw: Request, req, llm: AsyncLLM, make_dialect, request_id: st
         llm.release(prompt)
         raise
     dialect = make_dialect(params.n)
+    limits = deadlines(service_of(raw).config, req, start)
     if not req.stream:
-        outputs = await until_answered(raw, last_outputs(llm.generate(request_id, prompt, params)))
+        outputs = await until_answered(raw, last_outputs(llm.generate(request_id, prompt, params, limits)))
         failed = next((o for o in outputs if o.outputs[0].finish_reason == "error"), None)
         if failed is not None:
             raise APIError(500, f"the request failed: {failed.error}")
         return JSONResponse(dialect.response(outputs).model_dump(exclude_none=True))
-    choices = llm.generate(request_id, prompt, params)
+    choices = llm.generate(request_id, prompt, params, limits)
 
     async def events():
         for chunk in dialect.first_chunks():
@@ -363,6 +379,7 @@ async def metrics(raw: Request):
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(raw: Request):
+    start = time.monotonic()
     service = service_of(raw)
     req, llm, request_id = await admit(raw, protocol.ChatCompletionRequest, "chatcmpl")
     check_generates(service)
@@ -371,11 +388,12 @@ async def chat_completions(raw: Request):
                                 chat_template_kwargs=req.chat_template_kwargs, tools=options.tools)
     name, token_text = service.config.served_model_name, _token_text(service)
     make_dialect = lambda n: ChatDialect(request_id, name, token_text, n, options)  # noqa: E731
-    return await respond(raw, req, llm, make_dialect, request_id, prompt, structured)
+    return await respond(raw, req, llm, make_dialect, request_id, prompt, start, structured)
 
 
 @routes.post("/v1/completions")
 async def completions(raw: Request):
+    start = time.monotonic()
     service = service_of(raw)
     req, llm, request_id = await admit(raw, protocol.CompletionRequest, "cmpl")
     check_generates(service)
@@ -385,7 +403,7 @@ async def completions(raw: Request):
         echo = req.prompt if isinstance(req.prompt, str) else service.tokenizer.decode(prompt.ids)
     name, token_text = service.config.served_model_name, _token_text(service)
     make_dialect = lambda n: CompletionDialect(request_id, name, token_text, n, echo)  # noqa: E731
-    return await respond(raw, req, llm, make_dialect, request_id, prompt)
+    return await respond(raw, req, llm, make_dialect, request_id, prompt, start)
 
 
 def _token_text(service: Service):

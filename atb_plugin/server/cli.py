@@ -21,6 +21,7 @@ from atb_plugin.engine.config import DEFAULT_KV_CACHE_BYTES, DEVICES, DTYPES, En
 from atb_plugin.multimodal.wire import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 from atb_plugin.pooling.config import CONVERT_TYPES, RUNNER_TYPES
 from atb_plugin.server.config import ServerConfig, default_tokenizer_workers
+from atb_plugin.server.tls import CERT_REQS, TLSSettings
 from atb_plugin.utils import available_cores
 
 logger = logging.getLogger("atb_plugin.server")
@@ -123,10 +124,37 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tool-call-parser", choices=_tool_parsers(),
         help="how tool calls are read from the output: hermes (Qwen2 / Qwen2.5's <tool_call>{...}</tool_call>), "
              "llama3_json (Llama 3.1+ JSON calls)")
+    add("--ssl-certfile", help="serve HTTPS with this certificate (PEM; the chain, server first)")
+    add("--ssl-keyfile", help="the certificate's private key (PEM; omit if it is in --ssl-certfile); keep it mode 600")
+    add("--ssl-keyfile-password-file", metavar="FILE", help="a file holding the key's password (plain text)")
+    add("--ssl-ca-certs", action="append", default=[], metavar="FILE",
+        help="CA certificates (PEM) that sign client certificates; repeatable")
+    add("--ssl-cert-reqs", type=_cert_reqs, default="none",
+        help="client certificates: none, optional, or required (mutual TLS); vLLM's 0 / 1 / 2 work too")
+    add("--ssl-crl", action="append", default=[], metavar="FILE",
+        help="certificate revocation lists (PEM) for client certificates; repeatable")
+    add("--require-https", action="store_true",
+        help="refuse to start without a certificate (what MindIE's httpsEnabled: true means)")
+    add("--allow-insecure-http", action="store_true",
+        help="with --require-https / httpsEnabled: true but no certificate, serve plain HTTP anyway (logged as "
+             "an error; refused together with --api-key)")
+    add("--request-timeout", type=float, metavar="SECONDS",
+        help="abort a generate request running longer than this (MindIE's e2eTimeout; 504 / a stream error "
+             "event); a request's own request_timeout may only lower it")
+    add("--token-timeout", type=float, metavar="SECONDS",
+        help="abort a generate request that waits longer than this for its first or next token (MindIE's "
+             "tokenTimeout); a request's own token_timeout may only lower it")
     add("--reasoning-parser", choices=_reasoning_parsers(),
         help="split <think>...</think> into message.reasoning_content: deepseek_r1 (the opening tag may be in "
              "the prompt), qwen3 (only output that starts with <think>)")
     return p
+
+
+def _cert_reqs(text: str) -> str:
+    named = {"0": "none", "1": "optional", "2": "required"}.get(text, text.lower())
+    if named not in CERT_REQS:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected none, optional or required (or 0, 1, 2)")
+    return named
 
 
 def _tool_parsers() -> list[str]:
@@ -156,7 +184,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
             key = renamed.get(key, key)
             if key == "devices":
                 continue  # carried by ASCEND_RT_VISIBLE_DEVICES (mapping.env)
-            if key not in values and key != "max_input_tokens":
+            if key not in values and key not in ("max_input_tokens", "require_https"):
                 logger.warning("--config %s: %s=%r has no equivalent here and is ignored", args.config, key, value)
             elif key not in given:
                 values[key] = value
@@ -197,7 +225,13 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         shm_budget_bytes=values["shm_budget_bytes"], shutdown_timeout=values["shutdown_timeout"],
         log_level=values["log_level"], max_parallel_samples=values["max_parallel_samples"],
         enable_auto_tool_choice=values["enable_auto_tool_choice"], tool_call_parser=values["tool_call_parser"],
-        reasoning_parser=values["reasoning_parser"])
+        reasoning_parser=values["reasoning_parser"], request_timeout=values["request_timeout"],
+        token_timeout=values["token_timeout"],
+        tls=TLSSettings(certfile=values["ssl_certfile"], keyfile=values["ssl_keyfile"],
+                        keyfile_password_file=values["ssl_keyfile_password_file"],
+                        ca_certs=tuple(values["ssl_ca_certs"]), cert_reqs=values["ssl_cert_reqs"],
+                        crl=tuple(values["ssl_crl"]), https_required=values["require_https"],
+                        allow_insecure_http=values["allow_insecure_http"]))
 
 
 def _graceful_server_class():
@@ -228,6 +262,7 @@ def serve(config: ServerConfig) -> int:
     import uvicorn
 
     from atb_plugin.server.api_server import create_app, log_shm_capacity
+    from atb_plugin.server.tls import server_ssl_context
     from atb_plugin.utils import keep_request_buffers_in_heap
 
     keep_request_buffers_in_heap()  # request bodies of megabytes: no fresh pages per copy
@@ -237,9 +272,17 @@ def serve(config: ServerConfig) -> int:
     # httptools, not h11: the C parser reads a multi-megabyte image body faster (benchmarks/RESULTS.md,
     # P5 "Fifth round"); an install requirement, so asked for by name: a missing one is an error,
     # not a slow server
+    tls = config.tls
+    if tls.https_required and not tls.enabled:  # check_tls let it through: --allow-insecure-http
+        logger.error("HTTPS was asked for (httpsEnabled / --require-https) but this server has no certificate: "
+                     "serving PLAIN HTTP because of --allow-insecure-http; everything on the wire is readable")
+    context = server_ssl_context(tls) if tls.enabled else None
     uv_config = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
                                timeout_graceful_shutdown=config.shutdown_timeout, access_log=False,
-                               http="httptools")
+                               http="httptools",
+                               ssl_context_factory=None if context is None else lambda _config, _default: context)
+    if context is not None:
+        logger.info("serving HTTPS (client certificates: %s)", tls.cert_reqs)
     server = _graceful_server_class()(uv_config)
     app.state.service.uvicorn_server = server
     asyncio.run(server.serve())

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 
 from atb_plugin.engine.config import EngineConfig
+from atb_plugin.server.tls import TLSSettings, check_tls
 from atb_plugin.utils import available_cores
 
 
@@ -47,6 +48,11 @@ class ServerConfig:
     enable_auto_tool_choice: bool = False
     tool_call_parser: str | None = None
     reasoning_parser: str | None = None
+    # HTTPS / mutual TLS (server/tls.py) and MindIE's timeouts: seconds for a whole generate
+    # request (e2eTimeout) and to its first token / between tokens (tokenTimeout); None: no limit.
+    tls: TLSSettings = field(default_factory=TLSSettings)
+    request_timeout: float | None = None
+    token_timeout: float | None = None
 
     def __post_init__(self):
         if self.served_model_name is None:
@@ -63,6 +69,12 @@ class ServerConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"--{name.replace('_', '-')} = {value!r}: must be an integer >= 0")
         self._check_parsers()
+        for name in ("request_timeout", "token_timeout"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                      or not 0 < value < float("inf")):
+                raise ValueError(f"--{name.replace('_', '-')} = {value!r}: must be a number of seconds > 0")
+        check_tls(self.tls, self.api_key)
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout = {self.shutdown_timeout}: must be >= 0")
         object.__setattr__(self, "allowed_local_media_paths", tuple(self.allowed_local_media_paths))
@@ -101,7 +113,8 @@ class ServerConfig:
 
     def describe(self) -> str:
         lines = [f"{f.name} = {getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-                 if f.name not in ("engine", "api_key", "chat_template")]
+                 if f.name not in ("engine", "api_key", "chat_template", "tls")]
+        lines += [f"tls.{f.name} = {getattr(self.tls, f.name)!r}" for f in dataclasses.fields(self.tls)]
         lines.append(f"api_key = {'<set>' if self.api_key else None}")
         lines.append(f"chat_template = {'<custom>' if self.chat_template else None}")
         return "\n".join(lines + ["engine." + line for line in self.engine.describe().splitlines()])

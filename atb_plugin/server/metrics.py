@@ -7,7 +7,8 @@ as vLLM's are) plus its ``_created`` companion series. Histogram buckets are vLL
 ``vllm:kv_cache_usage_perc`` is a fraction in [0, 1], as in vLLM despite its name.
 
 Our own gauges use the ``atb_plugin:`` prefix: live shared-memory segments and bytes (the
-multimodal transport) and the tokenizer workers' queue depth.
+multimodal transport), the tokenizer workers' queue depth, and the requests aborted by a timeout
+(``atb_plugin:request_timeouts_total{kind="request"|"token"}``).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ __all__ = ["ServerMetrics", "FINISH_REASONS"]
 
 # The engine's finish reasons (RequestStatus values); pre-created so rate() has data from the start.
 FINISH_REASONS = ("stop", "length", "abort", "error")
+TIMEOUT_KINDS = ("request", "token")
 
 # vLLM's buckets (vllm/v1/metrics/loggers.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -101,6 +103,11 @@ class ServerMetrics:
             "atb_plugin:shm_leased_segments", "Live segments leased to running requests (the rest are cache).")
         self.tokenizer_queue_depth = gauge(
             "atb_plugin:tokenizer_queue_depth", "Requests waiting for or in the tokenizer workers.")
+        timeouts = Counter("atb_plugin:request_timeouts", "Requests aborted by --request-timeout (kind request) or "
+                           "--token-timeout (kind token).", labels + ["kind"], registry=r)
+        self._request_timeouts = timeouts
+        for kind in TIMEOUT_KINDS:
+            timeouts.labels(model_name, kind)
 
     # -- engine state ------------------------------------------------------------------------------
 
@@ -161,6 +168,11 @@ class ServerMetrics:
         if ttft is not None:
             self.observe_time_to_first_token(ttft)
         self.observe_inter_token_latencies(itls)
+
+    def record_timeout(self, kind: str) -> None:
+        """A request aborted for its time limit: ``kind`` "request" (the whole request) or "token"
+        (the wait for a token); it is also counted as finished with reason "abort"."""
+        self._request_timeouts.labels(self.model_name, kind).inc()
 
     # -- exposition --------------------------------------------------------------------------------
 

@@ -22,13 +22,23 @@ So a MindIE deployment can switch over with its existing config file. Mapped fie
                                                            request's output at it: the same
                                                            rule as generation_config's
                                                            max_new_tokens)
+    ServerConfig.e2eTimeout / tokenTimeout (seconds)    -> request_timeout / token_timeout
+    ServerConfig.httpsEnabled                           -> require_https: with it true, a missing
+                                                           certificate is a start-up error
+      tlsCert, tlsPk, tlsPkPwd                          -> ssl_certfile, ssl_keyfile,
+                                                           ssl_keyfile_password_file (the file must
+                                                           hold the plain password: MindIE's
+                                                           KMC-encrypted form cannot be read here)
+      tlsCaPath + tlsCaFile                             -> ssl_ca_certs, and ssl_cert_reqs
+                                                           "required" (MindIE's mutual TLS)
+      tlsCrlPath + tlsCrlFiles, tlsCrl                  -> ssl_crl
+      (relative paths: from the config file's folder; with httpsEnabled false they are unused)
 
 Every other field lands in ``MindieMapping.ignored`` (dotted paths, ``ModelConfig[0]`` style,
 with the reason in ``.reasons``) when it is unknown or asks for something this server does not
-do (``ServerConfig.httpsEnabled: true``, a separate metrics port, ``worldSize`` > 1...). Fields
-that change nothing here stay silent: those at their neutral value (``httpsEnabled: false``,
-``truncation: false``...) and certificate paths, which only matter once their switch is on (the
-switch itself is reported). Fields that are mapped or checked must have MindIE's types, or
+do (a separate metrics port, ``worldSize`` > 1...). Fields that change nothing here stay silent:
+those at their neutral value (``truncation: false``...) and certificate paths of endpoints this
+server does not have (management, inter-process, inter-node TLS). Fields that are mapped or checked must have MindIE's types, or
 ``ValueError`` says which one is wrong.
 """
 
@@ -140,13 +150,14 @@ def _inert(*names: str) -> dict[str, Inert]:
     return dict.fromkeys(names, INERT)
 
 
+# MindIE's HTTPS fields: one path, or a list of file names under a *Path folder.
+_TLS_FIELDS = ("tlsCert", "tlsPk", "tlsPkPwd", "tlsCaPath", "tlsCaFile", "tlsCrl", "tlsCrlPath", "tlsCrlFiles")
 _NO_SLO_SCHEDULING = "MindIE's latency-target scheduling knobs have no counterpart (vLLM-style scheduler)"
 
 _SERVER: dict[str, Any] = {
     "ipAddress": Flag("host", _text),
     "port": Flag("port", _port),
-    "httpsEnabled": Neutral(_is_false, "HTTPS is not supported: serve plain HTTP behind a TLS-terminating proxy",
-                            _bool),
+    "httpsEnabled": Flag("require_https", _bool),
     "allowAllZeroIpListening": Neutral(lambda v: True, "", _bool),  # only guards ipAddress 0.0.0.0
     "managementIpAddress": Unsupported("no separate management endpoint: /health and friends are on the main port"),
     "managementPort": Unsupported("no separate management endpoint: /health and friends are on the main port"),
@@ -155,12 +166,12 @@ _SERVER: dict[str, Any] = {
     "fullTextEnabled": Neutral(_is_false, "streams always carry the new text only", _bool),
     "inferMode": Neutral(_equals("standard"), "only standard (not disaggregated) inference"),
     "openAiSupport": Neutral(_equals("vllm"), "the OpenAI API is always vLLM-compatible"),
-    "tokenTimeout": Unsupported("no per-token timeout"),
-    "e2eTimeout": Unsupported("no end-to-end request timeout"),
+    "tokenTimeout": Flag("token_timeout", _positive),
+    "e2eTimeout": Flag("request_timeout", _positive),
     "distDPServerEnabled": Neutral(_is_false, "no distributed data-parallel server", _bool),
     "interCommTLSEnabled": Neutral(_is_false, "no inter-process TLS", _bool),
-    **_inert("tlsCaPath", "tlsCaFile", "tlsCert", "tlsPk", "tlsPkPwd", "tlsCrl", "tlsCrlPath", "tlsCrlFiles",
-             "managementTlsCaFile", "managementTlsCert", "managementTlsPk", "managementTlsPkPwd", "managementTlsCrl",
+    **{name: Custom("_tls_field") for name in _TLS_FIELDS},
+    **_inert("managementTlsCaFile", "managementTlsCert", "managementTlsPk", "managementTlsPkPwd", "managementTlsCrl",
              "managementTlsCrlPath", "managementTlsCrlFiles", "kmcKsfMaster", "kmcKsfStandby", "interCommPort",
              "interCommTlsCaPath", "interCommTlsCaFile", "interCommTlsCaFiles", "interCommTlsCert", "interCommPk",
              "interCommPkPwd", "interCommTlsCrl", "interCommTlsCrlPath", "interCommTlsCrlFiles"),
@@ -233,8 +244,10 @@ _TOP: dict[str, Any] = {
 
 
 class _Mapper:
-    def __init__(self):
+    def __init__(self, base_dir: Path):
         self.out = MindieMapping()
+        self.base_dir = base_dir
+        self.tls: dict[str, Any] = {}  # ServerConfig's TLS fields, mapped once httpsEnabled is known
 
     def ignore(self, path: str, reason: str) -> None:
         self.out.ignored.append(path)
@@ -285,6 +298,39 @@ class _Mapper:
         elif value != -1:
             raise ValueError(f"{path} must be -1 (automatic) or a size in GiB > 0, got {value}")
 
+    def _tls_field(self, path: str, value) -> None:
+        name = path.rsplit(".", 1)[-1]
+        if name in ("tlsCaFile", "tlsCrlFiles"):
+            files = [value] if isinstance(value, str) else value
+            if not isinstance(files, list) or not all(isinstance(f, str) and f for f in files):
+                raise ValueError(f"{path} must be a file name or a list of file names, got {value!r}")
+            self.tls[name] = files
+        elif value not in (None, ""):
+            self.tls[name] = _text(path, value)
+
+    def finish_tls(self) -> None:
+        """With httpsEnabled true, the certificate fields become the server's TLS settings
+        (paths relative to the config file's folder); otherwise they are unused."""
+        if not self.out.flags.get("require_https"):
+            return
+        tls, flags = self.tls, self.out.flags
+
+        def path(*parts: str) -> str:
+            return str(self.base_dir.joinpath(*parts))
+
+        for field_name, flag in (("tlsCert", "ssl_certfile"), ("tlsPk", "ssl_keyfile"),
+                                 ("tlsPkPwd", "ssl_keyfile_password_file")):
+            if field_name in tls:
+                flags[flag] = path(tls[field_name])
+        if tls.get("tlsCaFile"):
+            flags["ssl_ca_certs"] = [path(tls.get("tlsCaPath", ""), name) for name in tls["tlsCaFile"]]
+            flags["ssl_cert_reqs"] = "required"  # MindIE's HTTPS is mutual TLS when it names a CA
+        crl = [path(tls.get("tlsCrlPath", ""), name) for name in tls.get("tlsCrlFiles", [])]
+        if "tlsCrl" in tls:
+            crl.append(path(tls["tlsCrl"]))
+        if crl:
+            flags["ssl_crl"] = crl
+
     def _model_config(self, path: str, value) -> None:
         if not isinstance(value, list) or not value:
             raise ValueError(f"{path} must be a non-empty list of model objects, got {_type_name(value)}")
@@ -293,10 +339,12 @@ class _Mapper:
             self.ignore(f"{path}[{index}]", "one model per server: only the first ModelConfig entry is served")
 
 
-def map_mindie_config(config: Mapping[str, Any]) -> MindieMapping:
-    """The mapping for an already-parsed config (see the module docstring)."""
-    mapper = _Mapper()
+def map_mindie_config(config: Mapping[str, Any], base_dir: str | Path = ".") -> MindieMapping:
+    """The mapping for an already-parsed config (see the module docstring); relative certificate
+    paths are taken from ``base_dir`` (the config file's folder)."""
+    mapper = _Mapper(Path(base_dir))
     mapper.section("", config, _TOP)
+    mapper.finish_tls()
     flags = mapper.out.flags
     if "max_input_tokens" in flags and "max_model_len" in flags and flags["max_input_tokens"] > flags["max_model_len"]:
         raise ValueError(
@@ -318,6 +366,6 @@ def load_mindie_config(path: str | Path) -> MindieMapping:
         raise ValueError(f"MindIE config {path} is not valid JSON: {exc.msg} "
                          f"(line {exc.lineno}, column {exc.colno})") from exc
     try:
-        return map_mindie_config(config)
+        return map_mindie_config(config, Path(path).resolve().parent)
     except ValueError as exc:
         raise ValueError(f"MindIE config {path}: {exc}") from exc

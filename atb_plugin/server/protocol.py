@@ -335,6 +335,10 @@ class _GenerationRequest(OpenAIBaseModel):
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    # Time limits in seconds (MindIE's e2eTimeout / tokenTimeout per request): they may lower the
+    # server's --request-timeout / --token-timeout, not raise them.
+    request_timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
+    token_timeout: float | None = Field(None, gt=0, allow_inf_nan=False)
 
     # Structured output: at most one of these (structured_outputs_params()).
     response_format: ResponseFormat | None = None
