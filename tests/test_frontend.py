@@ -50,6 +50,7 @@ def test_the_offline_defaults_are_the_checkpoints_generation_config(text_llm):
                                                                     repetition_penalty=1.05)
 
 
+@pytest.mark.slow  # a real server
 def test_a_seeded_completion_with_logprobs_is_the_same_through_both_doors(text_server, text_llm):
     answer = text_server.client().completions.create(model=str(tiny_checkpoint("qwen2")), prompt=PROMPT,
                                                      max_tokens=12, seed=7, logprobs=2)
@@ -62,6 +63,7 @@ def test_a_seeded_completion_with_logprobs_is_the_same_through_both_doors(text_s
     assert choice.logprobs.token_logprobs == [entry.logprob for entry in completion.logprobs]
 
 
+@pytest.mark.slow  # a real server
 def test_a_seeded_chat_with_n_choices_is_the_same_through_both_doors(text_server, text_llm):
     answer = text_server.client().chat.completions.create(model=str(tiny_checkpoint("qwen2")), messages=CHAT,
                                                           max_tokens=10, seed=11, n=3)
@@ -71,6 +73,7 @@ def test_a_seeded_chat_with_n_choices_is_the_same_through_both_doors(text_server
     assert answer.usage.prompt_tokens == len(offline.prompt_token_ids)
 
 
+@pytest.mark.slow  # a real server
 def test_an_unset_max_tokens_is_the_same_through_both_doors(text_server, text_llm):
     # Neither door caps a chat without max_tokens below the context window: both run to EOS or
     # to max_model_len, with the same seeded tokens.
@@ -81,6 +84,7 @@ def test_an_unset_max_tokens_is_the_same_through_both_doors(text_server, text_ll
     assert answer.choices[0].finish_reason == offline.outputs[0].finish_reason
 
 
+@pytest.mark.slow  # a real server
 def test_the_same_bad_request_is_refused_through_both_doors(text_server, text_llm):
     too_long = [1] * 200
     response = text_server.post("/v1/completions", {"prompt": too_long, "max_tokens": 4})
@@ -94,6 +98,7 @@ def test_the_same_bad_request_is_refused_through_both_doors(text_server, text_ll
     assert response.status_code == 400 and response.json()["error"]["message"] == str(offline.value)
 
 
+@pytest.mark.slow  # a real server
 def test_an_image_chat_is_the_same_through_both_doors():
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(seed=5)}},
                                              {"type": "text", "text": "What is in this picture?"}]}]
@@ -110,6 +115,7 @@ def test_an_image_chat_is_the_same_through_both_doors():
     assert answer.usage.prompt_tokens == len(offline.prompt_token_ids)
 
 
+@pytest.mark.slow  # a real server
 def test_a_pooling_request_is_the_same_through_both_doors():
     texts = ["a fox jumps over the lazy dog"]
     server = ServerProcess(tiny_checkpoint("bert"))

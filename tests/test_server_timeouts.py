@@ -18,6 +18,9 @@ from atb_plugin.server.api_server import deadlines
 from atb_plugin.testing.tiny import tiny_checkpoint
 from tests.server_helpers import ServerProcess, data_url
 
+# Each module starts real servers: `-m "not slow"` skips them in quick local loops (CI runs them).
+pytestmark = pytest.mark.slow
+
 MODEL = str(tiny_checkpoint("qwen2_vl"))
 # Runs to the end of the context window (4096 tokens): seconds, far past the limits below.
 LONG = {"max_tokens": 4000, "ignore_eos": True, "temperature": 0}

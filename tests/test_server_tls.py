@@ -29,6 +29,9 @@ from atb_plugin.server.cli import parse_config
 from atb_plugin.testing.tiny import tiny_checkpoint
 from tests.server_helpers import REPO_ROOT, ServerProcess
 
+# Each module starts real servers: `-m "not slow"` skips them in quick local loops (CI runs them).
+pytestmark = pytest.mark.slow
+
 MODEL = str(tiny_checkpoint("qwen2"))
 KEY = "sekret"
 CHAT = [{"role": "user", "content": "hi"}]
