@@ -53,6 +53,8 @@ setup(
             "httpx==0.28.1",
             # Throwaway CA, server and client certificates for the HTTPS / mutual TLS tests.
             "cryptography==50.0.2",
+            # tests/test_structured_json.py validates sampled json_schema outputs against their schema.
+            "jsonschema==4.26.0",
         ],
         # benchmarks/profile_serving.py samples the service's processes with it (a binary wheel).
         "bench": ["py-spy==0.4.3"],

@@ -57,6 +57,17 @@ def keep_request_buffers_in_heap() -> bool:
         (_M_TOP_PAD, _TOP_PAD_BYTES)))
 
 
+def trim_heap() -> bool:
+    """Hand the free pages of glibc's heap back to the OS (``malloc_trim(0)``), after a request
+    large enough to leave many of them behind; False where there is no glibc."""
+    import ctypes
+
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
+
+
 def cdiv(a, b):
     """Ceiling division ``ceil(a / b)`` for ``b > 0``: exact for ints of any size (unlike
     ``math.ceil(a / b)``, which goes through a float), and elementwise for numpy arrays and

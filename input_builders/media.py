@@ -29,7 +29,10 @@ Policy (each limit is a ``MediaConfig`` field and is named in the error that enf
 * Local files only below ``allowed_local_media_paths``, checked on the fully resolved path (``..``
   and every symlink resolved), so a symlink inside an allowed directory that points outside is refused.
 * http(s) only when ``allowed_domains`` is set: exact host or a subdomain of a listed domain, every
-  redirect hop checked again, ``http_timeout_s`` per socket operation and for the whole download.
+  redirect hop checked again, ``http_timeout_s`` for the whole fetch (connect, headers, body,
+  redirects): at the deadline its sockets are shut down, so a host that trickles a byte at a time or
+  never answers is cut there. ``fetch_url`` is the same fetch for callers that prefetch URLs off
+  their main thread (the tokenizer workers); ``prefetched`` hands its results to ``load_image``.
 * ``max_image_bytes`` caps the encoded bytes of every source kind (checked before base64 decoding, and
   a download reads at most cap + 1 bytes); ``max_image_pixels`` caps width × height, checked from the
   header before the pixels are decoded.
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import contextvars
 import functools
 import hashlib
 import http.client
@@ -47,6 +51,7 @@ import ipaddress
 import math
 import os
 import re
+import socket
 import stat
 import threading
 import time
@@ -564,19 +569,114 @@ class _AllowListRedirects(urllib.request.HTTPRedirectHandler):
         return super().redirect_request(req, fp, code, msg, headers, newurl)
 
 
+class _Deadline:
+    """Shuts down every socket of one fetch when its time is up: a blocking connect, header or
+    body read then fails at once, however slowly the host trickles (a socket timeout restarts
+    with each byte, so it cannot bound a download)."""
+
+    def __init__(self, seconds: float):
+        self.expired = False
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._timer = threading.Timer(seconds, self._expire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def watch(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sockets.append(sock)
+            expired = self.expired
+        if expired:
+            self._shut(sock)
+
+    def _expire(self) -> None:
+        with self._lock:
+            self.expired = True
+            sockets = list(self._sockets)
+        for sock in sockets:
+            self._shut(sock)
+
+    @staticmethod
+    def _shut(sock: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+def _watched_handlers(deadline: _Deadline) -> list:
+    """urllib handlers whose connections register their sockets with ``deadline``."""
+
+    def watched(base):
+        class Connection(base):
+            def connect(self):
+                super().connect()
+                deadline.watch(self.sock)
+        return Connection
+
+    http_connection, https_connection = watched(http.client.HTTPConnection), watched(http.client.HTTPSConnection)
+
+    class HTTP(urllib.request.HTTPHandler):
+        def http_open(self, req):
+            return self.do_open(http_connection, req)
+
+    class HTTPS(urllib.request.HTTPSHandler):
+        def https_open(self, req):
+            return self.do_open(https_connection, req, context=self._context)
+
+    return [HTTP(), HTTPS()]
+
+
+# URL -> (bytes, source) or the MediaError its fetch raised: results of ``fetch_url`` made ahead of
+# ``load_image`` (``prefetched``), so the loader does not fetch again on the caller's thread.
+_PREFETCHED: contextvars.ContextVar[dict | None] = contextvars.ContextVar("prefetched_media", default=None)
+
+
+@contextlib.contextmanager
+def prefetched(results: dict) -> Iterator[None]:
+    """``load_image`` calls inside this block take http(s) URLs from ``results`` (``fetch_url``'s
+    outcome per URL: ``(bytes, source)`` or the ``MediaError`` it raised) instead of fetching."""
+    token = _PREFETCHED.set(results)
+    try:
+        yield
+    finally:
+        _PREFETCHED.reset(token)
+
+
+def fetch_url(url: str, config: MediaConfig) -> tuple[bytes, str] | MediaError:
+    """``url``'s bytes and source as ``load_image`` would fetch them, or the ``MediaError`` saying
+    why not (returned, not raised: for a prefetch on another thread). Thread-safe."""
+    try:
+        return _fetch(url.strip(), config)
+    except MediaError as error:
+        return error
+
+
 def _fetch(url: str, config: MediaConfig) -> tuple[bytes, str]:
+    done = _PREFETCHED.get()
+    if done is not None and url in done:
+        result = done[url]
+        if isinstance(result, MediaError):
+            raise result
+        return result
     host = _allowed_host(url, config)
     source = f"URL on host {host}"
     timeout = config.http_timeout_s
-    opener = urllib.request.build_opener(_AllowListRedirects(config))
+    deadline = _Deadline(timeout)
+    opener = urllib.request.build_opener(_AllowListRedirects(config), *_watched_handlers(deadline))
     request = urllib.request.Request(url, headers={"User-Agent": "atb-plugin-media/1", "Accept": "image/*"})
-    deadline = time.monotonic() + timeout
     try:
-        with opener.open(request, timeout=timeout) as response:
-            length = response.headers.get("Content-Length", "")
-            if length.isdigit():  # refuse early when the server tells us; never trust it as an upper bound
-                _check_bytes(int(length), source, config)
-            data = _read_capped(response, config.max_image_bytes, deadline)
+        try:
+            with opener.open(request, timeout=timeout) as response:
+                length = response.headers.get("Content-Length", "")
+                if length.isdigit():  # refuse early when the server tells us; never trust it as an upper bound
+                    _check_bytes(int(length), source, config)
+                data = _read_capped(response, config.max_image_bytes, deadline)
+        except (OSError, http.client.HTTPException):
+            if deadline.expired:  # whatever the cut socket raised: the deadline's doing
+                raise _timed_out(source, timeout) from None
+            raise
     except MediaError:
         raise
     except urllib.error.HTTPError as exc:
@@ -593,6 +693,8 @@ def _fetch(url: str, config: MediaConfig) -> tuple[bytes, str]:
         raise MediaFetchError(
             f"{source} could not be fetched ({type(exc).__name__}: {exc}); check the URL"
         ) from None
+    finally:
+        deadline.cancel()
     if data is None:
         raise _timed_out(source, timeout)
     _check_bytes(len(data), source, config, at_least=True)
@@ -600,22 +702,29 @@ def _fetch(url: str, config: MediaConfig) -> tuple[bytes, str]:
 
 
 def _timed_out(source: str, timeout: float) -> MediaFetchError:
-    return MediaFetchError(f"{source} timed out after {timeout} s (http_timeout_s); try a faster host or "
-                           "send the image inline as a data: URL")
+    return MediaFetchError(f"{source} timed out after {timeout:g} s (http_timeout_s), the limit for the whole "
+                           "download; try a faster host or send the image inline as a data: URL")
 
 
-def _read_capped(stream: BinaryIO, cap: int, deadline: float, chunk: int = 1 << 16) -> bytes | None:
+def _read_capped(stream: BinaryIO, cap: int, deadline: _Deadline | float, chunk: int = 1 << 16) -> bytes | None:
     """At most ``cap + 1`` bytes (one more than allowed is enough to know it is too big). None when
-    ``deadline`` passes first: the socket timeout bounds each read, not a server that trickles."""
+    ``deadline`` (a ``_Deadline``, which shuts the socket down and so ends a blocked read, or a
+    ``time.monotonic()`` instant) passes first."""
+    def expired() -> bool:
+        return deadline.expired if isinstance(deadline, _Deadline) else time.monotonic() > deadline
+
+    read = getattr(stream, "read1", stream.read)  # read1: what has arrived, so a trickle cannot pin a read
     parts, total = [], 0
     while total <= cap:
-        if time.monotonic() > deadline:
+        if expired():
             return None
-        block = stream.read(min(chunk, cap + 1 - total))
+        block = read(min(chunk, cap + 1 - total))
         if not block:
             break
         parts.append(block)
         total += len(block)
+    if expired():  # the shut-down socket reads as the end of the body: not a whole image
+        return None
     return b"".join(parts)
 
 

@@ -44,6 +44,7 @@ class ServerProcess:
         if api_key:
             command += ["--api-key", api_key]
         self._log = open(self.log_path, "w")
+        self._final_log: str | None = None
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
         env.pop("ATB_PLUGIN_API_KEY", None)
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
@@ -103,9 +104,12 @@ class ServerProcess:
         return re.findall(r"shm instance (\w+)", self.log(tail=None))
 
     def log(self, tail: int | None = 6000) -> str:
-        if not self._log.closed:
-            self._log.flush()
-        text = self.log_path.read_text(errors="replace")
+        if self._final_log is not None:  # stopped cleanly: the file is gone, its text kept here
+            text = self._final_log
+        else:
+            if not self._log.closed:
+                self._log.flush()
+            text = self.log_path.read_text(errors="replace")
         return text[-tail:] if tail else text
 
     def stop(self, sig=signal.SIGTERM, timeout: float = 30) -> int:
@@ -117,6 +121,12 @@ class ServerProcess:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait(10)
         self._log.close()
+        if self.process.returncode == 0 and self._final_log is None:
+            # A clean stop leaves no file behind (test runs used to leave dozens in /tmp); the text
+            # stays readable through log(). Any other exit keeps the file for debugging (a failing
+            # test's message already holds the log's tail).
+            self._final_log = self.log_path.read_text(errors="replace")
+            self.log_path.unlink(missing_ok=True)
         return self.process.returncode
 
 

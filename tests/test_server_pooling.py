@@ -25,11 +25,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from atb_plugin import LLM
 from atb_plugin.default_model import embedding_model_dir
 from atb_plugin.engine.config import EngineConfig
+from atb_plugin.frontend.errors import RequestError
 from atb_plugin.pooling.params import PoolingParams
 from atb_plugin.server.cli import parse_config
+from atb_plugin.server.config import ServerConfig
 from atb_plugin.server.errors import APIError
 from atb_plugin.frontend.input_processor import InputLimits, InputProcessor
-from atb_plugin.server.pooling_api import run_all
+from atb_plugin.server.pooling_api import pooling_window, run_all
 from atb_plugin.testing.tiny import tiny_checkpoint
 from tests.server_helpers import ServerProcess
 
@@ -63,7 +65,7 @@ def cross_encoder():
 @pytest.fixture(scope="module")
 def classifier():
     server = ServerProcess(tiny_checkpoint("qwen2_seq_cls"), "--served-model-name", "cls",
-                           "--max-queued-requests", "4")
+                           "--max-queued-requests", "4", "--max-pooling-inputs", "6")
     yield server
     assert server.stop() == 0, server.log()
 
@@ -191,6 +193,50 @@ def test_a_generative_model_refuses_pooling_tasks():
         config.check_task(PoolingParams("embed"))
 
 
+@pytest.mark.slow
+def test_2048_inputs_in_one_request_equal_batches_of_32(minilm):
+    """Issue 30: OpenAI's limit (2048 inputs) in one request, which runs in windows of the
+    queue; the same vectors as 64 requests of 32."""
+    texts = [f"{i}" for i in range(2048)]  # 3-4 tokens each: the test is about the count
+    one = httpx.post(minilm.base_url + "/v1/embeddings", json={"input": texts, "encoding_format": "base64"},
+                     headers=minilm.headers, timeout=600)
+    assert one.status_code == 200, one.text
+    body = one.json()
+    assert [d["index"] for d in body["data"]] == list(range(2048))
+    whole = np.stack([np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in body["data"]])
+    pieces, tokens = [], 0
+    for start in range(0, len(texts), 32):
+        answer = minilm.post("/v1/embeddings", {"input": texts[start:start + 32], "encoding_format": "base64"})
+        assert answer.status_code == 200, answer.text
+        pieces += [np.frombuffer(base64.b64decode(d["embedding"]), dtype="<f4") for d in answer.json()["data"]]
+        tokens += answer.json()["usage"]["prompt_tokens"]
+    np.testing.assert_allclose(whole, np.stack(pieces), atol=TOL)
+    assert body["usage"]["prompt_tokens"] == tokens
+    # /rerank's documents run the same way: more than the old cap of --max-queued-requests (256).
+    reranked = minilm.post("/rerank", {"query": "7", "documents": texts[:257]})
+    assert reranked.status_code == 200, reranked.text
+    results = reranked.json()["results"]
+    assert len(results) == 257 and results[0]["index"] == 7  # the query's own text is the best match
+
+
+def test_more_than_max_pooling_inputs_is_a_400_naming_the_flag(minilm):
+    texts = [f"{i}" for i in range(2049)]
+    message = error_of(minilm.post("/v1/embeddings", {"input": texts}), 400)
+    assert "has 2049 inputs" in message and "at most 2048" in message and "(--max-pooling-inputs)" in message
+    # /score and /rerank count pairs: their second side.
+    assert "(--max-pooling-inputs)" in error_of(minilm.post("/score", {"text_1": "q", "text_2": texts}), 400)
+    message = error_of(minilm.post("/rerank", {"query": "q", "documents": texts}), 400)
+    assert "2049 inputs (documents)" in message and "(--max-pooling-inputs)" in message
+
+
+def test_max_pooling_inputs_flag():
+    model = ["--model", str(tiny_checkpoint("bert"))]
+    assert parse_config(model).max_pooling_inputs == 2048
+    assert parse_config(model + ["--max-pooling-inputs", "10"]).max_pooling_inputs == 10
+    with pytest.raises(ValueError, match="--max-pooling-inputs"):
+        ServerConfig(engine=EngineConfig(model=str(tiny_checkpoint("bert")), block_size=16), max_pooling_inputs=0)
+
+
 def test_pooling_route_and_cosine_scores(minilm, minilm_offline):
     pooled = minilm.post("/pooling", {"input": TEXTS[:2]}).json()
     assert [d["object"] for d in pooled["data"]] == ["pooling", "pooling"]
@@ -261,8 +307,15 @@ def test_rerank_sorts_cuts_and_matches_offline_scores(cross_encoder, cross_encod
 def test_each_input_counts_toward_max_queued_requests(classifier):
     ok = classifier.post("/classify", {"model": "cls", "input": ["a", "b", "c", "d"]})
     assert ok.status_code == 200 and len(ok.json()["data"]) == 4
-    message = error_of(classifier.post("/classify", {"model": "cls", "input": ["a"] * 5}), 400)
-    assert "has 5 inputs" in message and "(--max-queued-requests)" in message
+    # More inputs than the queue holds run a window at a time (issue 30: no longer a 400); the
+    # per-request limit is --max-pooling-inputs.
+    more = classifier.post("/classify", {"model": "cls", "input": ["a", "b", "c", "d", "a"]})
+    assert more.status_code == 200, more.text
+    probs = [d["probs"] for d in more.json()["data"]]
+    np.testing.assert_allclose(probs[:4], [d["probs"] for d in ok.json()["data"]], atol=TOL)
+    np.testing.assert_allclose(probs[4], probs[0], atol=TOL)
+    message = error_of(classifier.post("/classify", {"model": "cls", "input": ["a"] * 7}), 400)
+    assert "has 7 inputs" in message and "(--max-pooling-inputs)" in message
 
 
 def test_classify_returns_probabilities_and_the_argmax_label(classifier):
@@ -321,6 +374,53 @@ def test_a_failing_input_or_a_gone_client_aborts_the_others(gone, message):
 
     asyncio.run(main())
     assert sorted(engine.cancelled) == (["r-0", "r-1", "r-2"] if gone else ["r-0", "r-2"])
+
+
+class _QueueEngine:
+    """A queue of 8 places, as ``AsyncLLM.check_admission`` counts them: this request's running
+    inputs plus ``others`` (another client's requests, which fill the queue for a moment once the
+    first input finishes)."""
+
+    max_queued_requests = 8
+
+    def __init__(self):
+        self.running = self.most = self.others = 0
+        self.admissions, self.refused = [], 0
+
+    def check_admission(self, new_requests: int = 1) -> None:
+        self.admissions.append(new_requests)
+        if self.running + self.others + new_requests > self.max_queued_requests:
+            self.refused += 1
+            raise RequestError(429, "too many requests in flight", retry_after=1)
+
+    async def encode(self, request_id, prompt, params):
+        self.running += 1
+        self.most = max(self.most, self.running)
+        try:
+            await asyncio.sleep(0.001)
+            index = int(request_id.rsplit("-", 1)[1])
+            if index == 0:
+                self.others = self.max_queued_requests
+                asyncio.get_running_loop().call_later(0.1, setattr, self, "others", 0)
+            return SimpleNamespace(outputs=SimpleNamespace(data=np.array([index], dtype=np.float32)))
+        finally:
+            self.running -= 1
+
+
+def test_many_inputs_run_in_a_window_that_waits_for_room_in_the_queue():
+    engine = _QueueEngine()
+    engine.processor = InputProcessor(EngineConfig(model=str(tiny_checkpoint("bert")), block_size=16),
+                                      SimpleNamespace(eos_token_ids=[], generation_config={}),
+                                      InputLimits(max_tokens_per_request=64))
+    raw = SimpleNamespace(is_disconnected=lambda: asyncio.sleep(0, False))
+    window = pooling_window(engine)
+    assert window == 4  # half the queue (2 x max_num_seqs is 128)
+
+    arrays = asyncio.run(run_all(raw, engine, "r", [([1, 2], None)] * 50, PoolingParams("embed")))
+    assert [int(a[0]) for a in arrays] == list(range(50))  # input order
+    assert engine.admissions[0] == window  # the first window admitted whole
+    assert engine.most == window  # never more in flight
+    assert engine.refused > 0  # the full queue was waited out, not a 429
 
 
 # -- the CLI -----------------------------------------------------------------------------------------

@@ -64,11 +64,10 @@ def to_grammar(params: StructuredOutputsParams) -> "xgrammar.Grammar":
     kind, spec = params.kinds[0], getattr(params, params.kinds[0])
     try:
         if kind == "json":
-            _check_schema_text(spec)
             # strict_mode: no properties or items beyond the schema's (vLLM's default).
-            return xgr.Grammar.from_json_schema(spec, strict_mode=True, max_whitespace_cnt=_MAX_JSON_WHITESPACE)
+            return _json_schema_grammar(_check_schema_text(spec), strict_mode=True)
         if kind == "json_object":
-            return xgr.Grammar.from_json_schema(_JSON_OBJECT_SCHEMA, max_whitespace_cnt=_MAX_JSON_WHITESPACE)
+            return _json_schema_grammar(json.loads(_JSON_OBJECT_SCHEMA), strict_mode=True)
         if kind == "regex":
             return xgr.Grammar.from_regex(spec)
         if kind == "choice":
@@ -81,7 +80,7 @@ def to_grammar(params: StructuredOutputsParams) -> "xgrammar.Grammar":
         raise ValueError(f"structured_outputs.{kind}: invalid {_WHAT[kind]}: {message}") from None
 
 
-def _check_schema_text(text: str) -> None:
+def _check_schema_text(text: str) -> dict:
     """A JSON schema must be JSON and an object (xgrammar also takes ``true``; clients mean a schema)."""
     try:
         schema = json.loads(text)
@@ -89,6 +88,422 @@ def _check_schema_text(text: str) -> None:
         raise ValueError(f"is not JSON ({error})") from None
     if not isinstance(schema, dict):
         raise ValueError(f"must be a JSON object, got {type(schema).__name__} {text[:80]!r}")
+    return schema
+
+
+# -- JSON strings, RFC 8259-exact ----------------------------------------------------------------
+#
+# xgrammar 0.2.8's JSON schema grammar writes some strings outside RFC 8259 (issue 30, item 5):
+#
+# - a string with minLength / maxLength (a value, an array item, propertyNames) is
+#   "[^"\\\r\n]{m,n}": raw U+0000-U+001F (but \r, \n) and no escape at all;
+# - a pattern with a literal JSON must escape ('"', '\', a control character: "a\"b", "\n") or
+#   with any non-ASCII character falls back to a grammar with no JSON escaping at all: raw
+#   quotes, backslashes and control characters;
+# - format "email" writes '\' + any printable character in a quoted local part ("\q" is no JSON
+#   escape), "json-pointer" / "relative-json-pointer" raw control characters, '"' and '\';
+# - every string may hold the UTF-8 bytes of a surrogate (ED A0 80 - ED BF BF), and a pattern's
+#   classes overlong forms (E0 80 80): not UTF-8, which RFC 8259 requires (and the detokenizer
+#   turns each byte into a U+FFFD, so maxLength and patterns no longer hold).
+#
+# So each json_schema / json_object grammar goes through here, whatever xgrammar does:
+#
+# - every pattern (and the regex of those formats) is rewritten into a regex over the JSON text
+#   of the string (``_json_string_regex``), and a length-bounded string (bounds up to
+#   ``_MAX_ESCAPED_LENGTH``) becomes such a regex too, in which each character is unescaped or any
+#   RFC 8259 escape and counts one (JSON Schema counts decoded characters; "\uD800"-"\uDFFF" are
+#   left out, so that each escape is exactly one character). xgrammar sees each regex only as a
+#   placeholder pattern;
+# - in the EBNF xgrammar then prints, each placeholder becomes its regex, and each character
+#   class of a JSON string also excludes U+0000-U+001F and the surrogates. A string with larger
+#   bounds keeps xgrammar's class repetition, so fixed it takes no escape: it never writes '"',
+#   '\' or a control character (a regex that large is no longer precompiled by xgrammar, and
+#   costs tens of milliseconds a token);
+# - the grammar is compiled from that EBNF.
+
+_MAX_CODEPOINT = 0x10FFFF
+_Ranges = list[tuple[int, int]]  # inclusive code point ranges
+
+
+def _merged(ranges) -> _Ranges:
+    out: _Ranges = []
+    for lo, hi in sorted(r for r in ranges if r[0] <= r[1]):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def _complement(ranges) -> _Ranges:
+    out, start = [], 0
+    for lo, hi in _merged(ranges):
+        if lo > start:
+            out.append((start, lo - 1))
+        start = hi + 1
+    if start <= _MAX_CODEPOINT:
+        out.append((start, _MAX_CODEPOINT))
+    return out
+
+
+def _intersection(a, b) -> _Ranges:
+    return _complement(_complement(a) + _complement(b))
+
+
+# What a JSON string carries only escaped (RFC 8259 section 7), and those escapes' short forms.
+_MUST_ESCAPE = [(0x00, 0x1F), (0x22, 0x22), (0x5C, 0x5C)]
+_SHORT_ESCAPES = {0x22: '"', 0x5C: "\\", 0x08: "b", 0x0C: "f", 0x0A: "n", 0x0D: "r", 0x09: "t"}
+# Unicode scalar values: what UTF-8 text can carry (no surrogates).
+_SCALARS = [(0, 0xD7FF), (0xE000, _MAX_CODEPOINT)]
+# What a character class of a JSON string must exclude (a negated class of xgrammar's takes the
+# surrogates' bytes).
+_NOT_IN_STRINGS = [(0x00, 0x1F), (0xD800, 0xDFFF)]
+# xgrammar 0.2.8 compiles a regex class to UTF-8 bytes without the second-byte limits of the lead
+# bytes E0, ED, F0 and F4 when a range crosses them: "[\u{800}-\u{FFFF}]" takes the overlong E0 80 80
+# and the surrogates ED A0 80. A class within one of these segments compiles exactly, so a class
+# is written as one class per segment.
+_UTF8_SEGMENTS = [(0x00, 0x7F), (0x80, 0x7FF), (0x800, 0xFFF), (0x1000, 0xCFFF), (0xD000, 0xD7FF), (0xE000, 0xFFFF),
+                  (0x10000, 0x3FFFF), (0x40000, 0xFFFFF), (0x100000, _MAX_CODEPOINT)]
+# Any RFC 8259 escape but "\uD800"-"\uDFFF", as a regex over JSON text.
+_ANY_ESCAPE = r'\\(?:["\\/bfnrt]|u(?:[0-9a-cA-Ce-fE-F][0-9a-fA-F]{3}|[dD][0-7][0-9a-fA-F]{2}))'
+# The largest minLength / maxLength whose string takes escapes (see above; a regex of 128
+# characters compiles in about as long as xgrammar's own class repetition of 128).
+_MAX_ESCAPED_LENGTH = 128
+# ECMA-262 (the pattern dialect of JSON Schema) classes.
+_DIGIT = [(0x30, 0x39)]
+_WORD = [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)]
+_SPACE = [(0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
+          (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF)]
+_CLASS_ESCAPES = {"d": _DIGIT, "w": _WORD, "s": _SPACE,
+                  "D": _complement(_DIGIT), "W": _complement(_WORD), "S": _complement(_SPACE)}
+_DOT = _complement([(0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029)])  # no line terminator
+_CHARACTER_ESCAPES = {"n": 0x0A, "r": 0x0D, "t": 0x09, "f": 0x0C, "v": 0x0B}
+_HEX = "0123456789abcdefABCDEF"
+
+
+def _regex_char(codepoint: int, in_class: bool) -> str:
+    """One code point as an xgrammar regex literal (ASCII only)."""
+    char = chr(codepoint)
+    if 0x20 <= codepoint <= 0x7E:
+        special = "\\]^-[" if in_class else "\\^$.|?*+()[]{}"
+        return "\\" + char if char in special else char
+    return "\\u{%X}" % codepoint
+
+
+def _plain_classes(ranges) -> list[str]:
+    """Regex classes, one per UTF-8 segment, of the characters of ``ranges`` a JSON string holds
+    unescaped."""
+    plain = _intersection(_intersection(ranges, _SCALARS), _complement(_MUST_ESCAPE))
+    classes = []
+    for segment in _UTF8_SEGMENTS:
+        part = _intersection(plain, [segment])
+        if part:
+            classes.append("[" + "".join(_regex_char(lo, True) + ("" if lo == hi else "-" + _regex_char(hi, True))
+                                         for lo, hi in part) + "]")
+    return classes
+
+
+def _set_regex(ranges) -> str:
+    """A regex matching, over JSON text, one of the characters ``ranges`` as a JSON string writes it:
+    unescaped where it may be, else its escape (the short one where there is one, like json.dumps)."""
+    ranges = _intersection(ranges, _SCALARS)
+    escaped = [c for lo, hi in _intersection(ranges, _MUST_ESCAPE) for c in range(lo, hi + 1)]
+    if len(ranges) == 1 and ranges[0][0] == ranges[0][1] and not escaped:
+        return _regex_char(ranges[0][0], in_class=False)
+    parts = _plain_classes(ranges)
+    short = [_SHORT_ESCAPES[c] for c in escaped if c in _SHORT_ESCAPES]
+    if short:
+        parts.append("\\\\[" + "".join("\\\\" if c == "\\" else c for c in short) + "]")
+    long = [c for c in escaped if c not in _SHORT_ESCAPES]  # controls without a short escape: \u00XX
+    if long:
+        nibbles = {high: "".join("%x" % (c & 0xF) for c in long if c >> 4 == high) for high in (0, 1)}
+        parts.append("\\\\u00(?:" + "|".join(f"{high}[{low}]" for high, low in nibbles.items() if low) + ")")
+    if not parts:
+        raise ValueError("a character class or character that no JSON text can hold")
+    return parts[0] if len(parts) == 1 and not escaped else "(?:" + "|".join(parts) + ")"  # one atom
+
+
+def _regex_escape(pattern: str, i: int, in_class: bool) -> tuple[str, object, int]:
+    """The escape after the backslash at ``pattern[i - 1]``: ("set", ranges, next index), or ("raw",
+    text, next index) for an assertion or reference passed to xgrammar as is."""
+    if i >= len(pattern):
+        raise ValueError("ends with a backslash")
+    char = pattern[i]
+    if char in _CLASS_ESCAPES:
+        return "set", _CLASS_ESCAPES[char], i + 1
+    if char == "b" and in_class:
+        return "set", [(0x08, 0x08)], i + 1
+    if char in "bBkpP" or char in "123456789":
+        if in_class:
+            raise ValueError(f"unsupported escape \\{char} in a character class")
+        return "raw", "\\" + char, i + 1  # \b \B \1 \k<name> \p{...}: xgrammar accepts or refuses them
+    codepoint, end = ord(char), i + 1
+    if char in _CHARACTER_ESCAPES:
+        codepoint = _CHARACTER_ESCAPES[char]
+    elif char == "0":
+        codepoint = 0
+    elif char == "c" and i + 1 < len(pattern) and pattern[i + 1].isascii() and pattern[i + 1].isalpha():
+        codepoint, end = ord(pattern[i + 1]) % 32, i + 2
+    elif char == "x" and len(pattern) >= i + 3 and all(c in _HEX for c in pattern[i + 1:i + 3]):
+        codepoint, end = int(pattern[i + 1:i + 3], 16), i + 3
+    elif char == "u" and pattern.startswith("{", i + 1) and "}" in pattern[i + 2:]:
+        digits = pattern[i + 2:pattern.index("}", i + 2)]
+        if not digits or not all(c in _HEX for c in digits) or int(digits, 16) > _MAX_CODEPOINT:
+            raise ValueError(f"bad escape \\u{{{digits}}}")
+        codepoint, end = int(digits, 16), i + 3 + len(digits)
+    elif char == "u" and len(pattern) >= i + 5 and all(c in _HEX for c in pattern[i + 1:i + 5]):
+        codepoint, end = int(pattern[i + 1:i + 5], 16), i + 5
+        low = pattern[end + 2:end + 6]
+        if (0xD800 <= codepoint <= 0xDBFF and pattern.startswith("\\u", end) and len(low) == 4
+                and all(c in _HEX for c in low) and 0xDC00 <= int(low, 16) <= 0xDFFF):
+            codepoint, end = 0x10000 + ((codepoint - 0xD800) << 10) + int(low, 16) - 0xDC00, end + 6
+    return "set", [(codepoint, codepoint)], end  # anything else escaped means itself: \. \\ \" \/
+
+
+def _regex_class(pattern: str, i: int) -> tuple[_Ranges, int]:
+    """The code points of the class whose "[" is at ``pattern[i - 1]``, and the index after it."""
+    negated = pattern.startswith("^", i)
+    i += negated
+    items: _Ranges = []
+
+    def atom(i: int) -> tuple[_Ranges, bool, int]:  # (ranges, is one character, next index)
+        if pattern[i] == "\\":
+            _, ranges, end = _regex_escape(pattern, i + 1, in_class=True)
+            return ranges, pattern[i + 1] not in _CLASS_ESCAPES, end
+        return [(ord(pattern[i]), ord(pattern[i]))], True, i + 1
+
+    while True:
+        if i >= len(pattern):
+            raise ValueError("unterminated character class")
+        if pattern[i] == "]":
+            break
+        first, single, i = atom(i)
+        if single and pattern.startswith("-", i) and i + 1 < len(pattern) and pattern[i + 1] != "]":
+            last, last_single, end = atom(i + 1)
+            if last_single:
+                if last[0][0] < first[0][0]:
+                    raise ValueError("character class range out of order")
+                items.append((first[0][0], last[0][0]))
+                i = end
+                continue
+        items.extend(first)  # a '-' next to \d and the like means itself (ECMA-262 Annex B)
+    return (_complement(items) if negated else _merged(items)), i + 1
+
+
+def _json_string_regex(pattern: str) -> str:
+    """``pattern`` (a JSON Schema pattern: it applies to the decoded string) as an ASCII regex over
+    the JSON text of the string: each literal, class or "." matches its characters unescaped where
+    RFC 8259 allows it, else escaped (``"`` as ``\\"``, a newline as ``\\n``, U+0001 as ``\\u0001``).
+    Groups, alternation, quantifiers and anchors pass through to xgrammar as they are. Other JSON
+    spellings of a character (``\\/``, ``\\u0041``) are valid JSON too but never generated."""
+    out, i = [], 0
+    while i < len(pattern):
+        char = pattern[i]
+        if char == "\\":
+            kind, value, i = _regex_escape(pattern, i + 1, in_class=False)
+            out.append(value if kind == "raw" else _set_regex(value))
+        elif char == "[":
+            ranges, i = _regex_class(pattern, i + 1)
+            out.append(_set_regex(ranges))
+        elif char == ".":
+            out.append(_set_regex(_DOT))
+            i += 1
+        elif 0x20 <= ord(char) <= 0x7E and char != '"':
+            out.append(char)  # structure ( ) | * + ? { } ^ $, or a literal that writes itself
+            i += 1
+        else:
+            out.append(_set_regex([(ord(char), ord(char))]))
+            i += 1
+    return "".join(out)
+
+
+def _bounded_string_regex(min_length, max_length) -> str | None:
+    """The JSON-text regex of a string of ``min_length`` to ``max_length`` (None: any) characters,
+    each unescaped or any escape; None for bounds it leaves to xgrammar (too large, or not bounds)."""
+    if type(min_length) is not int or not 0 <= min_length <= _MAX_ESCAPED_LENGTH:
+        return None
+    if max_length is not None and (type(max_length) is not int or not min_length <= max_length <= _MAX_ESCAPED_LENGTH):
+        return None
+    character = "(?:" + "|".join(_plain_classes(_SCALARS) + [_ANY_ESCAPE]) + ")"
+    return f"^{character}{{{min_length},{'' if max_length is None else max_length}}}$"
+
+
+# The formats whose xgrammar 0.2.8 grammar is not JSON-safe (above), as patterns on the decoded
+# string, accepting what xgrammar's accept.
+_FORMAT_PATTERNS = {
+    "email": ("^([\\w!#$%&'*+/=?^`{|}~-]+(\\.[\\w!#$%&'*+/=?^`{|}~-]+)*"
+              '|"(\\\\[\\x20-\\x7E]|[\\x20\\x21\\x23-\\x5B\\x5D-\\x7E])*")'
+              "@([A-Za-z0-9]([\\-A-Za-z0-9]*[A-Za-z0-9])?)((\\.[A-Za-z0-9][\\-A-Za-z0-9]*[A-Za-z0-9])*)$"),
+    "json-pointer": "^(/([^/~]|~[01])*)*$",
+    "relative-json-pointer": "^(0|[1-9][0-9]*)(#|(/([^/~]|~[01])*)*)$",
+}
+# The formats xgrammar 0.2.8 writes with a regex of its own (and then ignores the lengths).
+_XGRAMMAR_FORMATS = frozenset({"email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid",
+                               "uri", "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"})
+# Keywords whose value is data (or a name), never a schema.
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "required", "dependentRequired", "type",
+                            "format", "title", "description", "$comment", "$id", "$schema", "$ref", "$anchor"})
+# Keywords whose value maps names to schemas.
+_NAMED_SCHEMAS = frozenset({"properties", "$defs", "definitions", "dependentSchemas"})
+
+
+def _rewrite_strings(node, placeholder, property_names: bool = False):
+    """``node`` (a schema, or anything inside one) with each pattern, patternProperties key, unsafe
+    format and small length bounds replaced by a pattern ``placeholder(json_text_regex)`` returns.
+    ``property_names``: ``node`` is a propertyNames schema (a string schema without a type)."""
+    if isinstance(node, list):
+        return [_rewrite_strings(item, placeholder) for item in node]
+    if not isinstance(node, dict):
+        return node
+
+    def pattern(regex: str) -> str:
+        try:
+            safe = _json_string_regex(regex)
+            # xgrammar sees a placeholder: what its regex engine refuses is a 400 here, not a failed compile later.
+            _xgrammar().Grammar.from_regex(safe)
+        except (RuntimeError, ValueError) as error:
+            raise ValueError(f"pattern {regex!r}: {error}") from None
+        return placeholder(safe)
+
+    out = {}
+    for key, value in node.items():
+        if key in _DATA_KEYWORDS:
+            out[key] = value
+        elif key == "pattern" and isinstance(value, str):
+            out[key] = pattern(value)
+        elif key == "patternProperties" and isinstance(value, dict):
+            out[key] = {pattern(name): _rewrite_strings(schema, placeholder) for name, schema in value.items()}
+        elif key in _NAMED_SCHEMAS and isinstance(value, dict):
+            out[key] = {name: _rewrite_strings(schema, placeholder) for name, schema in value.items()}
+        else:
+            out[key] = _rewrite_strings(value, placeholder, property_names=key == "propertyNames")
+    types, format_ = node.get("type"), node.get("format")
+    if not (types == "string" or isinstance(types, list) and "string" in types or property_names and types is None):
+        return out
+    if isinstance(format_, str) and format_ in _FORMAT_PATTERNS:
+        del out["format"]  # xgrammar prefers a format to a pattern: so does this
+        out["pattern"] = pattern(_FORMAT_PATTERNS[format_])
+    elif ("pattern" not in out and format_ not in _XGRAMMAR_FORMATS and "enum" not in node and "const" not in node
+          and ("minLength" in node or "maxLength" in node)):
+        regex = _bounded_string_regex(node.get("minLength", 0), node.get("maxLength"))
+        if regex is not None:
+            out.pop("minLength", None)  # with a pattern, xgrammar would ignore them (and say so)
+            out.pop("maxLength", None)
+            out["pattern"] = placeholder(regex)
+    return out
+
+
+# How xgrammar prints one character in an EBNF string or class.
+_EBNF_ESCAPES = {"a": 0x07, "b": 0x08, "f": 0x0C, "n": 0x0A, "r": 0x0D, "t": 0x09, "v": 0x0B, "0": 0x00, "e": 0x1B}
+_EBNF_HEX_WIDTH = {"x": 2, "u": 4, "U": 8}
+_EBNF_PLAIN = re.compile(r'[^"\[R]+')  # what _json_safe_ebnf copies as it is
+
+
+def _ebnf_char(text: str, i: int) -> tuple[int, int]:
+    """The code point xgrammar's printer wrote at ``text[i]``, and the index after it."""
+    if text[i] != "\\":
+        return ord(text[i]), i + 1
+    char = text[i + 1]
+    if char in _EBNF_HEX_WIDTH:
+        width = _EBNF_HEX_WIDTH[char]
+        return int(text[i + 2:i + 2 + width], 16), i + 2 + width
+    return _EBNF_ESCAPES.get(char, ord(char)), i + 2
+
+
+def _ebnf_token_end(text: str, i: int, close: str) -> int:
+    """The index after the string (``close`` '"') or class (']') that opens at ``text[i]``."""
+    i += 1
+    while text[i] != close:
+        i += 2 if text[i] == "\\" else 1
+    return i + 1
+
+
+def _ebnf_class_char(codepoint: int) -> str:
+    char = chr(codepoint)
+    if char in '\\"]-^':
+        return "\\" + char
+    if 0x20 <= codepoint <= 0x7E:
+        return char
+    return "\\x%02x" % codepoint if codepoint <= 0xFF else "\\u%04x" % codepoint if codepoint <= 0xFFFF else "\\U%08x" % codepoint
+
+
+def _json_safe_ebnf(ebnf: str, patterns: dict[str, str]) -> str:
+    """``ebnf`` (xgrammar's print of a JSON schema grammar) with each placeholder regex replaced by
+    its JSON-text regex (any other JSON string regex rewritten by ``_json_string_regex``), and each
+    character class of a JSON string (one that excludes '"' and '\\') excluding ``_NOT_IN_STRINGS``."""
+    out, i = [], 0
+    while i < len(ebnf):
+        plain = _EBNF_PLAIN.match(ebnf, i)
+        if plain:
+            out.append(plain.group())
+            i = plain.end()
+            continue
+        char = ebnf[i]
+        if char == '"':
+            end = _ebnf_token_end(ebnf, i, '"')
+            out.append(ebnf[i:end])
+        elif char == "[":
+            end = _ebnf_token_end(ebnf, i, "]")
+            negated = ebnf.startswith("[^", i)
+            j, ranges = i + 1 + negated, []
+            while j < end - 1:
+                lo, j = _ebnf_char(ebnf, j)
+                hi = lo
+                if ebnf[j] == "-" and j < end - 2:
+                    hi, j = _ebnf_char(ebnf, j + 1)
+                ranges.append((lo, hi))
+            excluded = _merged(ranges)
+            if (not negated or not _intersection(excluded, [(0x22, 0x22)]) or not _intersection(excluded, [(0x5C, 0x5C)])
+                    or _intersection(excluded, _NOT_IN_STRINGS) == _NOT_IN_STRINGS):
+                out.append(ebnf[i:end])  # not a JSON string character (whitespace, digits, ...), or a safe one
+            else:
+                out.append("[^" + "".join(_ebnf_class_char(lo) + ("" if lo == hi else "-" + _ebnf_class_char(hi))
+                                          for lo, hi in _merged(excluded + _NOT_IN_STRINGS)) + "]")
+        elif ebnf.startswith("Regex(", i) and not (i and (ebnf[i - 1].isalnum() or ebnf[i - 1] == "_")):
+            end = _ebnf_token_end(ebnf, i + 6, '"')
+            literal = ebnf[i + 6:end]
+            json_string = ebnf.startswith(", json_string=true)", end)
+            end = ebnf.index(")", end) + 1
+            if not json_string:  # not a string: the regex of a number range
+                out.append(ebnf[i:end])
+            else:
+                regex, j, chars = literal[1:-1], 0, []
+                while j < len(regex):
+                    codepoint, j = _ebnf_char(regex, j)
+                    chars.append(chr(codepoint))
+                regex = "".join(chars)
+                safe = patterns[regex] if regex in patterns else _json_string_regex(regex)
+                out.append('Regex("' + safe.replace("\\", "\\\\").replace('"', '\\"') + '")')
+        else:
+            end = i + 1  # an 'R' that starts no Regex(
+            out.append(char)
+        i = end
+    return "".join(out)
+
+
+def _json_schema_grammar(schema: dict, strict_mode: bool) -> "xgrammar.Grammar":
+    """xgrammar's grammar of ``schema``, with every JSON string RFC 8259-exact (above)."""
+    xgr = _xgrammar()
+    text = json.dumps(schema)
+    prefix = "atbpattern"
+    while prefix in text:
+        prefix += "x"
+    patterns: dict[str, str] = {}  # placeholder -> its JSON-text regex
+    names: dict[str, str] = {}  # JSON-text regex -> its placeholder
+
+    def placeholder(regex: str) -> str:
+        if regex not in names:
+            names[regex] = f"{prefix}{len(names)}z"
+            patterns[names[regex]] = regex
+        return names[regex]
+
+    rewritten = _rewrite_strings(schema, placeholder)
+    ebnf = str(xgr.Grammar.from_json_schema(json.dumps(rewritten), strict_mode=strict_mode,
+                                            max_whitespace_cnt=_MAX_JSON_WHITESPACE))
+    fixed = _json_safe_ebnf(ebnf, patterns)
+    if prefix in fixed:
+        raise RuntimeError(f"a pattern placeholder survived in the grammar: {fixed}")
+    return xgr.Grammar.from_ebnf(fixed)
 
 
 def check(params: StructuredOutputsParams) -> None:

@@ -155,7 +155,16 @@ class AsyncLLM:
 
     @property
     def healthy(self) -> bool:
-        return self.started and self.client.alive and self.dead_reason is None
+        return self.health_problem is None
+
+    @property
+    def health_problem(self) -> str | None:
+        """Why the service cannot serve now (/health's 503), or None."""
+        if not self.started:
+            return "not ready"
+        if self.dead_reason is not None or not self.client.alive:
+            return self.dead_reason or "the engine-core process is gone"
+        return self.pool.health_problem()
 
     # -- admission ---------------------------------------------------------------------------------
 
@@ -173,9 +182,16 @@ class AsyncLLM:
     # -- input processing (the id-making half in a tokenizer worker) -------------------------------
 
     async def _prepare(self, job) -> tuple[int, str, object]:
+        """A job on the pool. Cancelled (the client left while its request waited for a worker):
+        the pool drops the job if it has not run, and the request counts as aborted."""
         self.num_preparing += 1
+        start = time.monotonic()
         try:
             return await self.pool.call(job)
+        except asyncio.CancelledError:
+            self.metrics.record_finished(prompt_tokens=0, finish_reason="abort", e2e=time.monotonic() - start,
+                                         queue_time=None)
+            raise
         finally:
             self.num_preparing -= 1
 

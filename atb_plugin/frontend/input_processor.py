@@ -28,6 +28,7 @@ from atb_plugin.engine.config import EngineConfig
 from atb_plugin.engine.messages import EngineCoreRequest
 from atb_plugin.engine.sampling_params import SamplingParams
 from atb_plugin.frontend.errors import InvalidRequestError, RequestError
+from atb_plugin.frontend.input_bounds import check_text_fits, text_chars
 from atb_plugin.frontend.parallel_sampling import ParentRequest, fans_out
 from atb_plugin.pooling import inputs as pooling_inputs
 from atb_plugin.pooling.params import PoolingParams
@@ -187,7 +188,10 @@ class InputProcessor:
 
     def prompt_ids(self, prompt, request_id: str, add_special_tokens: bool = True) -> list[int]:
         """A text, a client's token ids, or MindIE's list of ``{"image": ...}`` / ``{"text": ...}``
-        items; media go to shared memory, leased to ``request_id``."""
+        items; media go to shared memory, leased to ``request_id``. A text far too long for the
+        context window is refused before it is tokenized (``input_bounds``)."""
+        if isinstance(prompt, (str, list)) and not (prompt and all(isinstance(t, int) for t in prompt)):
+            check_text_fits(text_chars(prompt), self.tokenizer, self.config.max_model_len, "The prompt")
         if isinstance(prompt, str):
             return self.router.input_builder.tokenize(prompt, request_id=request_id,
                                                       add_special_tokens=add_special_tokens)
@@ -202,6 +206,7 @@ class InputProcessor:
     def chat_ids(self, messages, request_id: str, *, add_generation_prompt: bool = True,
                  chat_template_kwargs: dict | None = None, tools: list | None = None) -> list[int]:
         """A conversation through the checkpoint's chat template; media leased to ``request_id``."""
+        check_text_fits(text_chars(messages), self.tokenizer, self.config.max_model_len, "The conversation")
         return self.router.input_builder.make_context(
             0, messages, add_generation_prompt=add_generation_prompt, request_id=request_id,
             chat_template_kwargs=chat_template_kwargs, tools=tools)
@@ -215,6 +220,8 @@ class InputProcessor:
 
         def ids_of(prompt):
             if isinstance(prompt, str):
+                if truncate_to is None:  # truncation asked for: the text may be long, it is cut
+                    check_text_fits(len(prompt), self.tokenizer, max_model_len)
                 return pooling_inputs.text_ids(self.tokenizer, prompt, max_model_len, truncate_to)
             ids = validate_client_token_ids(prompt, self.config.vocab_size, label)
             return pooling_inputs.token_ids(ids, max_model_len, truncate_to)
@@ -225,8 +232,13 @@ class InputProcessor:
                  label: str = "input") -> list[tuple[list[int], int | None]]:
         """``(ids, token_type_start)`` of each ``(first, second)`` text pair, for a cross-encoder."""
         max_model_len = self.config.max_model_len
-        return self._each(pairs, lambda pair: pooling_inputs.pair_ids(self.tokenizer, pair[0], pair[1],
-                                                                        max_model_len, truncate_to), label)
+
+        def ids_of(pair):
+            if truncate_to is None:
+                check_text_fits(text_chars(list(pair)), self.tokenizer, max_model_len, "The pair")
+            return pooling_inputs.pair_ids(self.tokenizer, pair[0], pair[1], max_model_len, truncate_to)
+
+        return self._each(pairs, ids_of, label)
 
     @staticmethod
     def _each(items: Sequence, ids_of, label: str) -> list:
@@ -325,12 +337,20 @@ class InputProcessor:
         except ValueError as error:
             raise InvalidRequestError(str(error), param="truncate_prompt_tokens") from None
 
+    @staticmethod
+    def check_pooling_count(count: int, max_inputs: int | None, label: str = "input") -> None:
+        """At most ``max_inputs`` pooling inputs in one request (the server's --max-pooling-inputs:
+        texts or token-id lists, or the pairs a score / rerank request scores, counted by ``label``,
+        its second side); checked before anything is tokenised."""
+        if max_inputs is not None and count > max_inputs:
+            raise InvalidRequestError(f"the request has {count} inputs ({label}); this server takes at most {max_inputs} "
+                                      "in one request (--max-pooling-inputs): split it into smaller requests",
+                                      param=label)
+
     def check_pooling_prompts(self, ids: Sequence[Sequence[int]], max_inputs: int | None = None) -> None:
         """Every pooling input fits the KV cache's capacity for one request; at most
-        ``max_inputs`` of them (the server's queue) in one call."""
-        if max_inputs is not None and len(ids) > max_inputs:
-            raise InvalidRequestError(f"the request has {len(ids)} inputs; the server runs at most {max_inputs} at "
-                                      "once (--max-queued-requests): split it into smaller requests")
+        ``max_inputs`` of them (``check_pooling_count``) in one call."""
+        self.check_pooling_count(len(ids), max_inputs)
         capacity = self.limits.max_tokens_per_request
         longest = max(len(i) for i in ids)
         if capacity is not None and longest > capacity:

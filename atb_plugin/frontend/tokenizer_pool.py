@@ -25,12 +25,14 @@ worker is our bug: a 500, its traceback logged by the worker.
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import multiprocessing
 import os
 import signal
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -43,6 +45,7 @@ import zmq.asyncio
 from atb_plugin import processes
 from atb_plugin.engine.config import EngineConfig
 from atb_plugin.frontend.errors import InvalidRequestError, RequestError
+from atb_plugin.utils import trim_heap
 
 logger = logging.getLogger(__name__)
 
@@ -95,11 +98,17 @@ class ReleaseJob(msgspec.Struct, tag="release"):
     request_id: str
 
 
+class CancelJob(msgspec.Struct, tag="cancel"):
+    """The client of job ``job_id`` left: drop the job if it has not run yet."""
+
+    job_id: int
+
+
 class StopJob(msgspec.Struct, tag="stop"):
     pass
 
 
-Job = Union[ChatJob, PromptJob, PoolJob, PairJob, StatsJob, ReleaseJob, StopJob]
+Job = Union[ChatJob, PromptJob, PoolJob, PairJob, StatsJob, ReleaseJob, CancelJob, StopJob]
 
 
 class Envelope(msgspec.Struct):
@@ -111,7 +120,7 @@ class Reply(msgspec.Struct, tag="reply"):
     id: int
     ok: Any = None
     error: str | None = None
-    kind: str | None = None  # with error: "client" (400), "busy" (503) or "internal" (500)
+    kind: str | None = None  # with error: "client" (400), "busy" (503), "internal" (500) or "cancelled"
 
 
 class Ready(msgspec.Struct, tag="ready"):
@@ -169,52 +178,137 @@ def run_tokenizer_worker(index: int, settings: WorkerSettings, job_address: str,
     results = context.socket(zmq.PUSH)
     results.connect(result_address)
     results.send(_encoder.encode(Ready(index, store.instance_id)))
+    loop = _WorkerLoop(settings, processor, store, jobs, results, parent)
     try:
-        while True:
-            if not jobs.poll(500):
-                if os.getppid() != parent:
-                    return
-                continue
-            envelope = _job_decoder.decode(jobs.recv())
-            if isinstance(envelope.job, StopJob):
-                return
-            if isinstance(envelope.job, ReleaseJob):
-                store.release(envelope.job.request_id)
-                continue
-            results.send(_encoder.encode(run_job(envelope.id, envelope.job, processor, store)))
+        loop.run()
     finally:
+        loop.fetcher.shutdown(wait=False, cancel_futures=True)
         store.close()
         results.close(linger=1000)
         jobs.close(linger=0)
         context.term()
 
 
-def run_job(job_id: int, job: Job, processor, store) -> Reply:
+# Threads that fetch http(s) media for the jobs of one worker: each fetch is bounded by its
+# deadline (MediaConfig.http_timeout_s), so this many slow hosts at once delay only their own jobs.
+_FETCH_THREADS = 4
+_FETCH_POLL_MS = 5  # while fetches are in flight: how often the loop looks for finished ones
+_LARGE_JOB_BYTES = 8 << 20  # after a job this large, the worker trims its heap
+
+
+def media_urls(job: Job) -> list[str]:
+    """The http(s) URLs a chat or prompt job names as media (an ``image_url``'s ``url``, MindIE's
+    ``{"image": url}``), in order, once each."""
+    found: list[str] = []
+
+    def walk(value, key=None):
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(v, k)
+        elif isinstance(value, list):
+            for item in value:
+                walk(item)
+        elif isinstance(value, str) and key in ("url", "image"):
+            url = value.strip()
+            if url[:8].lower().startswith(("http://", "https://")) and url not in found:
+                found.append(url)
+
+    walk(job.messages if isinstance(job, ChatJob) else job.prompt if isinstance(job, PromptJob) else None)
+    return found
+
+
+class _WorkerLoop:
+    """The worker's job loop. Jobs run one at a time on the main thread, in arrival order, except
+    that a job naming http(s) media waits for its downloads on the fetch threads while the jobs
+    behind it run: a slow or silent host delays only the requests that asked for it. A
+    ``CancelJob`` (the client left) drops its job if it has not run yet."""
+
+    def __init__(self, settings: WorkerSettings, processor, store, jobs, results, parent: int):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.media_config = settings.media_config
+        self.fetch = bool(getattr(settings.media_config, "allowed_domains", ()))  # else URLs are refused at once
+        self.processor, self.store, self.jobs, self.results, self.parent = processor, store, jobs, results, parent
+        self.fetcher = ThreadPoolExecutor(_FETCH_THREADS, thread_name_prefix="media-fetch")
+        self.ready: collections.deque = collections.deque()  # (envelope, prefetched media or None)
+        self.fetching: dict[int, tuple[Envelope, Any]] = {}  # job id -> (envelope, future of its media)
+        self.large: set[int] = set()  # jobs whose message was over _LARGE_JOB_BYTES
+
+    def run(self) -> None:
+        while True:
+            timeout = 0 if self.ready else _FETCH_POLL_MS if self.fetching else 500
+            while self.jobs.poll(timeout):
+                payload = self.jobs.recv()
+                envelope = _job_decoder.decode(payload)
+                if isinstance(envelope.job, StopJob):
+                    return
+                if len(payload) > _LARGE_JOB_BYTES:
+                    self.large.add(envelope.id)
+                payload = None  # a large request's bytes must not outlive its decoding
+                self.receive(envelope)
+                envelope = None
+                timeout = 0
+            for job_id, (envelope, future) in list(self.fetching.items()):
+                if future.done():
+                    del self.fetching[job_id]
+                    self.ready.append((envelope, future.result()))
+            if not self.ready:
+                if os.getppid() != self.parent:
+                    return
+                continue
+            envelope, media = self.ready.popleft()
+            if isinstance(envelope.job, ReleaseJob):
+                self.store.release(envelope.job.request_id)
+                continue
+            self.results.send(_encoder.encode(run_job(envelope.id, envelope.job, self.processor, self.store, media)))
+            job_id, envelope, media = envelope.id, None, None
+            if job_id in self.large:  # its buffers are free now: give the pages back
+                self.large.discard(job_id)
+                trim_heap()
+
+    def receive(self, envelope: Envelope) -> None:
+        job = envelope.job
+        if isinstance(job, CancelJob):
+            self.cancel(job.job_id)
+            return
+        urls = media_urls(job) if self.fetch else []
+        if urls:
+            self.fetching[envelope.id] = (envelope, self.fetcher.submit(_prefetch, urls, self.media_config))
+        else:
+            self.ready.append((envelope, None))
+
+    def cancel(self, job_id: int) -> None:
+        """Drop a job that has not run (a job that ran has replied already: nothing to do)."""
+        self.large.discard(job_id)
+        dropped = self.fetching.pop(job_id, None)
+        if dropped is not None:
+            dropped[1].cancel()
+        else:
+            waiting = [entry for entry in self.ready if entry[0].id == job_id]
+            if not waiting:
+                return
+            self.ready.remove(waiting[0])
+        self.results.send(_encoder.encode(Reply(job_id, error="cancelled: the client left", kind="cancelled")))
+
+
+def _prefetch(urls: list[str], config) -> dict:
+    from input_builders.media import fetch_url
+
+    return {url: fetch_url(url, config) for url in urls}
+
+
+def run_job(job_id: int, job: Job, processor, store, media: dict | None = None) -> Reply:
     """One job on this worker's input processor. A failed job's segments are released."""
     import shm
     from input_builders import InputBuilderError
     from input_builders.media import MediaError
 
+    from input_builders.media import prefetched
+
     request_id = getattr(job, "request_id", "")
     try:
-        if isinstance(job, ChatJob):
-            ok = processor.chat_ids(job.messages, job.request_id, add_generation_prompt=job.add_generation_prompt,
-                                    chat_template_kwargs=job.chat_template_kwargs, tools=job.tools)
-        elif isinstance(job, PromptJob):
-            ok = processor.prompt_ids(job.prompt, job.request_id, job.add_special_tokens)
-        elif isinstance(job, PoolJob):
-            ok = processor.pooling_ids(job.items, job.truncate_to, job.label)
-        elif isinstance(job, PairJob):
-            ok = [list(pair) for pair in processor.pair_ids(job.items, job.truncate_to, job.label)]
-        elif isinstance(job, StatsJob):
-            torch = sys.modules.get("torch")
-            threads = torch.get_num_threads() if torch is not None else int(os.environ["OMP_NUM_THREADS"])
-            ok = {**store.stats(), "compute_threads": threads}
-        else:
-            raise RuntimeError(f"unknown job {type(job).__name__}")
-        if getattr(job, "release_now", False):
-            store.release(request_id)  # /tokenize: the ids are all the caller wants
-        return Reply(job_id, ok)
+        with prefetched(media or {}):
+            return _run(job_id, job, processor, store)
     except shm.ShmStoreFullError as error:
         store.release(request_id)
         return Reply(job_id, error=str(error), kind="busy")
@@ -230,6 +324,27 @@ def run_job(job_id: int, job: Job, processor, store) -> Reply:
         return Reply(job_id, error=f"{type(error).__name__}: {error}", kind="internal")
 
 
+def _run(job_id: int, job: Job, processor, store) -> Reply:
+    if isinstance(job, ChatJob):
+        ok = processor.chat_ids(job.messages, job.request_id, add_generation_prompt=job.add_generation_prompt,
+                                chat_template_kwargs=job.chat_template_kwargs, tools=job.tools)
+    elif isinstance(job, PromptJob):
+        ok = processor.prompt_ids(job.prompt, job.request_id, job.add_special_tokens)
+    elif isinstance(job, PoolJob):
+        ok = processor.pooling_ids(job.items, job.truncate_to, job.label)
+    elif isinstance(job, PairJob):
+        ok = [list(pair) for pair in processor.pair_ids(job.items, job.truncate_to, job.label)]
+    elif isinstance(job, StatsJob):
+        torch = sys.modules.get("torch")
+        threads = torch.get_num_threads() if torch is not None else int(os.environ["OMP_NUM_THREADS"])
+        ok = {**store.stats(), "compute_threads": threads}
+    else:
+        raise RuntimeError(f"unknown job {type(job).__name__}")
+    if getattr(job, "release_now", False):
+        store.release(job.request_id)  # /tokenize: the ids are all the caller wants
+    return Reply(job_id, ok)
+
+
 @dataclass
 class _Worker:
     index: int
@@ -238,7 +353,16 @@ class _Worker:
     address: str
     instance_id: str | None = None
     pending: set = field(default_factory=set)
+    # Since when it has owed a reply without sending one (None: it owes none): the watchdog's clock.
+    silent_since: float | None = None
 
+    def stuck(self, now: float, limit_s: float) -> bool:
+        return self.silent_since is not None and now - self.silent_since > limit_s
+
+
+# A worker that owes a reply this long is stuck: killed and replaced. Longer than any honest job:
+# a media download is cut at MediaConfig.http_timeout_s (10 s), and a worker fetches on threads.
+STUCK_AFTER_S = 60.0
 
 # A job this large (an image chat's data URLs) goes to the worker without ZeroMQ copying it into
 # its own buffer first (pyzmq keeps the bytes alive until sent); below it a copy is cheaper than
@@ -252,7 +376,8 @@ class TokenizerPool:
     an ``InvalidRequestError`` (400), a full shm store a 503 ``RequestError``, anything else a 500."""
 
     def __init__(self, settings: WorkerSettings, num_workers: int, shm_budget_bytes: int | None,
-                 on_worker_death: Callable[[int, str | None], None], shm_help: str = ""):
+                 on_worker_death: Callable[[int, str | None], None], shm_help: str = "",
+                 stuck_after_s: float = STUCK_AFTER_S):
         if num_workers < 1:
             raise ValueError(f"--tokenizer-workers must be >= 1, got {num_workers}")
         self.num_workers = num_workers
@@ -273,6 +398,8 @@ class TokenizerPool:
         self._ready: dict[int, asyncio.Future] = {}
         self._job_ids = itertools.count()
         self._reader: asyncio.Task | None = None
+        self._watchdog: asyncio.Task | None = None
+        self.stuck_after_s = stuck_after_s
         self._stopping = False
 
     @property
@@ -283,6 +410,31 @@ class TokenizerPool:
         self._results.bind(self._results_address)
         self._reader = asyncio.ensure_future(self._read_results())
         await asyncio.gather(*(self._spawn(i, timeout_s) for i in range(self.num_workers)))
+        self._watchdog = asyncio.ensure_future(self._watch())
+
+    def health_problem(self) -> str | None:
+        """Why the pool cannot take a request now (for /health), or None: no worker is ready, or
+        every live one owes a reply for longer than ``stuck_after_s``."""
+        now = time.monotonic()
+        live = [w for w in self._workers if w is not None and w.instance_id is not None and w.process.is_alive()]
+        if not live:
+            return "no tokenizer worker is running (one is being restarted)"
+        if all(w.stuck(now, self.stuck_after_s) for w in live):
+            return f"every tokenizer worker has been busy on one job for over {self.stuck_after_s:g} s"
+        return None
+
+    async def _watch(self) -> None:
+        """A worker that owes a reply for longer than ``stuck_after_s`` is stuck (a job that never
+        ends, a stopped process): it is killed, its requests fail with a 500, and it is replaced."""
+        while True:
+            await asyncio.sleep(min(1.0, self.stuck_after_s / 4))
+            now = time.monotonic()
+            for worker in list(self._workers):
+                if worker is not None and worker.process.is_alive() and worker.stuck(now, self.stuck_after_s):
+                    logger.error("tokenizer worker %d has not answered for %.0f s; killing and replacing it",
+                                 worker.index, now - worker.silent_since)
+                    worker.silent_since = None
+                    worker.process.kill()  # its exit runs _worker_ended
 
     async def _spawn(self, index: int, timeout_s: float = 300.0) -> None:
         address = processes.ipc_address(f"w{index}")
@@ -314,6 +466,7 @@ class TokenizerPool:
             worker = self._workers[index]
             if worker is not None:
                 worker.pending.discard(message.id)
+                worker.silent_since = time.monotonic() if worker.pending else None
             if not future.done():
                 future.set_result(message)
 
@@ -355,12 +508,16 @@ class TokenizerPool:
         future = asyncio.get_running_loop().create_future()
         self._futures[job_id] = (future, worker.index)
         worker.pending.add(job_id)
+        if worker.silent_since is None:
+            worker.silent_since = time.monotonic()
         await worker.jobs.send(payload, copy=len(payload) < _ZERO_COPY_BYTES)
         try:
             reply = await future
         except asyncio.CancelledError:
-            # The client went away while its request was being prepared: drop its leases.
-            if hasattr(job, "request_id"):
+            # The client went away while its request was being prepared: drop the job if it has
+            # not run yet, and whatever it leased if it has.
+            if hasattr(job, "request_id") and worker.process.is_alive():
+                worker.jobs.send(_encoder.encode(Envelope(-1, CancelJob(job_id))))
                 self.release(worker.index, job.request_id)
             raise
         if reply.error is not None:
@@ -413,8 +570,9 @@ class TokenizerPool:
                 worker.process.kill()  # it ignores SIGTERM
                 await asyncio.to_thread(worker.process.join, 5)
             worker.jobs.close(linger=0)
-        if self._reader is not None:
-            self._reader.cancel()
+        for task in (self._reader, self._watchdog):
+            if task is not None:
+                task.cancel()
         self._results.close(linger=0)
         self._context.term()
         processes.unlink_ipc([self._results_address] + [w.address for w in self._workers if w is not None])

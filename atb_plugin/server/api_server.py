@@ -10,14 +10,23 @@ through ``AsyncLLM``'s input processing, ``SamplingParams``), runs it and shapes
 ``LLM``. The routes are module-level functions over ``app.state.service`` (``Service``);
 ``create_app`` wires them with the middleware and the error handlers.
 
-Every error is OpenAI error JSON (``errors``). ``--api-key`` guards every route but
-``/health``. ``X-Request-Id`` is honoured (it names the request in logs) and echoed back.
+Every error is OpenAI error JSON (``errors``), its message redacted (``Service.redact``: the
+served model's name, never the checkpoint's directory or the installation's). ``--api-key`` guards
+every route but ``/health`` (``Authorization: Bearer KEY``, the scheme in any case); a POST body
+must be declared JSON (``http.check_json_content_type``: 415). ``X-Request-Id`` is honoured (it
+names the request in logs) and echoed back.
+
+Shutdown (SIGTERM): uvicorn stops accepting, lets in-flight requests finish for
+--shutdown-timeout, then cancels what is left. Just before that, ``Service`` fails the requests
+still running with a 503 "the server is shutting down" (a stream: an error event, then
+``[DONE]``), one log line each, so no client sees a stream simply stop.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import logging
 import time
@@ -31,13 +40,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from atb_plugin.engine.sampling_params import StructuredOutputsParams
 from atb_plugin.frontend.async_llm import AsyncLLM, Deadlines
+from atb_plugin.frontend.errors import RequestError
 from atb_plugin.frontend.input_processor import InputLimits, PreparedPrompt, validate_client_token_ids
 from atb_plugin.frontend.output_processor import RequestOutput
 from atb_plugin.frontend.tokenizer_pool import WorkerSettings
 from atb_plugin.server import protocol, tool_parsers
 from atb_plugin.server.config import ServerConfig
 from atb_plugin.server.dialects import ChatDialect, ChatOptions, CompletionDialect, usage_of
-from atb_plugin.server.errors import APIError, error_body, error_json
+from atb_plugin.server.errors import APIError, Redactor, error_body, error_json
 from atb_plugin.server.http import admit, parse, service_of, until_answered
 from atb_plugin.server.metrics import ServerMetrics
 from atb_plugin.server.pooling_api import pooling_routes
@@ -50,6 +60,14 @@ VERSION = "0.1.0"
 # 1288x728 Qwen2-VL one 2.8 MB; float32: 2.4 MB and 22.5 MB): only for the start-up warning
 # about a small /dev/shm.
 _TYPICAL_IMAGE_BYTES = {"uint8": 2 << 20, "float32": 8 << 20}
+# How long before uvicorn's --shutdown-timeout runs out the requests still running are failed
+# (at most; half the timeout when it is shorter), so their answers are out before it cancels them.
+_SHUTDOWN_CUT_MARGIN_S = 1.0
+# The dummy conversation and tool the start-up check renders the chat template with.
+_PROBE_MESSAGES = [{"role": "user", "content": "What is the weather in Oslo?"}]
+_PROBE_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
 class Service:
@@ -67,8 +85,11 @@ class Service:
                             on_engine_death=self._on_engine_death,
                             shm_help=" (in Docker: run with --shm-size=1g or more)")
         self.tokenizer = self.llm.tokenizer
+        # Every error message a client gets passes through it (errors.Redactor).
+        self.redact = Redactor(config.engine.model, config.served_model_name)
         self.uvicorn_server = None
         self.exit_code = 0
+        self._shutdown_watch: asyncio.Task | None = None
 
     @property
     def started(self) -> bool:
@@ -83,6 +104,39 @@ class Service:
                     info["kv_cache_blocks"], config.engine.block_size, info["max_tokens_per_request"],
                     config.tokenizer_workers,
                     "unlimited" if config.shm_budget_bytes is None else f"{config.shm_budget_bytes} bytes")
+        if config.enable_auto_tool_choice and template_renders_tools(self.tokenizer, config.chat_template) is False:
+            logger.warning("--enable-auto-tool-choice is set but the chat template of %s does not render tools (the "
+                           "prompt is the same with and without them): with tool_choice \"auto\" the model never "
+                           "sees the tools and will not call them. Give a template that renders them "
+                           "(--chat-template), or have clients send tool_choice \"required\" or a named function "
+                           "(the output is then constrained to the tools' schemas)", config.served_model_name)
+        if self.uvicorn_server is not None:
+            self._shutdown_watch = asyncio.create_task(self._cut_at_shutdown_timeout(self.uvicorn_server))
+
+    async def _cut_at_shutdown_timeout(self, server) -> None:
+        """On SIGTERM uvicorn waits --shutdown-timeout for the open connections, then cancels their
+        handlers: a stream would just stop, with no error event and no [DONE], and the cancelled
+        handlers log CancelledError tracebacks. A little before that, fail each request still
+        running with a 503 (one warning line each), so every one ends through its own route: a
+        stream sends an error event and [DONE], a whole answer is a 503 JSON error. Runs until the
+        lifespan's shutdown cancels it (requests still being tokenised when the time is up are cut
+        as they reach the engine)."""
+        while not server.should_exit:
+            await asyncio.sleep(0.1)
+        timeout = self.config.shutdown_timeout
+        await asyncio.sleep(max(0.0, timeout - min(_SHUTDOWN_CUT_MARGIN_S, timeout / 2)))
+        error = shutdown_error(timeout)
+
+        def cut(request_id: str) -> bool:
+            logger.warning("request %s cut by the shutdown: still running after --shutdown-timeout (%g s)",
+                           request_id, timeout)
+            return True
+
+        while True:
+            # The frontend's own path for failing requests (what an engine death uses): each is
+            # aborted in the core, its lease released once, and its stream raises ``error``.
+            self.llm._fail_all(error, cut)
+            await asyncio.sleep(0.1)
 
     def _on_engine_death(self, exit_code) -> None:
         # In-flight requests got 5xx, /health turns 503; then the service exits non-zero so a
@@ -92,7 +146,39 @@ class Service:
             asyncio.get_running_loop().call_later(1.0, setattr, self.uvicorn_server, "should_exit", True)
 
     async def stop(self) -> None:
+        if self._shutdown_watch is not None:
+            self._shutdown_watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._shutdown_watch
         await self.llm.shutdown()
+
+
+def shutdown_error(timeout: float) -> RequestError:
+    return RequestError(503, f"the server is shutting down: the request did not finish within its --shutdown-timeout "
+                             f"of {timeout:g} s and was aborted")
+
+
+def _shutting_down(scope) -> bool:
+    app = scope.get("app")
+    service = getattr(getattr(app, "state", None), "service", None)
+    server = getattr(service, "uvicorn_server", None)
+    return bool(server is not None and server.should_exit)
+
+
+def template_renders_tools(tokenizer, chat_template: str | None) -> bool | None:
+    """Whether the chat template (``chat_template``, the --chat-template text, or the checkpoint's)
+    puts tools in the prompt: one user message rendered with and without a dummy tool. None when
+    it cannot be told (no template, or one that refuses this probe)."""
+    kwargs = {"tokenize": False, "add_generation_prompt": True}
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
+    try:
+        plain = tokenizer.apply_chat_template(_PROBE_MESSAGES, **kwargs)
+        with_tools = tokenizer.apply_chat_template(_PROBE_MESSAGES, tools=[_PROBE_TOOL], **kwargs)
+    except Exception as error:  # noqa: BLE001 - a probe only; real requests report their own errors
+        logger.debug("could not render the chat template with a tool: %s", error)
+        return None
+    return plain != with_tools
 
 
 def log_shm_capacity(config: ServerConfig) -> None:
@@ -161,7 +247,7 @@ class GuardMiddleware:
         try:
             if self.config.api_key and scope["path"] != "/health":
                 auth = headers.get("authorization", "")
-                if auth != f"Bearer {self.config.api_key}":
+                if not self._authorized(auth):
                     raise APIError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'"
                                    if auth else "missing API key: send 'Authorization: Bearer <key>'")
             limit = self.config.max_request_body_bytes
@@ -182,32 +268,73 @@ class GuardMiddleware:
                     raise APIError(413, f"the request body exceeds {limit} bytes (--max-request-body-bytes)")
             return message
 
-        await self.app(scope, counting_receive, send)
+        response = {"started": False, "stream": False, "complete": False}
+
+        async def watched_send(message, _send=send):
+            if message["type"] == "http.response.start":
+                response["started"] = True
+                response["stream"] = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream")
+                                         for k, v in message.get("headers", []))
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                response["complete"] = True
+            await _send(message)
+
+        try:
+            await self.app(scope, counting_receive, watched_send)
+        except asyncio.CancelledError:
+            if not _shutting_down(scope):
+                raise
+            # uvicorn cancels the handlers still running when --shutdown-timeout runs out (what
+            # Service's cut did not end: a request still being tokenised, a client not reading).
+            # Its task ends here, answered as well as it still can be, with one line in the log
+            # rather than uvicorn's "Exception in ASGI application" CancelledError traceback.
+            logger.warning("%s %s cut by the shutdown: its handler was cancelled at --shutdown-timeout (%g s)",
+                           scope.get("method"), scope["path"], self.config.shutdown_timeout)
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(self._answer_cut(response, scope, receive, watched_send), 1.0)
+
+    async def _answer_cut(self, response: dict, scope, receive, send) -> None:
+        """A cut request's last words: a 503 if nothing was sent yet, a stream's error event and
+        ``[DONE]`` if it was streaming."""
+        error = shutdown_error(self.config.shutdown_timeout)
+        if not response["started"]:
+            await error_json(error)(scope, receive, send)
+        elif response["stream"] and not response["complete"]:
+            body = f"data: {json.dumps(error_body(error))}\n\ndata: [DONE]\n\n".encode()
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    def _authorized(self, auth: str) -> bool:
+        """``Bearer KEY``: the scheme in any case (RFC 9110: auth schemes are case-insensitive),
+        the key compared in constant time (the header is latin-1 decoded: encoding it back gives
+        the bytes sent)."""
+        scheme, _, token = auth.strip().partition(" ")
+        return hmac.compare_digest(token.strip().encode("latin-1"), self.config.api_key.encode("utf-8")) \
+            and scheme.lower() == "bearer"
 
 
 # -- errors ----------------------------------------------------------------------------------------
 
 
 async def on_api_error(request: Request, error: APIError):
-    if error.status >= 500:
+    if error.status >= 500:  # the log keeps the unredacted message
         logger.error("%s %s -> %d: %s", request.method, request.url.path, error.status, error.message)
-    return error_json(error)
+    return error_json(error, service_of(request).redact)
 
 
 async def on_http_error(request: Request, error: StarletteHTTPException):
     message = {404: f"no route {request.method} {request.url.path}", 405: f"{request.method} is not allowed "
                f"on {request.url.path}"}.get(error.status_code, str(error.detail))
-    return error_json(APIError(error.status_code, message))
+    return error_json(APIError(error.status_code, message), service_of(request).redact)
 
 
 async def on_validation_error(request: Request, error: RequestValidationError):
     message, param = protocol.format_validation_error(error)
-    return error_json(APIError(400, message, param=param))
+    return error_json(APIError(400, message, param=param), service_of(request).redact)
 
 
 async def on_bug(request: Request, error: Exception):
     logger.exception("unhandled error on %s %s", request.method, request.url.path)
-    return error_json(APIError(500, f"internal error: {type(error).__name__}: {error}"))
+    return error_json(APIError(500, f"internal error: {type(error).__name__}: {error}"), service_of(request).redact)
 
 
 # -- from a request body to SamplingParams -----------------------------------------------------------
@@ -322,7 +449,7 @@ async def respond(raw: Request, req, llm: AsyncLLM, make_dialect, request_id: st
         if req.include_usage:
             yield dialect.usage_chunk(usage_of(latest)).model_dump(exclude_none=True)
 
-    return StreamingResponse(sse(events(), choices), media_type="text/event-stream")
+    return StreamingResponse(sse(events(), choices, service_of(raw).redact), media_type="text/event-stream")
 
 
 async def last_outputs(choices) -> list[RequestOutput]:
@@ -343,9 +470,10 @@ routes = APIRouter()
 
 @routes.get("/health")
 async def health(raw: Request):
-    llm = service_of(raw).llm
+    service = service_of(raw)
+    llm = service.llm
     if not llm.healthy:
-        return error_json(APIError(503, f"unhealthy: {llm.dead_reason or 'not ready'}"))
+        return error_json(APIError(503, f"unhealthy: {llm.health_problem}"), service.redact)
     return Response(status_code=200)
 
 
@@ -357,7 +485,10 @@ async def version():
 @routes.get("/v1/models")
 async def models(raw: Request):
     config = service_of(raw).config
-    card = protocol.ModelCard(id=config.served_model_name, root=config.engine.model,
+    # vLLM's card has root = the --model value (a path or a hub id). Clients read it as the
+    # base model's name (LoRA cards' parent points at it), so it stays, but as the served name:
+    # the checkpoint's directory is this machine's business.
+    card = protocol.ModelCard(id=config.served_model_name, root=config.served_model_name,
                               max_model_len=config.engine.max_model_len)
     return JSONResponse(protocol.ModelList(data=[card]).model_dump(exclude_none=True))
 
@@ -384,8 +515,10 @@ async def chat_completions(raw: Request):
     req, llm, request_id = await admit(raw, protocol.ChatCompletionRequest, "chatcmpl")
     check_generates(service)
     options, structured = chat_options(service.config, req)
-    prompt = await llm.chat_ids(request_id, req.to_conversation(), add_generation_prompt=req.add_generation_prompt,
-                                chat_template_kwargs=req.chat_template_kwargs, tools=options.tools)
+    # A client that leaves while its request waits for a tokenizer worker drops it there.
+    prompt = await until_answered(raw, llm.chat_ids(
+        request_id, req.to_conversation(), add_generation_prompt=req.add_generation_prompt,
+        chat_template_kwargs=req.chat_template_kwargs, tools=options.tools))
     name, token_text = service.config.served_model_name, _token_text(service)
     make_dialect = lambda n: ChatDialect(request_id, name, token_text, n, options)  # noqa: E731
     return await respond(raw, req, llm, make_dialect, request_id, prompt, start, structured)
@@ -397,7 +530,7 @@ async def completions(raw: Request):
     service = service_of(raw)
     req, llm, request_id = await admit(raw, protocol.CompletionRequest, "cmpl")
     check_generates(service)
-    prompt = await llm.prompt_ids(request_id, req.prompt, add_special_tokens=req.add_special_tokens)
+    prompt = await until_answered(raw, llm.prompt_ids(request_id, req.prompt, add_special_tokens=req.add_special_tokens))
     echo = None
     if req.echo:
         echo = req.prompt if isinstance(req.prompt, str) else service.tokenizer.decode(prompt.ids)
@@ -434,17 +567,18 @@ async def detokenize(raw: Request):
     return {"prompt": service.tokenizer.decode(ids)}
 
 
-async def sse(events: AsyncIterator[dict], generator) -> AsyncIterator[str]:
+async def sse(events: AsyncIterator[dict], generator, redact=None) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's framing; an error after the stream began is sent as an
-    ``{"error": ...}`` event (the status line is already out), then ``[DONE]``."""
+    ``{"error": ...}`` event (the status line is already out; its message through ``redact``),
+    then ``[DONE]``."""
     try:
         async for event in events:
             yield f"data: {json.dumps(event, ensure_ascii=False)}\n\n"
     except APIError as error:
-        yield f"data: {json.dumps(error_body(error))}\n\n"
+        yield f"data: {json.dumps(error_body(error, redact))}\n\n"
     except Exception as error:  # noqa: BLE001 - our bug, reported in-band as a 500
         logger.exception("stream failed")
-        yield f"data: {json.dumps(error_body(APIError(500, f'internal error: {error}')))}\n\n"
+        yield f"data: {json.dumps(error_body(APIError(500, f'internal error: {error}'), redact))}\n\n"
     finally:
         await generator.aclose()  # a client gone mid-stream: aborts the request in the core
     yield "data: [DONE]\n\n"

@@ -108,6 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-image-pixels", type=int, default=6000 * 6000, help="decoded pixels per image")
     add("--max-request-body-bytes", type=_size, default=64 << 20, help="HTTP request body limit (413 beyond)")
     add("--max-queued-requests", type=int, default=256, help="requests in flight before 429")
+    add("--max-pooling-inputs", type=int, default=2048,
+        help="inputs in one /v1/embeddings, /pooling or /classify request, pairs in one /score or /rerank "
+             "(400 beyond; OpenAI's limit is 2048); they run a window at a time (docs/pooling.md)")
     add("--chat-template", help="a Jinja chat template (file or text) replacing the checkpoint's")
     add("--api-key", default=os.environ.get("ATB_PLUGIN_API_KEY"),
         help="require 'Authorization: Bearer KEY' on every route but /health (env ATB_PLUGIN_API_KEY)")
@@ -216,7 +219,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
     return ServerConfig(
         engine=engine, served_model_name=values["served_model_name"], host=values["host"], port=values["port"],
         api_key=values["api_key"], tokenizer_workers=values["tokenizer_workers"],
-        max_queued_requests=values["max_queued_requests"],
+        max_queued_requests=values["max_queued_requests"], max_pooling_inputs=values["max_pooling_inputs"],
         allowed_local_media_paths=tuple(values["allowed_local_media_path"]),
         allowed_media_domains=tuple(values["allowed_media_domains"]),
         max_image_bytes=values["max_image_bytes"], max_image_pixels=values["max_image_pixels"],

@@ -31,6 +31,8 @@ class ServerConfig:
     api_key: str | None = None
     tokenizer_workers: int = field(default_factory=default_tokenizer_workers)
     max_queued_requests: int = 256
+    # Inputs of one pooling request (/score, /rerank: pairs); OpenAI's limit for /v1/embeddings.
+    max_pooling_inputs: int = 2048
     allowed_local_media_paths: tuple[str, ...] = ()
     allowed_media_domains: tuple[str, ...] = ()
     max_image_bytes: int = 20 * 1024 * 1024  # per image (a data: URL's decoded bytes too)
@@ -58,6 +60,7 @@ class ServerConfig:
         if self.served_model_name is None:
             object.__setattr__(self, "served_model_name", self.engine.model)
         for name, low in (("port", 0), ("tokenizer_workers", 1), ("max_queued_requests", 1), ("max_parallel_samples", 1),
+                          ("max_pooling_inputs", 1),
                           ("max_image_bytes", 1), ("max_image_pixels", 1), ("max_request_body_bytes", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

@@ -18,7 +18,8 @@ from fastapi import Request
 from atb_plugin.server import protocol
 from atb_plugin.server.errors import APIError
 
-__all__ = ["admit", "json_error_message", "new_request_id", "parse", "service_of", "until_answered"]
+__all__ = ["admit", "check_json_content_type", "json_error_message", "new_request_id", "parse", "service_of",
+           "until_answered"]
 
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 # How often a waiting request checks whether its client is still there.
@@ -41,8 +42,31 @@ def json_error_message(body: bytes, error: ValueError) -> str:
     return f"the body is not valid JSON: {text}"
 
 
+def check_json_content_type(raw: Request) -> None:
+    """A POST body must be declared JSON (415 otherwise): ``application/json``, with parameters
+    (``; charset=utf-8``) or as a ``+json`` suffix type, in any case.
+
+    Why refuse the rest, though the body may parse: a POST whose Content-Type is text/plain,
+    application/x-www-form-urlencoded or multipart/form-data, or that has none, is a CORS "simple
+    request". A browser sends it from any web page without asking the server first, so without
+    this check any page open on a machine that can reach a keyless server (localhost!) could make
+    it generate. A missing Content-Type is refused too: ``fetch`` with a Blob or ArrayBuffer body
+    sends none and is still a simple request; the OpenAI and vLLM clients (and FastAPI's JSON
+    clients) always send ``application/json``. ``application/json`` itself makes the browser ask
+    first (a CORS preflight), which this server never grants."""
+    received = raw.headers.get("content-type")
+    media_type = (received or "").split(";", 1)[0].strip().lower()
+    if media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json")):
+        return
+    what = "the request has no Content-Type" if not received else \
+        f"the request's Content-Type is {received.strip()[:100]!r}"
+    raise APIError(415, f"{what}; {raw.url.path} takes a JSON body: send 'Content-Type: application/json'")
+
+
 async def parse(raw: Request, model_cls):
-    """The body as ``model_cls`` (400 naming the field at fault), for the served model (404)."""
+    """The body as ``model_cls`` (400 naming the field at fault), for the served model (404);
+    declared as JSON (415, ``check_json_content_type``: every POST route parses its body here)."""
+    check_json_content_type(raw)
     body = await raw.body()
     try:
         # pydantic's Rust parser (jiter), not json.loads: an image chat's body is megabytes of

@@ -9,8 +9,13 @@
 A request flows: parse (pydantic, ``pooling_protocol``) -> ``PoolingParams`` checked against what
 the model serves (``InputProcessor.pooling_params``: 400 naming its tasks) -> texts tokenised in
 a tokenizer worker (one job for all of a request's inputs: ``InputProcessor.pooling_ids``, the
-offline ``LLM``'s too) -> one engine request per input, run concurrently, results in input
-order; one failing or the client leaving aborts the rest.
+offline ``LLM``'s too) -> one engine request per input, at most ``pooling_window`` of them in
+flight at once, results in input order; one failing or the client leaving aborts the rest.
+
+A request takes at most --max-pooling-inputs inputs (2048, OpenAI's limit for /v1/embeddings;
+for /score and /rerank the pairs: text_2 / documents), refused with a 400 before anything is
+tokenised. The tokenisation stays one job however many inputs: the body limit
+(--max-request-body-bytes) bounds its size, and one job is one round trip.
 
 Scores: ``InputProcessor.score_mode`` (``LLM.score``'s rule too): a cross-encoder (a model
 serving "score") reads each pair together; an embedding model scores by the cosine similarity
@@ -27,6 +32,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from atb_plugin.frontend.async_llm import AsyncLLM
+from atb_plugin.frontend.errors import RequestError
 from atb_plugin.frontend.input_processor import PreparedPrompt, pooled_data
 from atb_plugin.pooling import inputs as pooling_inputs
 from atb_plugin.pooling.outputs import cosine_similarity
@@ -36,7 +42,7 @@ from atb_plugin.server.errors import APIError
 from atb_plugin.server.http import DISCONNECT_POLL_S, admit, service_of
 from atb_plugin.server.protocol import UsageInfo
 
-__all__ = ["pooling_routes", "encode_array", "run_all"]
+__all__ = ["pooling_routes", "encode_array", "pooling_window", "run_all"]
 
 pooling_routes = APIRouter()
 
@@ -60,25 +66,85 @@ def _respond(response) -> JSONResponse:
 # -- shared steps ------------------------------------------------------------------------------------
 
 
+def pooling_window(llm: AsyncLLM) -> int:
+    """How many of one request's inputs are in flight at once (``run_all``).
+
+    Two engine steps' worth, 2 x --max-num-seqs: while the core runs one step of them the next
+    is already waiting there, so a large batch keeps the engine busy (with one step's worth the
+    core would idle while each step's results travel back and the next inputs come in); and a
+    request another client sends meanwhile, queued first come first served, waits behind at most
+    one step of ours rather than behind the whole batch. At most half of --max-queued-requests:
+    one large request leaves the other half of the queue to other clients instead of filling it
+    (their 429s). At least 1."""
+    return max(1, min(2 * llm.processor.config.max_num_seqs, llm.max_queued_requests // 2))
+
+
+def _room(llm: AsyncLLM, wanted: int) -> int:
+    """How many of ``wanted`` more engine requests the queue takes now without a 429 (other
+    errors, a 503 for a dead engine, are raised)."""
+    granted = 0
+    while granted < wanted:
+        try:
+            llm.check_admission(granted + 1)
+        except RequestError as error:
+            if error.status != 429:
+                raise
+            break
+        granted += 1
+    return granted
+
+
+_ROOM_POLL_S = 0.02  # how often a request with nothing in flight looks for room in a full queue
+
+
 async def run_all(raw: Request, llm: AsyncLLM, request_id: str, prompts: list[tuple[list[int], int | None]],
                   params: PoolingParams) -> list[np.ndarray]:
-    """Each ``(ids, token_type_start)`` as its own engine request, all at once; their tensors
-    in input order. One failing, the client leaving, or this handler being cancelled aborts
-    the others (each ``encode`` aborts its request in the core when cancelled)."""
-    llm.processor.check_pooling_prompts([ids for ids, _ in prompts], max_inputs=llm.max_queued_requests)
-    llm.check_admission(len(prompts))  # its inputs count one each, as they run
-    tasks = [asyncio.ensure_future(llm.encode(f"{request_id}-{i}", PreparedPrompt(ids, token_type_start=start), params))
-             for i, (ids, start) in enumerate(prompts)]
+    """Each ``(ids, token_type_start)`` as its own engine request, at most ``pooling_window``
+    at once (a sliding window: one starts as another finishes); their tensors in input order.
+    The first window is admitted whole (a 429 before anything ran when it does not fit); each
+    later input takes a free place in the queue, and when other clients' requests hold them all
+    it waits for one rather than failing half done. One failing, the client leaving, or this
+    handler being cancelled aborts the others (each ``encode`` aborts its request in the core
+    when cancelled; those not yet started never start). The number of inputs is the route's
+    to limit (--max-pooling-inputs)."""
+    llm.processor.check_pooling_prompts([ids for ids, _ in prompts])
+    window = pooling_window(llm)
+    tasks: list[asyncio.Future] = []
+
+    def start(count: int) -> None:
+        for _ in range(count):
+            i = len(tasks)
+            ids, token_type_start = prompts[i]
+            tasks.append(asyncio.ensure_future(
+                llm.encode(f"{request_id}-{i}", PreparedPrompt(ids, token_type_start=token_type_start), params)))
+            pending.add(tasks[-1])
+
+    loop = asyncio.get_running_loop()
+    pending: set[asyncio.Future] = set()
+    first = min(window, len(prompts))
+    llm.check_admission(first)  # its inputs count one each, as they run
+    start(first)
+    next_poll = loop.time() + DISCONNECT_POLL_S
     try:
-        pending = set(tasks)
-        while pending:
-            done, pending = await asyncio.wait(pending, timeout=DISCONNECT_POLL_S, return_when=asyncio.FIRST_EXCEPTION)
-            for task in done:
-                if task.exception() is not None:
-                    raise task.exception()
-            if pending and await raw.is_disconnected():
-                # Nobody reads this answer; the finally below aborts what still runs.
-                raise APIError(400, "the client disconnected before the answer was ready")
+        while pending or len(tasks) < len(prompts):
+            if pending:
+                done, pending = await asyncio.wait(pending, timeout=max(0.0, next_poll - loop.time()),
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    if task.exception() is not None:
+                        raise task.exception()
+                poll_due = not done or loop.time() >= next_poll
+            else:
+                await asyncio.sleep(_ROOM_POLL_S)  # the queue is full of other clients' requests
+                poll_due = loop.time() >= next_poll
+            # Those started before have reached the tracker (they ran while we waited), so the
+            # queue's count includes them.
+            start(_room(llm, min(window - len(pending), len(prompts) - len(tasks))))
+            if poll_due and (pending or len(tasks) < len(prompts)):
+                next_poll = loop.time() + DISCONNECT_POLL_S
+                if await raw.is_disconnected():
+                    # Nobody reads this answer; the finally below aborts what still runs.
+                    raise APIError(400, "the client disconnected before the answer was ready")
         return [pooled_data(task.result()) for task in tasks]
     finally:
         for task in tasks:
@@ -88,10 +154,16 @@ async def run_all(raw: Request, llm: AsyncLLM, request_id: str, prompts: list[tu
                 task.add_done_callback(lambda t: t.cancelled() or t.exception())
 
 
+def _check_count(raw: Request, llm: AsyncLLM, count: int, label: str) -> None:
+    """At most --max-pooling-inputs inputs (or scored pairs), before any is tokenised."""
+    llm.processor.check_pooling_count(count, service_of(raw).config.max_pooling_inputs, label)
+
+
 async def pool_prompts(raw: Request, llm: AsyncLLM, request_id: str, req,
                        params: PoolingParams) -> tuple[list[list[int]], list[np.ndarray]]:
     """The request's ``prompts`` (truncated as it asks), each pooled on its own: their ids and
     tensors, in input order (/v1/embeddings, /pooling, /classify)."""
+    _check_count(raw, llm, len(req.prompts), "input")
     ids = await llm.pooling_ids(request_id, req.prompts, llm.processor.truncation(req.truncate_prompt_tokens))
     return ids, await run_all(raw, llm, request_id, [(i, None) for i in ids], params)
 
@@ -104,6 +176,7 @@ async def scores(raw: Request, llm: AsyncLLM, request_id: str, first: list[str],
     named by its second text's index)."""
     processor = llm.processor
     mode, params = processor.score_mode(activation)
+    _check_count(raw, llm, len(second), names[1])  # one pair per second text
     truncate_to = processor.truncation(truncate_prompt_tokens)
     if mode == "pair":
         pairs = pooling_inputs.score_pairs(first, second)  # the request validated the shapes

@@ -1,0 +1,168 @@
+"""One slow media host must never stall the others (issue: a trickling host wedged the server).
+
+- ``fetch``'s deadline is for the whole download: a host that trickles its body a byte at a
+  time, one that trickles its status line, and one that accepts and never answers are all cut
+  at ``http_timeout_s`` (their sockets are shut down), with an error naming the limit.
+- A tokenizer worker fetches a job's media on its fetch threads while the jobs behind it run, and
+  drops a job whose client left before it ran (``CancelJob``).
+- Through the real service (one tokenizer worker): image requests to a dripping and to a silent
+  host fail within their deadline + 1 s, and a text chat sent meanwhile answers at its normal
+  speed (+ 2 s at most).
+"""
+
+from __future__ import annotations
+
+import socket
+import socketserver
+import threading
+import time
+from concurrent.futures import Future
+from contextlib import contextmanager
+
+import pytest
+
+from atb_plugin.frontend.tokenizer_pool import (CancelJob, ChatJob, Envelope, PromptJob, Reply, _WorkerLoop,
+                                                media_urls)
+from atb_plugin.testing.tiny import tiny_checkpoint
+from input_builders.media import MediaConfig, MediaFetchError, load_image
+from tests.server_helpers import ServerProcess
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    def handle(self):
+        mode, deadline = self.server.mode, time.monotonic() + 60  # every loop here ends by itself
+        try:
+            if mode == "silent":
+                while time.monotonic() < deadline and not self.server.stopping.wait(0.2):
+                    pass
+                return
+            if mode == "drip-headers":
+                for byte in b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\n\r\n":
+                    if time.monotonic() > deadline or self.server.stopping.wait(0.2):
+                        return
+                    self.request.sendall(bytes([byte]))
+                return
+            self.request.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: image/png\r\n\r\n")
+            while time.monotonic() < deadline and not self.server.stopping.wait(0.2):
+                self.request.sendall(b"\x89")  # a byte every 0.2 s: each one would restart a socket timeout
+        except OSError:
+            return  # the client cut us off
+
+
+class _Server(socketserver.ThreadingTCPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+@contextmanager
+def media_host(mode: str):
+    """A host on 127.0.0.1 that misbehaves as ``mode`` says; yields its image URL."""
+    server = _Server(("127.0.0.1", 0), _Handler)
+    server.mode, server.stopping = mode, threading.Event()
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/cat.png"
+    finally:
+        server.stopping.set()
+        server.shutdown()
+        server.server_close()
+        thread.join(5)
+
+
+@pytest.mark.parametrize("mode", ["drip", "drip-headers", "silent"])
+def test_the_deadline_is_for_the_whole_download(mode):
+    config = MediaConfig(allowed_domains=("127.0.0.1",), http_timeout_s=1.0)
+    with media_host(mode) as url:
+        start = time.monotonic()
+        with pytest.raises(MediaFetchError, match=r"timed out after 1 s \(http_timeout_s\), the limit for the whole"):
+            load_image(url, config)
+        assert time.monotonic() - start < 1.8
+
+
+# -- the worker's loop ---------------------------------------------------------------------------------
+
+class _Sink:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, data):
+        from atb_plugin.frontend.tokenizer_pool import _reply_decoder
+
+        self.sent.append(_reply_decoder.decode(data))
+
+
+def _loop() -> _WorkerLoop:
+    settings = type("Settings", (), {"media_config": MediaConfig(allowed_domains=("127.0.0.1",))})
+    return _WorkerLoop(settings, processor=None, store=None, jobs=None, results=_Sink(), parent=0)
+
+
+def test_media_urls_are_found_in_both_spellings():
+    chat = ChatJob("r", [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": " https://a.example/x.png "}},
+        {"image": "http://b.example/y.png"}, {"image": "file:///data/z.png"},
+        {"type": "text", "text": "http://not.media/ is text"}]}])
+    assert media_urls(chat) == ["https://a.example/x.png", "http://b.example/y.png"]
+    assert media_urls(PromptJob("r", [{"image": "http://c.example/q.png"}, {"text": "hi"}])) == ["http://c.example/q.png"]
+    assert media_urls(PromptJob("r", "just text")) == []
+
+
+def test_a_job_fetching_media_lets_the_jobs_behind_it_run_and_a_departed_job_is_dropped():
+    loop = _loop()
+    blocked = Future()
+    loop.fetcher.submit = lambda *args: blocked  # the fetch is still running
+    with_media = Envelope(1, ChatJob("a", [{"role": "user", "content": [{"image": "http://127.0.0.1:9/x.png"}]}]))
+    text, departed = Envelope(2, ChatJob("b", [{"role": "user", "content": "hi"}])), Envelope(3, PromptJob("c", "x"))
+    for envelope in (with_media, text, departed, Envelope(-1, CancelJob(3))):
+        loop.receive(envelope)
+    assert [entry[0].id for entry in loop.ready] == [2]  # job 1 waits for its media, job 3 is gone
+    assert loop.results.sent == [Reply(3, error="cancelled: the client left", kind="cancelled")]
+    loop.receive(Envelope(-1, CancelJob(1)))  # its client left too: the fetch is dropped with it
+    assert not loop.fetching and blocked.cancelled()
+    loop.receive(Envelope(-1, CancelJob(2)))
+    loop.receive(Envelope(-1, CancelJob(99)))  # ran (or never was) already: nothing to do
+    assert [reply.id for reply in loop.results.sent] == [3, 1, 2] and not loop.ready
+    loop.fetcher.shutdown(wait=False)
+
+
+# -- through the service -------------------------------------------------------------------------------
+
+@pytest.mark.slow  # a real server and two 10 s deadlines
+def test_slow_media_hosts_delay_only_their_own_requests():
+    server = ServerProcess(tiny_checkpoint("qwen2_vl"), "--allowed-media-domains", "127.0.0.1", workers=1)
+    chat = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 4, "temperature": 0}
+
+    def text_latency() -> float:
+        start = time.monotonic()
+        assert server.post("/v1/chat/completions", chat).status_code == 200
+        return time.monotonic() - start
+
+    try:
+        text_latency()  # warm-up
+        normal = min(text_latency() for _ in range(3))
+        with media_host("drip") as drip, media_host("silent") as silent:
+            outcomes = {}
+
+            def image_request(name, url):
+                start = time.monotonic()
+                body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                                                 {"type": "text", "text": "What is it?"}]}],
+                        "max_tokens": 4}
+                response = server.post("/v1/chat/completions", body)
+                outcomes[name] = (response, time.monotonic() - start)
+
+            threads = [threading.Thread(target=image_request, args=item) for item in
+                       (("drip", drip), ("silent", silent))]
+            for thread in threads:
+                thread.start()
+            time.sleep(1.0)  # both downloads are hanging now
+            meanwhile = text_latency()
+            for thread in threads:
+                thread.join(30)
+        assert meanwhile <= normal + 2.0, (meanwhile, normal)
+        for name, (response, elapsed) in outcomes.items():
+            assert response.status_code == 400, (name, response.text)
+            assert "timed out after 10 s (http_timeout_s" in response.json()["error"]["message"], name
+            assert elapsed <= 10 + 1.0, (name, elapsed)
+    finally:
+        assert server.stop() == 0, server.log()
