@@ -12,7 +12,6 @@
 
 from __future__ import annotations
 
-import socket
 import socketserver
 import threading
 import time
