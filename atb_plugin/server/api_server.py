@@ -471,9 +471,9 @@ routes = APIRouter()
 @routes.get("/health")
 async def health(raw: Request):
     service = service_of(raw)
-    llm = service.llm
-    if not llm.healthy:
-        return error_json(APIError(503, f"unhealthy: {llm.health_problem}"), service.redact)
+    problem = service.llm.health_problem
+    if problem is not None:
+        return error_json(APIError(503, f"unhealthy: {problem}"), service.redact)
     return Response(status_code=200)
 
 
