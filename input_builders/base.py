@@ -39,7 +39,7 @@ from input_builders.conversation import (
     parse_conversation,
     parse_prompt,
 )
-from input_builders.media import LoadedImage, MediaConfig, load_image
+from input_builders.media import LoadedImage, MediaConfig, load_images
 from input_builders.preprocess import ImagePreprocessor
 from shm import ShmHandle, ShmStore
 
@@ -257,7 +257,8 @@ class InputBuilder:
                 f"the prompt has {len(parts)} images; this model takes at most "
                 f"{self.max_images_per_prompt} per prompt (max_images_per_prompt)"
             )
-        return [load_image(part.ref, self.media_config) for part in parts]
+        # One call per request: its images share the request's pixel budget (max_request_pixels).
+        return load_images([part.ref for part in parts], self.media_config)
 
     def _expanded_length(self, ids: list[int], images: list[LoadedImage]) -> int:
         return len(ids) + sum(self.num_media_tokens(image) - 1 for image in images)

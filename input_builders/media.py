@@ -36,6 +36,11 @@ Policy (each limit is a ``MediaConfig`` field and is named in the error that enf
 * ``max_image_bytes`` caps the encoded bytes of every source kind (checked before base64 decoding, and
   a download reads at most cap + 1 bytes); ``max_image_pixels`` caps width × height, checked from the
   header before the pixels are decoded.
+* ``max_request_pixels`` caps the width × height of all images of one request together
+  (``load_images``, or a ``PixelBudget`` handed to ``load_image``): each image is charged from its
+  header, before its pixels are decoded, so the image that would pass the budget is refused
+  undecoded and what the request decoded before it stays within the budget. A per-image cap alone
+  lets one request hold many images just under it (eight 36 MP images are over 800 MB as RGB).
 """
 
 from __future__ import annotations
@@ -74,7 +79,10 @@ __all__ = [
     "MediaNotAllowedError",
     "MediaNotFoundError",
     "MediaTooLargeError",
+    "PixelBudget",
+    "default_max_request_pixels",
     "load_image",
+    "load_images",
 ]
 
 
@@ -91,7 +99,8 @@ class MediaNotAllowedError(MediaError):
 
 
 class MediaTooLargeError(MediaError):
-    """Over ``max_image_bytes`` (encoded size) or ``max_image_pixels`` (width × height)."""
+    """Over ``max_image_bytes`` (encoded size), ``max_image_pixels`` (width × height) or, for all
+    images of a request together, ``max_request_pixels``."""
 
 
 class MediaDecodeError(MediaError):
@@ -113,10 +122,12 @@ class MediaFetchError(MediaError):
 _KNOBS = {
     "server": {"local": "start the server with --allowed-local-media-path DIR",
                "domains": "start the server with --allowed-media-domains {host}",
-               "max_image_bytes": "--max-image-bytes", "max_image_pixels": "--max-image-pixels"},
+               "max_image_bytes": "--max-image-bytes", "max_image_pixels": "--max-image-pixels",
+               "max_request_pixels": "--max-request-pixels"},
     "offline": {"local": "pass LLM(..., media_config=MediaConfig(allowed_local_media_paths=('DIR',)))",
                 "domains": "pass LLM(..., media_config=MediaConfig(allowed_domains=('{host}',)))",
-                "max_image_bytes": "MediaConfig.max_image_bytes", "max_image_pixels": "MediaConfig.max_image_pixels"},
+                "max_image_bytes": "MediaConfig.max_image_bytes", "max_image_pixels": "MediaConfig.max_image_pixels",
+                "max_request_pixels": "MediaConfig.max_request_pixels"},
 }
 
 
@@ -136,6 +147,8 @@ class MediaConfig:
     # Pillow's own bomb threshold (PIL.Image.MAX_IMAGE_PIXELS, 89.5 MP), so our check fires first with
     # our message; raising it above that needs Pillow's raised too.
     max_image_pixels: int = 6000 * 6000
+    # All images of one request together; None: default_max_request_pixels(max_image_pixels).
+    max_request_pixels: int | None = None
     # Per socket operation and for the whole download.
     http_timeout_s: float = 10.0
     # Which API set these limits ("offline": LLM's media_config; "server": its flags): error
@@ -149,14 +162,34 @@ class MediaConfig:
         domains = tuple(_normalise_domain(d) for d in _as_tuple(self.allowed_domains))
         object.__setattr__(self, "allowed_local_media_paths", tuple(dict.fromkeys(dirs)))
         object.__setattr__(self, "allowed_domains", tuple(dict.fromkeys(domains)))
-        for name in ("max_image_bytes", "max_image_pixels"):
+        if self.max_request_pixels is None and _positive_int(self.max_image_pixels):
+            object.__setattr__(self, "max_request_pixels", default_max_request_pixels(self.max_image_pixels))
+        for name in ("max_image_bytes", "max_image_pixels", "max_request_pixels"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            if not _positive_int(value):
                 raise ValueError(f"MediaConfig.{name} must be a positive integer, got {value!r}")
         timeout = self.http_timeout_s
         if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                 or not math.isfinite(timeout) or timeout <= 0):
             raise ValueError(f"MediaConfig.http_timeout_s must be a positive number of seconds, got {timeout!r}")
+
+
+# The default request budget, in images at the per-image cap: a few full-size photos in one
+# request (four at the default 36 MP: 144 MP, 432 MB as RGB), not the dozens a per-image cap
+# alone admits. Several images are common (a multi-turn chat resends its earlier ones, a
+# comparison sends two or three); more pixels than this add nothing a model reads, since each
+# family resizes an image to at most a few megapixels (Qwen2-VL: 12.8 MP).
+REQUEST_PIXELS_IN_IMAGES = 4
+
+
+def default_max_request_pixels(max_image_pixels: int) -> int:
+    """``max_request_pixels`` when it is not given: ``REQUEST_PIXELS_IN_IMAGES`` images at the
+    per-image cap (the server's ``--max-request-pixels`` default too)."""
+    return REQUEST_PIXELS_IN_IMAGES * max_image_pixels
+
+
+def _positive_int(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value > 0
 
 
 def _as_tuple(value) -> tuple:
@@ -218,12 +251,47 @@ _NOT_A_PATH_HINT = (
 )
 
 
-def load_image(ref, config: MediaConfig) -> LoadedImage:
-    """Load ``ref`` (see the module docstring) under ``config``'s policy; raise a ``MediaError`` if not."""
+class PixelBudget:
+    """The pixels all images of one request may take together (``config.max_request_pixels``).
+    ``load_image`` charges each image from its header, before decoding it; an image served from
+    the decoded-image cache is charged too (the request holds its pixels all the same). One per
+    request, used by one thread."""
+
+    def __init__(self, config: MediaConfig):
+        self.config = config
+        self.limit = config.max_request_pixels
+        self.used = 0
+        self.images = 0
+
+    def charge(self, width: int, height: int, source: str) -> None:
+        pixels = width * height
+        if self.used + pixels > self.limit:
+            knob = _knob(self.config, "max_request_pixels")
+            if not self.images:
+                raise MediaTooLargeError(
+                    f"image ({source}) is {width}x{height} = {pixels} pixels; the limit for all images of one "
+                    f"request is {self.limit} ({knob}); send a smaller image")
+            raise MediaTooLargeError(
+                f"the request's images come to {self.used + pixels} pixels with image {self.images + 1} ({source}, "
+                f"{width}x{height} = {pixels} pixels); the limit for all images of one request is {self.limit} "
+                f"({knob}); send fewer or smaller images, or split them over several requests")
+        self.used += pixels
+        self.images += 1
+
+
+def load_images(refs, config: MediaConfig) -> list[LoadedImage]:
+    """Every image of one request (``load_image`` each), under one ``PixelBudget``."""
+    budget = PixelBudget(config)
+    return [load_image(ref, config, budget) for ref in refs]
+
+
+def load_image(ref, config: MediaConfig, budget: PixelBudget | None = None) -> LoadedImage:
+    """Load ``ref`` (see the module docstring) under ``config``'s policy; raise a ``MediaError`` if not.
+    ``budget``: the request's pixels so far (``load_images``), charged with this image's."""
     if isinstance(ref, Image.Image):
         source = f"PIL image ({ref.mode}, {ref.width}x{ref.height})"
         with _pillow_errors(source, config):
-            image = _finish(ref, source, config, owned=False)
+            image = _finish(ref, source, config, owned=False, budget=budget)
         # The caller's image has no file bytes; hash what we serve. Hashing the input's tobytes() alone
         # would give two palette images with equal indices but different palettes one dedup key.
         return LoadedImage(image, _pixel_digest(image), source)
@@ -239,6 +307,8 @@ def load_image(ref, config: MediaConfig) -> LoadedImage:
         inline_key = _inline_key(ref)
         known = _recently_decoded.get_inline(inline_key, ref, config) if inline_key else None
         if known is not None:
+            if budget is not None:
+                budget.charge(*known.image.size, known.source)
             return known
         data, source, hint = _read_str(ref, config)
     else:
@@ -250,8 +320,10 @@ def load_image(ref, config: MediaConfig) -> LoadedImage:
     digest = hashlib.sha256(data).hexdigest()
     image = _recently_decoded.get(digest, config)
     if image is None:
-        image = _decode(data, source, config, hint)
+        image = _decode(data, source, config, hint, budget)
         _recently_decoded.put(digest, config, image)
+    elif budget is not None:
+        budget.charge(*image.size, source)
     loaded = LoadedImage(image, digest, source)
     if inline_key:
         _recently_decoded.put_inline(inline_key, ref, config, loaded)
@@ -741,27 +813,32 @@ def _formats() -> tuple[str, ...]:
     return tuple(f for f in _WANTED_FORMATS if f in Image.OPEN)  # AVIF only where Pillow has libavif
 
 
-def _decode(data: bytes, source: str, config: MediaConfig, hint: str = "") -> Image.Image:
-    """The one decode path of every encoded source: header → pixel cap → pixels → upright RGB."""
+def _decode(data: bytes, source: str, config: MediaConfig, hint: str = "",
+            budget: PixelBudget | None = None) -> Image.Image:
+    """The one decode path of every encoded source: header → pixel caps → pixels → upright RGB."""
     if not data:
         raise MediaDecodeError(f"{source} is empty; send the image file's contents")
     with _pillow_errors(source, config, hint), Image.open(io.BytesIO(data), formats=_formats()) as image:
-        finished = _finish(image, source, config, owned=True)  # Image.open read the header only
+        finished = _finish(image, source, config, owned=True, budget=budget)  # Image.open read the header only
         # A file image keeps its source for as long as it lives (a PNG its BytesIO and chunk
         # reader: the whole encoded file). What is returned, and kept in the decoded-image cache,
         # must be the pixels alone: a plain copy when nothing above made a new image.
         return finished.copy() if finished is image else finished
 
 
-def _finish(image: Image.Image, source: str, config: MediaConfig, *, owned: bool) -> Image.Image:
-    """Pixel cap (from the header size, before any pixel is decoded), load, EXIF orientation, RGB.
-    ``owned``: the image is ours to transform in place (not the caller's object)."""
+def _finish(image: Image.Image, source: str, config: MediaConfig, *, owned: bool,
+            budget: PixelBudget | None = None) -> Image.Image:
+    """Pixel caps (from the header size, before any pixel is decoded: the image's, then the
+    request's ``budget``), load, EXIF orientation, RGB. ``owned``: the image is ours to transform
+    in place (not the caller's object)."""
     width, height = image.size
     if width * height > config.max_image_pixels:
         raise MediaTooLargeError(
             f"image ({source}) is {width}x{height} = {width * height} pixels; the limit is "
             f"{config.max_image_pixels} ({_knob(config, 'max_image_pixels')}); send a smaller image"
         )
+    if budget is not None:
+        budget.charge(width, height, source)
     image.load()
     return _to_rgb(_upright(image, owned), source)
 

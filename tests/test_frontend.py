@@ -99,6 +99,28 @@ def test_the_same_bad_request_is_refused_through_both_doors(text_server, text_ll
 
 
 @pytest.mark.slow  # a real server
+def test_without_a_served_model_name_the_public_name_is_the_checkpoints_not_its_path(text_server):
+    """The server's public name defaults to the checkpoint directory's name (the server is
+    started without --served-model-name); the path is still accepted as `model`, and neither
+    /v1/models nor an error message shows it."""
+    path = tiny_checkpoint("qwen2")
+    name = path.name
+    models = text_server.get("/v1/models")
+    card = models.json()["data"][0]
+    assert card["id"] == name and card["root"] == name
+    assert str(path) not in models.text and str(path.parent) not in models.text
+    for model in (name, str(path), None):
+        answer = text_server.post("/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 2})
+        assert answer.status_code == 200 and answer.json()["model"] == name, answer.text
+    wrong = text_server.post("/v1/completions", {"model": "gpt-4", "prompt": PROMPT})
+    assert wrong.status_code == 404 and f"This server serves `{name}`." in wrong.json()["error"]["message"]
+    pooled = text_server.post("/v1/embeddings", {"input": "hi"})  # the engine's message names the model
+    assert pooled.status_code == 400 and f"{name} is a generative model" in pooled.json()["error"]["message"]
+    for answer in (wrong, pooled):
+        assert str(path.parent) not in answer.text, answer.text
+
+
+@pytest.mark.slow  # a real server
 def test_an_image_chat_is_the_same_through_both_doors():
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(seed=5)}},
                                              {"type": "text", "text": "What is in this picture?"}]}]
@@ -136,7 +158,7 @@ def test_a_pooling_request_is_the_same_through_both_doors():
 # Bottom to top; a module may import its own room and rooms on lower floors only.
 FLOORS = {
     "shm": 0, "atb_plugin.utils": 0, "atb_plugin.validation": 0, "atb_plugin.processes": 0,
-    "atb_plugin.platform": 1, "atb_plugin.ops": 2, "atb_plugin.testing": 3,
+    "atb_plugin.platform": 1, "atb_plugin.distributed": 1, "atb_plugin.ops": 2, "atb_plugin.testing": 3,
     "atb_plugin.pooling": 3, "atb_plugin.multimodal": 3, "atb_plugin.models": 4,
     "atb_plugin.engine": 5, "input_builders": 5, "routers": 6, "atb_plugin.default_model": 6,
     "atb_plugin.frontend": 7, "atb_plugin.server": 8, "atb_plugin": 9,

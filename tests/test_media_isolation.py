@@ -8,22 +8,31 @@
 - Through the real service (one tokenizer worker): image requests to a dripping and to a silent
   host fail within their deadline + 1 s, and a text chat sent meanwhile answers at its normal
   speed (+ 2 s at most).
+- The images of one request share a pixel budget (``max_request_pixels``, 4 images at the
+  per-image cap by default): the image that would pass it is refused from its header, before it
+  is decoded, however it arrives (bytes, a resent data URL or a cached image, a PIL image).
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import socketserver
 import threading
 import time
 from concurrent.futures import Future
 from contextlib import contextmanager
 
+import numpy as np
 import pytest
+from PIL import Image
 
 from atb_plugin.frontend.tokenizer_pool import (CancelJob, ChatJob, Envelope, PromptJob, Reply, _WorkerLoop,
                                                 media_urls)
 from atb_plugin.testing.tiny import tiny_checkpoint
-from input_builders.media import MediaConfig, MediaFetchError, load_image
+from input_builders.media import (MediaConfig, MediaDecodeError, MediaFetchError, MediaTooLargeError, load_image,
+                                   load_images)
+from routers import get_router
 from tests.server_helpers import ServerProcess
 
 
@@ -77,6 +86,72 @@ def test_the_deadline_is_for_the_whole_download(mode):
         with pytest.raises(MediaFetchError, match=r"timed out after 1 s \(http_timeout_s\), the limit for the whole"):
             load_image(url, config)
         assert time.monotonic() - start < 1.8
+
+
+# -- the pixel budget of one request -------------------------------------------------------------------
+
+def _png(width: int, height: int, seed: int) -> bytes:
+    """Random pixels: a file that is all pixel data after its header, and no two alike."""
+    buffer = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)).save(buffer, "PNG")
+    return buffer.getvalue()
+
+
+# Two 100x100 images fit; a third passes the budget (30,000 pixels).
+BUDGET = MediaConfig(max_image_pixels=10_000, max_request_pixels=25_000)
+OVER = r"the request's images come to 30000 pixels with image 3 \(.*100x100 = 10000 pixels\); the limit for all " \
+       r"images of one request is 25000 \(MediaConfig.max_request_pixels\); send fewer or smaller images"
+
+
+def test_the_request_pixel_budget_defaults_to_four_images_at_the_per_image_cap():
+    assert MediaConfig().max_request_pixels == 4 * MediaConfig().max_image_pixels == 144_000_000
+    assert MediaConfig(max_image_pixels=100).max_request_pixels == 400
+    assert MediaConfig(max_image_pixels=100, max_request_pixels=150).max_request_pixels == 150
+    with pytest.raises(ValueError, match="max_request_pixels must be a positive integer"):
+        MediaConfig(max_request_pixels=0)
+
+
+def test_the_image_that_passes_the_request_budget_is_refused_before_it_is_decoded():
+    first, second, third = _png(100, 100, 1), _png(100, 100, 2), _png(100, 100, 3)
+    assert [loaded.image.size for loaded in load_images([first, second], BUDGET)] == [(100, 100)] * 2
+    # The third's pixels are cut off after its header: decoding it would be a decode error, so
+    # the budget's refusal shows that only the header was read.
+    truncated = third[:third.index(b"IDAT") + 100]
+    with pytest.raises(MediaDecodeError):
+        load_image(truncated, BUDGET)
+    for last in (third, truncated):
+        with pytest.raises(MediaTooLargeError, match=OVER):
+            load_images([first, second, last], BUDGET)
+    # The budget is per request: the next one starts afresh.
+    assert len(load_images([third, first], BUDGET)) == 2
+
+
+def test_cached_resent_and_pil_images_count_against_the_request_budget():
+    # The same image three times: the second and third come from the decoded-image cache.
+    again = _png(100, 100, 4)
+    with pytest.raises(MediaTooLargeError, match=OVER):
+        load_images([again, again, again], BUDGET)
+    # A resent data URL: the second and third skip even the base64 decode (the inline cache).
+    url = "data:image/png;base64," + base64.b64encode(_png(100, 100, 5)).decode()
+    with pytest.raises(MediaTooLargeError, match=OVER):
+        load_images([url, url, url], BUDGET)
+    with pytest.raises(MediaTooLargeError, match=OVER):
+        load_images([Image.new("RGB", (100, 100))] * 3, BUDGET)
+    # One image over a request budget below the per-image cap; the server's error names its flag.
+    with pytest.raises(MediaTooLargeError, match=r"is 100x100 = 10000 pixels; the limit for all images of one request "
+                                                 r"is 5000 \(--max-request-pixels\); send a smaller image"):
+        load_images([again], MediaConfig(max_request_pixels=5_000, api="server"))
+
+
+def test_an_input_builder_loads_a_requests_images_under_one_budget():
+    builder = get_router(tiny_checkpoint("qwen2_vl"), media_config=MediaConfig(max_image_pixels=10_000,
+                                                                               max_request_pixels=15_000)).input_builder
+    image = "data:image/png;base64," + base64.b64encode(_png(100, 100, 6)).decode()
+    two = [{"role": "user", "content": [{"image": image}, {"image": image}, {"text": "Compare them."}]}]
+    with pytest.raises(MediaTooLargeError, match="come to 20000 pixels with image 2"):
+        builder.make_context(0, two, request_id="r")
+    with pytest.raises(MediaTooLargeError, match="come to 20000 pixels with image 2"):
+        builder.tokenize([{"image": image}, {"image": image}, {"text": "Compare them."}], request_id="r")
 
 
 # -- the worker's loop ---------------------------------------------------------------------------------

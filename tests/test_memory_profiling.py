@@ -1,5 +1,5 @@
 """Start-up memory profiling and KV sizing (atb_plugin.engine.memory_profile, EngineCore's
-``_blocks_for_budget``): each multimodal family declares its image limit and its largest image;
+``Worker._blocks_for_budget``): each multimodal family declares its image limit and its largest image;
 the dummy prompt is that image, min(model, user) times; on a device the KV cache gets what the
 profile leaves of ``gpu_memory_utilization``, on the CPU ``kv_cache_bytes``.
 
@@ -19,7 +19,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from atb_plugin.engine import core as core_module
+from atb_plugin.engine import worker as worker_module
 from atb_plugin.engine import memory_profile
 from atb_plugin.engine.config import EngineConfig
 from atb_plugin.engine.core import EngineCore
@@ -271,7 +271,7 @@ def test_the_cpu_path_still_honours_kv_cache_bytes(monkeypatch, caplog):
     # Capped at what every sequence at full length needs: 2 x 256 blocks.
     assert _core("qwen2", max_num_seqs=2).kv_cache_blocks == 1 + 512
     # An explicit block count skips sizing altogether.
-    monkeypatch.setattr(core_module, "kv_cache_budget", refused)
+    monkeypatch.setattr(worker_module, "kv_cache_budget", refused)
     assert _core("qwen2_vl", kv_cache_blocks=12).kv_cache_blocks == 12
 
 

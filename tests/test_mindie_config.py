@@ -104,6 +104,7 @@ def test_sample_file_maps_onto_flags(tmp_path):
         "max_input_tokens": 2048,
         "served_model_name": "qwen2-vl",
         "model": "/data/Qwen2-VL-7B-Instruct",
+        "tensor_parallel_size": 1,
         "block_size": 128,
         "max_num_batched_tokens": 8192,
         "max_num_seqs": 200,
@@ -154,7 +155,6 @@ def test_non_neutral_and_unknown_fields_are_reported():
     mapping = map_mindie_config(config, "/etc/mindie")
     for path in ("ServerConfig.someNewSwitch",
                  "BackendConfig.ModelDeployConfig.truncation",
-                 "BackendConfig.ModelDeployConfig.ModelConfig[0].worldSize",
                  "BackendConfig.ModelDeployConfig.ModelConfig[0].trustRemoteCode",
                  "BackendConfig.ModelDeployConfig.ModelConfig[0].async_scheduler_wait_time",
                  "BackendConfig.ModelDeployConfig.ModelConfig[1]",
@@ -175,6 +175,7 @@ def test_non_neutral_and_unknown_fields_are_reported():
     }
     assert mapping.flags["served_model_name"] == "qwen2-vl"  # the first model only
     assert mapping.flags["devices"] == [0, 1]
+    assert mapping.flags["tensor_parallel_size"] == 2  # worldSize: ranks on the npuDeviceIds devices
     assert mapping.flags["kv_cache_bytes"] == 8 * 2**30
 
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from atb_plugin import LLM, SamplingParams
 from atb_plugin.engine.config import EngineConfig
-from atb_plugin.engine.core import load_model
+from atb_plugin.engine.worker import load_model
 from atb_plugin.ops import cpu_native
 from atb_plugin.ops.packed_linear import PackedLinear, PanelLinear, pack_linear_layers, packable_dtypes
 from atb_plugin.testing.tiny import tiny_checkpoint

@@ -3,7 +3,8 @@ that says what was wrong, and none of them harms the service (it stays healthy, 
 request as before, and holds no request or image segment afterwards).
 
 One server for the module: tiny Qwen2-VL (so images are accepted), an API key, a local media
-directory, and small limits (2 images, 200 kB and 1 MP per image, 2 MB per body, 512 tokens).
+directory, and small limits (2 images, 200 kB and 1 MP per image, 1.5 MP for a request's images
+together, 2 MB per body, 512 tokens).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from tests.server_helpers import ServerProcess, data_url
 API_KEY = "test-key"
 MAX_IMAGE_BYTES = 200_000
 MAX_IMAGE_PIXELS = 1_000_000
+MAX_REQUEST_PIXELS = 1_500_000
 MAX_BODY_BYTES = 2_000_000
 MAX_MODEL_LEN = 512
 VOCAB_SIZE = 526  # tiny Qwen2-VL's config.json
@@ -55,10 +57,13 @@ def media(tmp_path_factory):
     Image.new("L", (5000, 5000), 7).save(allowed / "bomb.png", optimize=True)
     assert (allowed / "bomb.png").stat().st_size < MAX_IMAGE_BYTES
     os.symlink(secret, allowed / "link.png")
+    # Each under the per-image cap (0.8 MP), the two together over the request's (1.6 MP).
+    for name, shade in (("wide_a.png", 40), ("wide_b.png", 90)):
+        Image.new("RGB", (1000, 800), (shade, 100, 160)).save(allowed / name)
     return SimpleNamespace(allowed=allowed, outside=outside, image0=image0, secret=secret,
                            missing=allowed / "missing.png", notimage=allowed / "notimage.png",
                            truncated=allowed / "truncated.png", bomb=allowed / "bomb.png",
-                           link=allowed / "link.png",
+                           link=allowed / "link.png", wide=(allowed / "wide_a.png", allowed / "wide_b.png"),
                            escape=f"{allowed}/../{outside.name}/{secret.name}")
 
 
@@ -68,6 +73,7 @@ def server(media):
     assert json.loads((model / "config.json").read_text())["max_position_embeddings"] >= MAX_MODEL_LEN
     server = ServerProcess(model, "--allowed-local-media-path", str(media.allowed), "--limit-mm-per-prompt", "2",
                            "--max-image-bytes", str(MAX_IMAGE_BYTES), "--max-image-pixels", str(MAX_IMAGE_PIXELS),
+                           "--max-request-pixels", str(MAX_REQUEST_PIXELS),
                            "--max-request-body-bytes", str(MAX_BODY_BYTES), "--max-model-len", str(MAX_MODEL_LEN),
                            api_key=API_KEY)
     yield server
@@ -226,6 +232,14 @@ CASES = [
          body=image_chat(data_url(400, 400, seed=1))),
     Case("image-decompression-bomb", 400, f"5000x5000 = 25000000 pixels; the limit is {MAX_IMAGE_PIXELS} "
          "(--max-image-pixels)", body=image_chat(lambda m: str(m.bomb))),
+    Case("images-over-max-request-pixels", 400, "the request's images come to 1600000 pixels with image 2 (",
+         body=image_chat(lambda m: str(m.wide[0]), lambda m: str(m.wide[1]))),
+    Case("images-over-max-request-pixels-names-the-flag", 400, "wide_b.png, 1000x800 = 800000 pixels); the limit for all images "
+         f"of one request is {MAX_REQUEST_PIXELS} (--max-request-pixels); send fewer or smaller images",
+         body=image_chat(lambda m: str(m.wide[0]), lambda m: str(m.wide[1]), stream=True)),
+    Case("tokenize-images-over-max-request-pixels", 400, "(--max-request-pixels)", path="/tokenize",
+         body=lambda m: {"messages": [{"role": "user", "content": [
+             {"type": "image_url", "image_url": {"url": str(p)}} for p in m.wide]}]}),
     Case("image-etc-passwd", 400, f"path /etc/passwd is {OUTSIDE}", body=image_chat("/etc/passwd")),
     Case("image-file-url-etc-passwd", 400, f"path /etc/passwd is {OUTSIDE}", body=image_chat("file:///etc/passwd")),
     Case("image-dotdot-escape", 400, OUTSIDE, body=image_chat(lambda m: m.escape)),

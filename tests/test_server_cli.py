@@ -12,6 +12,7 @@ import sys
 import pytest
 
 from atb_plugin.server.cli import parse_config
+from atb_plugin.server.config import default_served_model_name
 from atb_plugin.testing.tiny import tiny_checkpoint
 from tests.server_helpers import REPO_ROOT
 from tests.test_mindie_config import SAMPLE
@@ -20,7 +21,8 @@ FLAGS = ["--model", "--served-model-name", "--host", "--port", "--device", "--dt
          "--max-num-seqs", "--max-num-batched-tokens", "--block-size", "--kv-cache-memory",
          "--enable-prefix-caching", "--limit-mm-per-prompt", "--mm-wire-dtype", "--num-threads", "--enforce-eager",
          "--allowed-local-media-path",
-         "--allowed-media-domains", "--max-image-bytes", "--max-image-pixels", "--max-request-body-bytes",
+         "--allowed-media-domains", "--max-image-bytes", "--max-image-pixels", "--max-request-pixels",
+         "--max-request-body-bytes",
          "--max-queued-requests", "--chat-template", "--api-key", "--tokenizer-workers", "--shm-budget-bytes",
          "--shutdown-timeout", "--config"]
 
@@ -57,10 +59,37 @@ def test_a_mindie_config_fills_the_flags_and_the_command_line_wins(tmp_path, mon
     (["--tokenizer-workers", "0"], "--tokenizer-workers"),
     (["--max-model-len", "100000000"], "max_model_len"),
     (["--shm-budget-bytes", "-1"], "--shm-budget-bytes"),
+    (["--max-request-pixels", "0"], "--max-request-pixels"),
 ])
 def test_bad_values_name_the_flag(argv, words):
     with pytest.raises(ValueError, match=words):
         parse_config(["--model", str(tiny_checkpoint("qwen2"))] + argv)
+
+
+def test_the_request_pixel_budget_defaults_to_four_images_and_reaches_the_media_config():
+    model = ["--model", str(tiny_checkpoint("qwen2_vl"))]
+    default = parse_config(model)
+    assert default.max_request_pixels == 4 * default.max_image_pixels == 144_000_000
+    assert "max_request_pixels = 144000000" in default.describe()  # the value in force is logged
+    assert parse_config(model + ["--max-image-pixels", "1000"]).media_config().max_request_pixels == 4000
+    given = parse_config(model + ["--max-image-pixels", "1000", "--max-request-pixels", "1500"]).media_config()
+    assert (given.max_image_pixels, given.max_request_pixels, given.api) == (1000, 1500, "server")
+
+
+def test_the_default_served_name_is_the_checkpoints_name_not_its_path(tmp_path):
+    assert default_served_model_name("/models/Qwen2-VL-7B-Instruct") == "Qwen2-VL-7B-Instruct"
+    assert default_served_model_name("/models/Qwen2-VL-7B-Instruct/") == "Qwen2-VL-7B-Instruct"
+    snapshot = "/root/.cache/huggingface/hub/models--Qwen--Qwen2-VL-2B-Instruct/snapshots/0123abcd"
+    assert default_served_model_name(snapshot) == "Qwen/Qwen2-VL-2B-Instruct"  # the hub's name
+    assert default_served_model_name("/data/snapshots/v2") == "v2"  # not a hub cache: the directory's name
+    model = tiny_checkpoint("qwen2")
+    assert parse_config(["--model", str(model)]).served_model_name == model.name
+    assert parse_config(["--model", str(model), "--served-model-name", "mine"]).served_model_name == "mine"
+
+
+def test_the_default_embedding_model_is_served_under_its_own_name():
+    # Its package keeps it in a directory named "model", which would be a poor public name.
+    assert parse_config(["--runner", "pooling"]).served_model_name == "all-MiniLM-L6-v2"
 
 
 def test_the_wire_dtype_flag_reaches_the_engine_config(capsys):

@@ -25,13 +25,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from atb_plugin import LLM
 from atb_plugin.default_model import embedding_model_dir
 from atb_plugin.engine.config import EngineConfig
+from atb_plugin.frontend.async_llm import AsyncLLM
 from atb_plugin.frontend.errors import RequestError
 from atb_plugin.pooling.params import PoolingParams
 from atb_plugin.server.cli import parse_config
 from atb_plugin.server.config import ServerConfig
 from atb_plugin.server.errors import APIError
 from atb_plugin.frontend.input_processor import InputLimits, InputProcessor
-from atb_plugin.server.pooling_api import pooling_window, run_all
+from atb_plugin.server.metrics import ServerMetrics
+from atb_plugin.server.pooling_api import pool_prompts, pooling_window, run_all, scores
 from atb_plugin.testing.tiny import tiny_checkpoint
 from tests.server_helpers import ServerProcess
 
@@ -421,6 +423,109 @@ def test_many_inputs_run_in_a_window_that_waits_for_room_in_the_queue():
     assert engine.admissions[0] == window  # the first window admitted whole
     assert engine.most == window  # never more in flight
     assert engine.refused > 0  # the full queue was waited out, not a 429
+
+
+# -- a client that leaves while its texts wait for a tokenizer worker ---------------------------------
+
+
+class _StuckWorkers:
+    """A tokenizer pool whose workers never answer: a job waits until it is cancelled (noted)."""
+
+    def __init__(self):
+        self.cancelled = []
+
+    async def call(self, job):
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            self.cancelled.append(type(job).__name__)
+            raise
+
+
+class _InputHalf:
+    """``AsyncLLM``'s own input half (its jobs on the pool and their abort accounting, with real
+    metrics) over ``_StuckWorkers``: no engine core, no worker process."""
+
+    _prepare = AsyncLLM._prepare
+    pooling_ids = AsyncLLM.pooling_ids
+    pair_ids = AsyncLLM.pair_ids
+
+    def __init__(self, family: str):
+        config = EngineConfig(model=str(tiny_checkpoint(family)), block_size=16)
+        self.processor = InputProcessor(config, SimpleNamespace(eos_token_ids=[], generation_config={}))
+        self.metrics = ServerMetrics("m")
+        self.pool = _StuckWorkers()
+        self.num_preparing = 0
+
+    def aborts(self) -> float:
+        return sum(s.value for family in text_string_to_metric_families(self.metrics.render()[0].decode())
+                   for s in family.samples
+                   if s.name == "vllm:request_success_total" and s.labels["finished_reason"] == "abort")
+
+
+def _departed_client():
+    config = SimpleNamespace(max_pooling_inputs=8)
+    return SimpleNamespace(is_disconnected=lambda: asyncio.sleep(0, True),
+                           app=SimpleNamespace(state=SimpleNamespace(service=SimpleNamespace(config=config))))
+
+
+@pytest.mark.parametrize("family, route, job", [
+    ("bert", "embeddings", "PoolJob"),  # /v1/embeddings, /pooling, /classify: pool_prompts
+    ("bert", "score", "PoolJob"),  # /score, /rerank on an embedding model: both sides' texts
+    ("bert_cross_encoder", "score", "PairJob"),  # on a cross-encoder: the pairs
+])
+def test_a_client_that_leaves_while_its_texts_wait_for_a_worker_drops_the_job(family, route, job):
+    """As the generate routes do (``until_answered``): the job is cancelled on the pool (which
+    sends the worker a CancelJob), counted as an abort, and the handler ends with the disconnect,
+    not after the worker gets round to it."""
+    llm, raw = _InputHalf(family), _departed_client()
+
+    async def handle():
+        if route == "embeddings":
+            request = SimpleNamespace(prompts=["a", "b"], truncate_prompt_tokens=None)
+            return await pool_prompts(raw, llm, "r", request, llm.processor.pooling_params("embed"))
+        return await scores(raw, llm, "r", ["q"], ["a", "b"], None, None, ("query", "documents"))
+
+    async def main():
+        with pytest.raises(APIError, match="disconnected") as caught:
+            await asyncio.wait_for(handle(), 5.0)  # the worker would answer in 60 s
+        return caught.value
+
+    error = asyncio.run(main())
+    assert error.status == 400
+    assert llm.pool.cancelled == [job]
+    assert llm.aborts() == 1 and llm.num_preparing == 0
+
+
+@pytest.mark.slow  # a real server
+def test_a_pooling_request_whose_client_left_while_queued_is_counted_as_an_abort(classifier):
+    """Through the service: its only tokenizer worker is stopped, a /classify client gives up
+    waiting, and the abort is counted while the worker is still stopped (the request was dropped
+    then, not run once the worker came back)."""
+    import os
+    import signal
+    import time
+
+    def aborts() -> float:
+        return sum(s.value for family in text_string_to_metric_families(classifier.get("/metrics").text)
+                   for s in family.samples
+                   if s.name == "vllm:request_success_total" and s.labels.get("finished_reason") == "abort")
+
+    before = aborts()
+    worker = classifier.pid_of("tokenizer worker 0")
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(classifier.base_url + "/classify", json={"model": "cls", "input": ["a", "b"]}, timeout=1.0)
+        deadline = time.monotonic() + 10
+        while aborts() < before + 1:
+            assert time.monotonic() < deadline, classifier.log()
+            time.sleep(0.2)
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    assert aborts() == before + 1
+    answer = classifier.post("/classify", {"model": "cls", "input": ["a"]})  # the worker serves on
+    assert answer.status_code == 200, answer.text
 
 
 # -- the CLI -----------------------------------------------------------------------------------------

@@ -21,7 +21,9 @@ from tests.server_helpers import ServerProcess, data_url
 # Each module starts real servers: `-m "not slow"` skips them in quick local loops (CI runs them).
 pytestmark = pytest.mark.slow
 
-MODEL = str(tiny_checkpoint("qwen2_vl"))
+# The served name (no --served-model-name: the checkpoint directory's name), as requests and
+# metrics spell it.
+MODEL = tiny_checkpoint("qwen2_vl").name
 # Runs to the end of the context window (4096 tokens): seconds, far past the limits below.
 LONG = {"max_tokens": 4000, "ignore_eos": True, "temperature": 0}
 

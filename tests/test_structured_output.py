@@ -191,7 +191,10 @@ def test_bitmask_masks_structured_rows_only_and_accept_follows_the_grammar(token
     vocab = len(tokenizer)
     logits = torch.randn(3, vocab).to(dtype)
     before = logits.clone()
-    manager.apply_bitmask(logits, [plain, digits, plain])
+    # The core makes the masks of the step's sampling requests; each rank applies them by request id.
+    mask = manager.grammar_bitmask([plain, digits, plain])
+    assert mask.request_ids == ["digits"]
+    mask.apply(logits, ["plain", "digits", "plain"])
     assert torch.equal(logits[0], before[0]) and torch.equal(logits[2], before[2])
     allowed = set(torch.isfinite(logits[1]).nonzero().flatten().tolist())
     all_digits = {t for t in range(vocab) if re.fullmatch("[0-9]+", tokenizer.decode([t]))}
@@ -200,7 +203,7 @@ def test_bitmask_masks_structured_rows_only_and_accept_follows_the_grammar(token
         manager.accept(digits, tokenizer.convert_tokens_to_ids("a"))
     manager.accept(digits, min(all_digits))
     logits = torch.zeros(1, vocab).to(dtype)
-    manager.apply_bitmask(logits, [digits])
+    manager.grammar_bitmask([digits]).apply(logits, ["digits"])
     assert torch.isfinite(logits[0, eos])
     manager.remove("digits")
     assert manager.is_ready(plain) and not manager._matchers

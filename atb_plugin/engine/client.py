@@ -74,6 +74,9 @@ class InprocClient:
     def step(self) -> list[EngineCoreOutput]:
         return self.core.step()
 
+    def shutdown(self) -> None:
+        self.core.shutdown()
+
 
 class MPClient:
     def __init__(self, config: EngineConfig, on_outputs: Callable[[EngineCoreOutputs], None],

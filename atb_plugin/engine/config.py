@@ -49,6 +49,22 @@ def head_size(hf_config: dict) -> int | None:
     return None
 
 
+def check_tensor_parallel(hf_config: dict, tp: int) -> None:
+    """ValueError, naming the numbers and the fix, when the language model's attention heads do
+    not split over ``tp`` ranks (KV heads: split evenly, or replicated when fewer than the ranks
+    and dividing them). The layers check the rest (intermediate size) when they are built."""
+    if tp == 1:
+        return
+    heads = registry.config_value(hf_config, "num_attention_heads")
+    if isinstance(heads, int) and heads % tp:
+        raise ValueError(f"num_attention_heads ({heads}) is not divisible by tensor_parallel_size ({tp}): "
+                         f"choose a tensor_parallel_size that divides {heads}")
+    kv_heads = registry.config_value(hf_config, "num_key_value_heads")
+    if isinstance(kv_heads, int) and (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
+        raise ValueError(f"num_key_value_heads ({kv_heads}) and tensor_parallel_size ({tp}): the KV heads must "
+                         "split evenly over the ranks, or (when fewer) divide tensor_parallel_size to be replicated")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs, checked once.
@@ -105,6 +121,11 @@ class EngineConfig:
     runner: str = "auto"
     convert: str = "auto"
     hf_overrides: dict | None = None
+    # Ranks one model is sharded over (atb_plugin.engine.executor; docs/architecture.md, "Tensor
+    # parallelism"); 1 runs it in the engine core's own process.
+    tensor_parallel_size: int = 1
+    # The device index each rank uses (MindIE's npuDeviceIds); None: ranks 0 .. TP-1.
+    device_ids: tuple[int, ...] | None = None
     # Resolved from config.json in __post_init__:
     architecture: str = field(init=False)
     tasks: tuple[str, ...] = field(init=False)  # what the model serves: ("generate",) or pooling tasks
@@ -147,6 +168,15 @@ class EngineConfig:
             set_(self, "num_threads", available_cores())
         else:
             _check_int("num_threads", self.num_threads, 1)
+        _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
+        if self.device_ids is not None:
+            set_(self, "device_ids", tuple(self.device_ids))
+            for index in self.device_ids:
+                _check_int("device_ids[]", index, 0)
+            if len(self.device_ids) != self.tensor_parallel_size or len(set(self.device_ids)) != len(self.device_ids):
+                raise ValueError(f"EngineConfig.device_ids = {list(self.device_ids)}: give {self.tensor_parallel_size} "
+                                 "distinct device indices, one per tensor-parallel rank (MindIE: npuDeviceIds has "
+                                 "worldSize entries)")
 
         if self.hf_overrides is not None and not isinstance(self.hf_overrides, dict):
             raise ValueError(f"EngineConfig.hf_overrides must be a dict of config.json keys, got {self.hf_overrides!r}")
@@ -172,8 +202,15 @@ class EngineConfig:
             set_(self, "max_model_len", declared)
         else:
             _check_int("max_model_len", self.max_model_len, 2, declared)
-        dtype, block_size = platform_for(self.device).check_engine_config(
-            self.dtype, self.block_size, head_size(hf_config))
+        platform = platform_for(self.device)
+        dtype, block_size = platform.check_engine_config(self.dtype, self.block_size, head_size(hf_config))
+        check_tensor_parallel(hf_config, self.tensor_parallel_size)
+        devices = platform.device_count()
+        needed = max(self.device_ids) + 1 if self.device_ids else self.tensor_parallel_size
+        if devices is not None and needed > devices:
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} (device ids "
+                             f"{list(self.device_ids or range(needed))}) needs {needed} {platform.name} devices, "
+                             f"this machine has {devices}: lower --tensor-parallel-size or fix the device ids")
         set_(self, "dtype", dtype)
         set_(self, "block_size", block_size)
         if self.kv_cache_blocks is not None and (self.kv_cache_blocks - 1) * self.block_size < 2:
@@ -188,6 +225,10 @@ class EngineConfig:
             set_(self, "enable_prefix_caching", False)
         set_(self, "scheduler_config",
              SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len))
+
+    def rank_device(self, rank: int) -> int:
+        """The device index of tensor-parallel ``rank``."""
+        return self.device_ids[rank] if self.device_ids else rank
 
     def checkpoint_config(self) -> dict:
         """The checkpoint's config.json with ``hf_overrides`` applied (top-level keys replaced)."""

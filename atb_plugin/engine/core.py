@@ -21,90 +21,52 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from atb_plugin.engine.config import EngineConfig
+from atb_plugin.engine.executor import make_executor
 from atb_plugin.engine.kv_cache_manager import KVCacheManager
-from atb_plugin.engine.memory_profile import MiB, kv_bytes_per_block, kv_cache_budget
 from atb_plugin.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
-from atb_plugin.engine.model_runner import ModelRunner
 from atb_plugin.engine.request import Request, RequestStatus
 from atb_plugin.engine.scheduler import Scheduler
-from atb_plugin.engine.structured_output import StructuredOutputManager
+from atb_plugin.engine.structured_output import GrammarViolation, StructuredOutputManager
 from atb_plugin.engine.structured_output import check as check_structured_outputs
-from atb_plugin.models import registry
-from atb_plugin.models.pooling_adapters import as_pooling_model
 from atb_plugin.platform import platform_for
-from atb_plugin.pooling.config import pooler_config
-from atb_plugin.utils import cdiv
 
 logger = logging.getLogger(__name__)
 
 # A step that ran nothing waits this long at most for a grammar compile, rather than spinning
 # (the engine process's loop reads aborts and new requests between steps).
 _COMPILE_WAIT_S = 0.05
-_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-def load_model(config: EngineConfig, device):
-    """The model ``config`` names, on ``device``, and its pooler on a pooling runner (None when
-    generating): a native pooling class as it is, a generative one through its convert adapter,
-    pooled as the checkpoint's own pooling files say (else the class default)."""
-    model_cls = registry.import_model_class(config.model_cls_path)
-    pooling = config.runner == "pooling"
-    hf_config = config.checkpoint_config() if pooling else {}
-    if pooling:
-        model_cls = as_pooling_model(model_cls, config.convert, hf_config)
-    model = model_cls.from_pretrained(config.model, dtype=_TORCH_DTYPES[config.dtype], device=device)
-    if not pooling:
-        model.get_language_model().share_tied_lm_head()  # a swapped-in head (packing) is the tied one too
-    # Before the pooler is built: it must hold the modules the platform swapped in.
-    platform_for(config.device).prepare_model(model, pack_weights=config.pack_weights)
-    pooler = model.build_pooler(pooler_config(config.model, model_cls.default_pooling_type,
-                                              hf_config.get("pooler_config"))) if pooling else None
-    return model, pooler
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
-        # The engine owns the intra-op threads (the frontend processes keep one each).
-        torch.set_num_threads(config.num_threads)
-        device = platform_for(config.device).device()
-        self.model, self.pooler = load_model(config, device)
-        self.kv_cache_blocks = config.kv_cache_blocks or self._blocks_for_budget()
-        self.kv_cache_manager = KVCacheManager(self.kv_cache_blocks, config.block_size, config.enable_prefix_caching)
-        # Compiling a grammar on the CPU platform takes cores from the model's threads: one thread
-        # there (a slower compile), xgrammar's default 8 where the model runs on a device.
-        self.structured_output = StructuredOutputManager(config.model, config.vocab_size,
-                                                         compile_threads=1 if device.type == "cpu" else 8)
-        self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.structured_output.is_ready)
-        self.runner = ModelRunner(self.model, config, self.kv_cache_blocks, self.pooler, self.structured_output)
-        logger.info("engine core: %s on %s (runner %s%s), %d KV blocks of %d tokens", type(self.model).__name__, device,
-                    config.runner, f", tasks {', '.join(self.pooler.tasks)}" if self.pooler else "",
-                    self.kv_cache_blocks, config.block_size)
+        # The model runs in this process (TP = 1) or on tensor-parallel ranks (engine/executor.py).
+        self.executor = make_executor(config)
+        try:
+            self.kv_cache_blocks = self.executor.kv_cache_blocks
+            self.kv_cache_manager = KVCacheManager(self.kv_cache_blocks, config.block_size,
+                                                   config.enable_prefix_caching)
+            # Compiling a grammar on the CPU platform takes cores from the model's threads: one
+            # thread there (a slower compile), xgrammar's default 8 where the model runs on a device.
+            on_cpu = platform_for(config.device).name == "cpu"
+            self.structured_output = StructuredOutputManager(config.model, config.vocab_size,
+                                                             compile_threads=1 if on_cpu else 8)
+            self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.structured_output.is_ready)
+        except BaseException:
+            self.executor.shutdown()
+            raise
+        logger.info("engine core: %s on %s x %d (runner %s, tasks %s), %d KV blocks of %d tokens, decode step: %s",
+                    config.architecture, config.device, config.tensor_parallel_size, config.runner,
+                    ", ".join(config.tasks), self.kv_cache_blocks, config.block_size, self.executor.decode_capture)
 
-    def _blocks_for_budget(self) -> int:
-        """Blocks that fit the KV budget (``memory_profile.kv_cache_budget``: ``kv_cache_bytes`` on the
-        CPU, what the start-up memory profile leaves of ``gpu_memory_utilization`` of the device
-        memory on NPU / CUDA), but no more than every sequence at full length needs. A budget that
-        cannot hold one ``max_model_len`` request is a start-up error naming what it needs."""
-        config = self.config
-        bytes_per_block = kv_bytes_per_block(self.model, config.block_size)
-        per_request = cdiv(config.max_model_len, config.block_size)
-        needed = config.max_num_seqs * per_request
-        if bytes_per_block == 0:  # an encoder keeps no KV: blocks are bookkeeping only, cost nothing
-            return 1 + needed
-        budget = kv_cache_budget(self.model, config, platform_for(config.device))
-        if budget.bytes // bytes_per_block < per_request:
-            raise ValueError(
-                f"max_model_len {config.max_model_len} needs {per_request} KV blocks x {bytes_per_block} bytes = "
-                f"{per_request * bytes_per_block / MiB:.1f} MiB of KV cache, but the budget is {budget.describe()}: "
-                f"raise {budget.flag} or lower --max-model-len")
-        blocks = min(budget.bytes // bytes_per_block, needed)
-        logger.info("KV cache: %d blocks x %d bytes = %.1f MiB (budget %s; weights %.1f MiB)", blocks,
-                    bytes_per_block, blocks * bytes_per_block / MiB, budget.describe(), budget.weight_bytes / MiB)
-        return 1 + blocks  # + the null block
+    @property
+    def runner(self):
+        """The model runner when it runs in this process (TP = 1), else None (it runs on ranks)."""
+        worker = getattr(self.executor, "worker", None)
+        return worker.runner if worker is not None else None
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel ranks (nothing to do at TP = 1)."""
+        self.executor.shutdown()
 
     @property
     def max_tokens_per_request(self) -> int:
@@ -145,7 +107,9 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         scheduled = self.scheduler.schedule()
-        result = self.runner.execute(scheduled)
+        scheduled.grammar_bitmask = self.structured_output.grammar_bitmask(self._sampling(scheduled))
+        result = self.executor.execute(scheduled)
+        self._advance_grammars(result)
         result.failed.update(self.structured_output.pop_compile_errors())
         outputs = self.scheduler.update_from_output(scheduled, result.sampled, result.logprobs, result.failed,
                                                     result.pooled, prompt_logprobs=result.prompt_logprobs)
@@ -155,6 +119,25 @@ class EngineCore:
         if not scheduled.num_scheduled_tokens:
             self.structured_output.wait_for_compile(_COMPILE_WAIT_S)
         return outputs
+
+    def _sampling(self, scheduled) -> list[Request]:
+        """The scheduled requests that sample a token this step (their chunk reaches their end)."""
+        requests = (self.scheduler.requests[r] for r in scheduled.num_scheduled_tokens)
+        return [r for r in requests
+                if not r.is_pooling and r.num_computed_tokens + scheduled.num_scheduled_tokens[r.request_id] >= r.num_tokens]
+
+    def _advance_grammars(self, result) -> None:
+        """Feed each sampled token to its request's grammar. A token the grammar refuses (the
+        other constraints left it no choice: ``GrammarViolation``) fails that request alone.
+        Preemption recomputes the KV but keeps the output tokens, which the matcher has accepted
+        already: it never needs a rollback."""
+        for request_id, token in list(result.sampled.items()):
+            try:
+                self.structured_output.accept(self.scheduler.requests[request_id], token)
+            except GrammarViolation as error:
+                result.failed[request_id] = str(error)
+                del result.sampled[request_id]
+                result.logprobs.pop(request_id, None)
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -1,6 +1,6 @@
 """Memory profiling at start-up (vLLM's "dummy inputs for memory profiling") and the KV budget.
 
-The engine core's (``EngineCore._blocks_for_budget``), for text and multimodal models alike; what a
+The engine core's (``Worker._blocks_for_budget``, per rank), for text and multimodal models alike; what a
 multimodal family declares for it (its limit, its largest item) is
 ``atb_plugin.models.interfaces.MultimodalProcessingInfo``.
 

@@ -27,7 +27,7 @@ from atb_plugin.engine.prepare_inputs import prepare_inputs
 from atb_plugin.engine.request import Request
 from atb_plugin.engine.sampler import Sampler, make_generator
 from atb_plugin.engine.scheduler import SchedulerOutput
-from atb_plugin.engine.structured_output import GrammarViolation, StructuredOutputManager
+from atb_plugin.distributed import tp_size
 from atb_plugin.models.interfaces import SupportsMedia, SupportsMRoPE, SupportsTokenTypes
 from atb_plugin.models.poolers import DispatchPooler, PoolingBatch
 from atb_plugin.multimodal import MediaBlockError, MultimodalPrompt
@@ -66,12 +66,11 @@ class ModelRunner:
     it keeps per-request device state (batch row, media features, M-RoPE positions, sampling
     generator) from a request's first scheduling until the scheduler reports it finished.
     With a ``pooler`` (the pooling runner) its requests' hidden states are pooled instead of
-    sampled. With a ``structured_output`` manager, a structured request's logits are masked to
-    its grammar before sampling and its sampled token advances its matcher; a token the grammar
-    refuses (other constraints left it no choice) fails that request alone."""
+    sampled. A structured request's logits are masked to its grammar before sampling
+    (``SchedulerOutput.grammar_bitmask``, made by the core, which also advances the grammar with
+    the sampled token)."""
 
-    def __init__(self, model, config: EngineConfig, num_blocks: int, pooler: DispatchPooler | None = None,
-                 structured_output: StructuredOutputManager | None = None):
+    def __init__(self, model, config: EngineConfig, num_blocks: int, pooler: DispatchPooler | None = None):
         self.model = model
         self.config = config
         self.device = next(model.parameters()).device
@@ -84,6 +83,10 @@ class ModelRunner:
             self.decode_capture = "off (enforce_eager)"
         elif pooler is not None:
             self.decode_capture = "off (pooling)"
+        elif tp_size() > 1:
+            # One native call per layer would still need two all-reduces inside it: the captured
+            # step runs whole layers without collectives, so tensor-parallel ranks run eagerly.
+            self.decode_capture = "eager (tensor parallel)"
         elif not platform.captures_decode_step:
             self.decode_capture = f"eager (no captured decode step on {platform.name} yet)"
         else:
@@ -94,7 +97,6 @@ class ModelRunner:
         self.layout = model.media_layout if isinstance(model, SupportsMedia) else None
         self.uses_mrope = isinstance(model, SupportsMRoPE)
         self.pooler = pooler
-        self.structured_output = structured_output
         self.uses_token_types = isinstance(model, SupportsTokenTypes)
         self.states: dict[str, _RequestState] = {}
         # Per request, made once and advanced only by its own sampling, kept across preemption:
@@ -182,8 +184,8 @@ class ModelRunner:
         if sampling:
             logits = self.model.compute_logits(hidden[prepared.logits_indices[sampling]])
             states = [self.states[request_ids[i]] for i in sampling]
-            if self.structured_output is not None:
-                self.structured_output.apply_bitmask(logits, [s.request for s in states])
+            if output.grammar_bitmask is not None:
+                output.grammar_bitmask.apply(logits, [s.request.request_id for s in states])
             sampled = self.sampler.sample(
                 logits,
                 [s.request.sampling_params for s in states],
@@ -196,14 +198,6 @@ class ModelRunner:
             )
             for state, token, logprobs in zip(states, sampled.token_ids, sampled.logprobs):
                 request_id = state.request.request_id
-                if self.structured_output is not None:
-                    # Preemption recomputes the KV but keeps the output tokens, which the matcher
-                    # has accepted already: it never needs a rollback.
-                    try:
-                        self.structured_output.accept(state.request, token)
-                    except GrammarViolation as error:
-                        result.failed[request_id] = str(error)
-                        continue
                 result.sampled[request_id] = token
                 result.logprobs[request_id] = logprobs
                 self.input_batch.append_token(request_id, token)

@@ -98,10 +98,12 @@ def run_engine_core(config, input_address: str, output_address: str, log_level: 
         _loop(core, inbox, outbox, parent)
     except BaseException:
         logger.exception("engine core crashed")
+        core.shutdown()  # no rank outlives the core
         outbox.close(linger=500)
         inbox.close(linger=0)  # term() waits for every socket: an open inbox would hang the exit
         context.term()
         sys.exit(1)
+    core.shutdown()
     outbox.close(linger=2000)
     inbox.close(linger=0)
     context.term()

@@ -46,6 +46,12 @@ class SchedulerOutput:
     new_block_ids: dict[str, list[int]]  # blocks appended to each scheduled request this step
     preempted_request_ids: list[str] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)  # since the previous step
+    # Each scheduled request's computed tokens before this step (tensor-parallel ranks check
+    # their copies of the requests against it: engine/worker.py, RequestMirror).
+    computed_tokens: dict[str, int] = field(default_factory=dict)
+    # The grammar masks of this step's structured requests that sample (the core fills it:
+    # structured_output.GrammarBitmask); None when there are none.
+    grammar_bitmask: object | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -181,7 +187,8 @@ class Scheduler:
         self.waiting.extendleft(reversed(not_ready))  # back in front, in their order
 
         finished, self._finished_since_last_step = self._finished_since_last_step, []
-        return SchedulerOutput(scheduled, new_requests, new_block_ids, preempted, finished)
+        computed = {request_id: self.requests[request_id].num_computed_tokens for request_id in scheduled}
+        return SchedulerOutput(scheduled, new_requests, new_block_ids, preempted, finished, computed)
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
                            logprobs: dict[str, object] | None = None,

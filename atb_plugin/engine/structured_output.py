@@ -22,6 +22,7 @@ import json
 import re
 from collections.abc import Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -519,6 +520,29 @@ class GrammarViolation(RuntimeError):
     that request alone."""
 
 
+@dataclass
+class GrammarBitmask:
+    """One step's grammar masks: row i of ``bitmask`` (int32, a bit per token, xgrammar's
+    layout) is what ``request_ids[i]`` may sample next."""
+
+    request_ids: list[str]
+    bitmask: torch.Tensor
+    vocab_size: int
+
+    def apply(self, logits: torch.Tensor, request_ids: Sequence[str]) -> None:
+        """Row j of ``logits`` belongs to ``request_ids[j]``: -inf, in place, for every token the
+        grammar of that request forbids; rows of other requests are untouched."""
+        index = {request_id: i for i, request_id in enumerate(self.request_ids)}
+        rows = [j for j, request_id in enumerate(request_ids) if request_id in index]
+        if not rows:
+            return
+        aligned = torch.full((len(request_ids), self.bitmask.shape[1]), -1, dtype=torch.int32)
+        aligned[rows] = self.bitmask[[index[request_ids[j]] for j in rows]]
+        if aligned.device != logits.device:
+            aligned = aligned.to(logits.device, non_blocking=True)
+        _xgrammar().apply_token_bitmask_inplace(logits, aligned, vocab_size=self.vocab_size, indices=rows)
+
+
 class StructuredOutputManager:
     """Contract: one per engine core, driven from the engine loop's thread only (compiles run on
     one background thread). ``register(request)`` starts compiling a structured request's grammar
@@ -526,8 +550,8 @@ class StructuredOutputManager:
     one is in xgrammar's compiler cache). ``is_ready(request)`` is True for an unstructured
     request and, once its grammar compiled, for a structured one, which then has a matcher;
     ``pop_compile_errors()`` hands the requests whose compile failed to the core (each fails
-    alone, "error"). ``apply_bitmask(logits, requests)`` masks row i of ``logits`` in place to the
-    tokens ``requests[i]``'s grammar allows next (rows of other requests untouched);
+    alone, "error"). ``grammar_bitmask(requests)`` gives the masks of the step's sampling
+    requests (the runner applies them: ``GrammarBitmask.apply``);
     ``accept(request, token)`` advances its matcher (``GrammarViolation`` if the grammar refuses
     the token); ``remove(request_id)`` forgets a finished request. A matcher that reached its
     stop token (a request that goes on after EOS: ignore_eos) no longer constrains the request.
@@ -607,22 +631,18 @@ class StructuredOutputManager:
 
     # -- sampling --------------------------------------------------------------------------------
 
-    def apply_bitmask(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
-        """Row i of ``logits`` (B, V) belongs to ``requests[i]``: -inf, in place, for every token
-        its grammar forbids next. Rows of unstructured requests are not touched."""
-        if not self._matchers:
-            return
-        rows = [i for i, request in enumerate(requests) if self._constrains(request.request_id)]
-        if not rows:
-            return
-        bitmask = self._bitmask_rows(len(requests))
+    def grammar_bitmask(self, requests: Sequence[Request]) -> GrammarBitmask | None:
+        """The masks of the structured ``requests`` (those that sample this step) whose grammar
+        still constrains them; None when none does. Made in the core, applied by every rank."""
+        constrained = [request for request in requests if self._constrains(request.request_id)]
+        if not constrained:
+            return None
+        bitmask = self._bitmask_rows(len(constrained))
         if self._batch_matcher is None:
             self._batch_matcher = _xgrammar().BatchGrammarMatcher()
-        self._batch_matcher.batch_fill_next_token_bitmask([self._matchers[requests[i].request_id] for i in rows],
-                                                          bitmask, indices=rows)
-        if bitmask.device != logits.device:
-            bitmask = bitmask[:len(requests)].to(logits.device, non_blocking=True)
-        _xgrammar().apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+        self._batch_matcher.batch_fill_next_token_bitmask([self._matchers[r.request_id] for r in constrained],
+                                                          bitmask, indices=list(range(len(constrained))))
+        return GrammarBitmask([r.request_id for r in constrained], bitmask[:len(constrained)].clone(), self.vocab_size)
 
     def accept(self, request: Request, token_id: int) -> None:
         if not self._constrains(request.request_id):

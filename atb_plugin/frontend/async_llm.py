@@ -365,7 +365,7 @@ class AsyncLLM:
 
     def on_engine_death(self, exit_code) -> None:
         self.dead_reason = f"the engine-core process exited with code {exit_code}"
-        self._fail_all(EngineDeadError(), lambda request_id: True)
+        self.fail_all(EngineDeadError(), lambda request_id: True)
         if self._on_engine_death is not None:
             self._on_engine_death(exit_code)
 
@@ -375,10 +375,14 @@ class AsyncLLM:
             lease = self.tracker.lease_of(request_id)
             return lease is not None and lease.owner == index
 
-        self._fail_all(RequestError(500, f"tokenizer worker {index} died; this request's images are gone. Retry it"),
-                       built_there)
+        self.fail_all(RequestError(500, f"tokenizer worker {index} died; this request's images are gone. Retry it"),
+                      built_there)
 
-    def _fail_all(self, error: Exception, which) -> None:
+    def fail_all(self, error: Exception, which) -> None:
+        """End every running request for which ``which(request_id)`` is true with ``error``:
+        aborted in the core (its lease released once, through the tracker) and ``error`` raised
+        from its stream. An engine or worker death fails the requests it took with it; the
+        server's shutdown watcher the requests still running at --shutdown-timeout."""
         for request_id, tracked in list(self._tracked.items()):
             if which(request_id):
                 self.abort(request_id, "error", str(error))

@@ -102,6 +102,7 @@ class LLMEngine:
         return self.tracker.process(self.client.step())
 
     def close(self) -> None:
+        self.client.shutdown()  # tensor-parallel ranks stop here
         if self.owns_store:
             self.shm_store.close()
 

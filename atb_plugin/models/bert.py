@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from atb_plugin import ops
+from atb_plugin.distributed import TPShard, all_reduce, divide, tp_size
 from atb_plugin.models.base import PretrainedModel
 from atb_plugin.models.clip import activation
 from atb_plugin.models.poolers import DispatchPooler, embedding_pooler
@@ -93,15 +94,25 @@ class BertEmbeddings(nn.Module):
 
 
 class BertSelfAttention(nn.Module):
+    """Under tensor parallelism: this rank's heads (column-parallel ``qkv``); its output is this
+    rank's slice of the context, which the row-parallel ``BertDenseNorm`` after it reduces."""
+
     def __init__(self, config: BertConfig):
         super().__init__()
-        self.num_heads, self.head_dim = config.num_attention_heads, config.head_dim
-        self.hidden_size = config.hidden_size
-        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.num_heads, self.head_dim = divide(config.num_attention_heads, tp_size(), "num_attention_heads"), config.head_dim
+        self.total_hidden_size = config.hidden_size
+        self.hidden_size = self.num_heads * self.head_dim
+        self.qkv = nn.Linear(config.hidden_size, 3 * self.hidden_size)
         self.scale = self.head_dim**-0.5
 
     def shard_sizes(self, fused: str) -> list[int]:
         return [self.hidden_size] * 3
+
+    def checkpoint_shard_sizes(self, fused: str) -> list[int]:
+        return [self.total_hidden_size] * 3
+
+    def tp_shard(self, leaf: str, kind: str, shard: int | None) -> TPShard | None:
+        return TPShard.column(self.hidden_size)
 
     def forward(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv(hidden).view(-1, 3, self.num_heads, self.head_dim).unbind(1)
@@ -109,32 +120,43 @@ class BertSelfAttention(nn.Module):
 
 
 class BertDenseNorm(nn.Module):
-    """``LayerNorm(residual + dense(x))`` (BertSelfOutput and BertOutput)."""
+    """``LayerNorm(residual + dense(x))`` (BertSelfOutput and BertOutput); ``dense`` is
+    row-parallel under tensor parallelism (``in_features`` is this rank's share)."""
 
     def __init__(self, in_features: int, config: BertConfig):
         super().__init__()
+        self.in_features, self.hidden_size = in_features, config.hidden_size
         self.dense = nn.Linear(in_features, config.hidden_size)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
+    def tp_shard(self, leaf: str, kind: str, shard: int | None) -> TPShard | None:
+        return TPShard.row(kind, self.in_features, self.hidden_size) if leaf == "dense" else None
+
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(residual + self.dense(hidden))
+        return self.LayerNorm(residual + all_reduce(self.dense(hidden)))
 
 
 class BertAttention(nn.Module):
     def __init__(self, config: BertConfig):
         super().__init__()
         self.self = BertSelfAttention(config)
-        self.output = BertDenseNorm(config.hidden_size, config)
+        self.output = BertDenseNorm(self.self.hidden_size, config)
 
     def forward(self, hidden, cu_seqlens):
         return self.output(self.self(hidden, cu_seqlens), hidden)
 
 
 class BertIntermediate(nn.Module):
+    """Column-parallel under tensor parallelism: this rank's intermediate features."""
+
     def __init__(self, config: BertConfig):
         super().__init__()
-        self.dense = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.intermediate_size = divide(config.intermediate_size, tp_size(), "intermediate_size")
+        self.dense = nn.Linear(config.hidden_size, self.intermediate_size)
         self.act = activation(config.hidden_act)
+
+    def tp_shard(self, leaf: str, kind: str, shard: int | None) -> TPShard | None:
+        return TPShard.column(self.intermediate_size)
 
     def forward(self, hidden):
         return self.act(self.dense(hidden))
@@ -145,7 +167,7 @@ class BertLayer(nn.Module):
         super().__init__()
         self.attention = BertAttention(config)
         self.intermediate = BertIntermediate(config)
-        self.output = BertDenseNorm(config.intermediate_size, config)
+        self.output = BertDenseNorm(self.intermediate.intermediate_size, config)
 
     def forward(self, hidden, cu_seqlens):
         attended = self.attention(hidden, cu_seqlens)

@@ -6,6 +6,12 @@ two fused projections, filled from the checkpoint's separate ones at load time::
 
     qkv_proj     = [q_proj; k_proj; v_proj]   (one matmul instead of three)
     gate_up_proj = [gate_proj; up_proj]       (feeds silu_and_mul directly)
+
+Under tensor parallelism (``atb_plugin.distributed``) each rank builds the same modules at its
+share of the sizes: attention heads and the MLP's intermediate features are split (qkv_proj and
+gate_up_proj by output rows, o_proj and down_proj by input columns, one all-reduce after each),
+KV heads are split too, or replicated when there are fewer of them than ranks; the embedding and
+the LM head are split by vocabulary rows (``parallel_layers``). Norms and rotary are replicated.
 """
 
 from __future__ import annotations
@@ -16,7 +22,9 @@ import torch
 from torch import nn
 
 from atb_plugin import ops
+from atb_plugin.distributed import TPShard, all_reduce, divide, tp_rank, tp_size
 from atb_plugin.models.base import PretrainedModel
+from atb_plugin.models.parallel_layers import VocabParallelEmbedding, gather_vocab_logits
 from atb_plugin.models.weights import IGNORE, OLD_ROTARY_BUFFER, STACKED_QKV_GATE_UP
 from atb_plugin.ops import AttentionMetadata
 
@@ -83,18 +91,49 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
 
+def kv_heads_per_rank(num_kv_heads: int, tp: int) -> tuple[int, int]:
+    """``(KV heads each rank holds, the first one of this rank)``: an even split, or with fewer KV
+    heads than ranks one head per rank, each replicated on ``tp / num_kv_heads`` ranks (the query
+    heads of a rank all belong to its one KV head then)."""
+    if num_kv_heads >= tp:
+        local = divide(num_kv_heads, tp, "num_key_value_heads")
+        return local, tp_rank() * local
+    if tp % num_kv_heads:
+        raise ValueError(f"num_key_value_heads ({num_kv_heads}) is fewer than "
+                         f"tensor_parallel_size ({tp}) and does not divide it: KV heads can be replicated "
+                         f"only when tensor_parallel_size is a multiple of {num_kv_heads}")
+    return 1, tp_rank() // (tp // num_kv_heads)
+
+
 class Attention(nn.Module):
+    """GQA attention; under TP, this rank's heads (``ShardedWeights``)."""
+
     def __init__(self, config: DecoderConfig):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        tp = tp_size()
+        self.total_q_size = config.num_attention_heads * config.head_dim
+        self.total_kv_size = config.num_key_value_heads * config.head_dim
+        self.num_heads = divide(config.num_attention_heads, tp, "num_attention_heads")
+        self.num_kv_heads, self.first_kv_head = kv_heads_per_rank(config.num_key_value_heads, tp)
+        self.head_dim = config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.hidden_size = config.hidden_size
         self.scale = self.head_dim**-0.5
 
     def shard_sizes(self, fused: str) -> list[int]:
         return [self.q_size, self.kv_size, self.kv_size]
+
+    def checkpoint_shard_sizes(self, fused: str) -> list[int]:
+        return [self.total_q_size, self.total_kv_size, self.total_kv_size]
+
+    def tp_shard(self, leaf: str, kind: str, shard: int | None) -> TPShard | None:
+        if leaf == "o_proj":
+            return TPShard.row(kind, self.q_size, self.hidden_size)
+        if shard == 0:
+            return TPShard.column(self.q_size)
+        return TPShard(0, self.first_kv_head * self.head_dim, self.kv_size)
 
     def forward(self, hidden, cos, sin, kv_cache: KVCache, metadata: AttentionMetadata):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -104,21 +143,33 @@ class Attention(nn.Module):
         key_cache, value_cache = kv_cache
         ops.write_kv_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
         out = ops.paged_attention(q, key_cache, value_cache, metadata, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return all_reduce(self.o_proj(out.reshape(-1, self.q_size)))
 
 
 class MLP(nn.Module):
+    """SwiGLU; under TP, this rank's intermediate features (``ShardedWeights``)."""
+
     def __init__(self, config: DecoderConfig):
         super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.total_intermediate_size = config.intermediate_size
+        self.intermediate_size = divide(config.intermediate_size, tp_size(), "intermediate_size")
+        self.hidden_size = config.hidden_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
 
     def shard_sizes(self, fused: str) -> list[int]:
         return [self.intermediate_size, self.intermediate_size]
 
+    def checkpoint_shard_sizes(self, fused: str) -> list[int]:
+        return [self.total_intermediate_size, self.total_intermediate_size]
+
+    def tp_shard(self, leaf: str, kind: str, shard: int | None) -> TPShard | None:
+        if leaf == "down_proj":
+            return TPShard.row(kind, self.intermediate_size, self.hidden_size)
+        return TPShard.column(self.intermediate_size)
+
     def forward(self, hidden):
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden)))
+        return all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden))))
 
 
 class DecoderLayer(nn.Module):
@@ -138,11 +189,14 @@ class DecoderModel(nn.Module):
     def __init__(self, config: DecoderConfig):
         super().__init__()
         self.config = config
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = ops.RotaryEmbedding(config.head_dim, config.rope, config.mrope_section)
         self.captured_decode = None  # a NativeDecodeStep once the engine captured one (capture_decode_step)
+
+    def tp_shard(self, leaf: str, kind: str, shard: int | None) -> TPShard | None:
+        return self.embed_tokens.tp_shard() if leaf == "embed_tokens" else None
 
     def forward(self, positions, kv_caches: list[KVCache], metadata: AttentionMetadata, inputs_embeds):
         cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
@@ -169,7 +223,12 @@ class DecoderForCausalLM(PretrainedModel):
         super().__init__()
         self.config = config
         self.model = DecoderModel(config)
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        # Vocabulary-parallel like the embedding (the same rows per rank: a tied head is its weight).
+        rows = self.model.embed_tokens.num_embeddings
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, rows, bias=False)
+
+    def tp_shard(self, leaf: str, kind: str, shard: int | None) -> TPShard | None:
+        return self.model.embed_tokens.tp_shard() if leaf == "lm_head" else None
 
     def get_language_model(self) -> "DecoderForCausalLM":
         return self
@@ -184,8 +243,11 @@ class DecoderForCausalLM(PretrainedModel):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:  # tied word embeddings: the input embedding is the output projection
-            return hidden @ self.model.embed_tokens.weight.t()
-        return self.lm_head(hidden)
+            logits = hidden @ self.model.embed_tokens.weight.t()
+        else:
+            logits = self.lm_head(hidden)
+        # Every rank gets the whole row (and samples it the same way: engine/worker.py).
+        return gather_vocab_logits(logits, self.config.vocab_size)
 
     def share_tied_lm_head(self) -> None:
         """Give a tied head a module of its own over the embedding's weight (the same tensor, not
@@ -193,7 +255,8 @@ class DecoderForCausalLM(PretrainedModel):
         swaps the head too. Called after loading (the checkpoint fills the embedding; a tied
         checkpoint's ``lm_head.weight`` stays ignored), and only for a model that generates."""
         if self.lm_head is None and self.config.tie_word_embeddings:
-            head = nn.Linear(self.config.hidden_size, self.config.vocab_size, bias=False, device="meta")
+            weight = self.model.embed_tokens.weight
+            head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
             head.weight = self.model.embed_tokens.weight
             self.lm_head = head
 
@@ -209,7 +272,8 @@ class DecoderForCausalLM(PretrainedModel):
 
     def make_kv_caches(self, num_blocks: int, block_size: int, dtype=None, device=None) -> list[KVCache]:
         weight = self.model.embed_tokens.weight
-        shape = (num_blocks, block_size, self.config.num_key_value_heads, self.config.head_dim)
+        # This rank's KV heads (all of them without tensor parallelism).
+        shape = (num_blocks, block_size, self.model.layers[0].self_attn.num_kv_heads, self.config.head_dim)
         return [
             (torch.zeros(shape, dtype=dtype or weight.dtype, device=device or weight.device),
              torch.zeros(shape, dtype=dtype or weight.dtype, device=device or weight.device))

@@ -7,6 +7,10 @@ parameter was filled and every checkpoint tensor was used, and names what was no
 ``FusedWeights`` is the one loader every model uses: a model maps a checkpoint name to its own
 name (``rename``), and projections the model stores fused (``qkv_proj = [q; k; v]``,
 ``gate_up_proj = [gate; up]``) are filled shard by shard from their separate checkpoint tensors.
+
+Tensor parallelism: a module whose parameters are sharded across ranks says which part of each
+checkpoint tensor this rank holds (``ShardedWeights.tp_shard``), and only that part is read from
+the file (``CheckpointTensor.narrow``: safetensors reads the slice, never the whole tensor).
 """
 
 from __future__ import annotations
@@ -15,10 +19,13 @@ import json
 import re
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from atb_plugin.distributed import TPShard, tp_size
 
 IGNORE = ""  # what a rename function returns for a known checkpoint tensor the model does not use
 OLD_ROTARY_BUFFER = re.compile(r".*rotary_emb\.inv_freq$")  # some old checkpoints still carry it
@@ -44,8 +51,50 @@ def checkpoint_files(model_dir) -> list[Path]:
     raise FileNotFoundError(f"{model_dir} has no model.safetensors or model.safetensors.index.json")
 
 
-def iter_weights(model_dir, dtype: torch.dtype | None = None, progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` over every shard, cast to ``dtype`` (floating tensors only)."""
+class CheckpointTensor:
+    """One tensor of a safetensors file, not read yet: ``narrow`` reads only a slice (a
+    tensor-parallel rank's part), ``materialize`` the whole; both cast floating tensors to
+    ``dtype``. Valid while ``iter_weights`` is at it (the file is open then)."""
+
+    def __init__(self, name: str, source, dtype: torch.dtype | None):
+        self.name, self._source, self._dtype = name, source, dtype
+        self.shape = torch.Size(source.get_shape())
+
+    def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self._dtype) if self._dtype is not None and tensor.is_floating_point() else tensor
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = tuple([slice(None)] * dim + [slice(start, start + length)])
+        return self._cast(self._source[index])
+
+    def materialize(self) -> torch.Tensor:
+        return self._cast(self._source[:]) if self.shape else self._cast(self._source[()])
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self.materialize()[index]
+
+
+def materialize(tensor) -> torch.Tensor:
+    """A checkpoint tensor read whole (a ``CheckpointTensor``), or ``tensor`` as it is."""
+    return tensor.materialize() if isinstance(tensor, CheckpointTensor) else tensor
+
+
+@runtime_checkable
+class ShardedWeights(Protocol):
+    """A module holding tensor-parallel shards of its parameters (or of its child linears').
+
+    ``tp_shard(leaf, kind, shard)``: the part of checkpoint tensor ``<leaf>.<kind>`` (the
+    ``shard``-th piece of a fused leaf such as ``qkv_proj``, else None) this rank holds; None
+    when it holds the whole tensor (replicated). A module that owns a fused leaf also answers
+    ``checkpoint_shard_sizes(fused)``: the rows of each piece in the checkpoint (all ranks
+    together), for checkpoints that store the fused tensor whole (Qwen-VL's ``c_attn``)."""
+
+    def tp_shard(self, leaf: str, kind: str, shard: int | None) -> TPShard | None: ...
+
+
+def iter_weights(model_dir, dtype: torch.dtype | None = None, progress: bool = True) -> Iterator[tuple[str, CheckpointTensor]]:
+    """``(name, tensor)`` over every shard, lazily (``CheckpointTensor``): floating tensors are
+    cast to ``dtype`` as they are read."""
     files = checkpoint_files(model_dir)
     if progress and len(files) > 1:
         from tqdm import tqdm
@@ -54,17 +103,29 @@ def iter_weights(model_dir, dtype: torch.dtype | None = None, progress: bool = T
     for path in files:
         with safe_open(str(path), framework="pt") as shard:
             for name in shard.keys():
-                tensor = shard.get_tensor(name)
-                if dtype is not None and tensor.is_floating_point():
-                    tensor = tensor.to(dtype)
-                yield name, tensor
+                yield name, CheckpointTensor(name, shard.get_slice(name), dtype)
 
 
-def copy_param(param: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
-    if param.shape != tensor.shape:
-        raise WeightLoadingError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
+def copy_param(param: torch.Tensor, tensor, name: str, shard: TPShard | None = None) -> None:
+    """Fill ``param`` from a checkpoint tensor, or with this rank's ``shard`` of it."""
+    if shard is None:
+        tensor = materialize(tensor)
+        if param.shape != tensor.shape:
+            raise WeightLoadingError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model expects {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(tensor)
+        return
     with torch.no_grad():
-        param.copy_(tensor)
+        if shard.zero:
+            param.zero_()
+            return
+        if shard.start + shard.length > tensor.shape[shard.dim]:
+            raise WeightLoadingError(f"{name}: checkpoint shape {tuple(tensor.shape)} is too small for rows "
+                                     f"[{shard.start}, {shard.start + shard.length}) of dimension {shard.dim}")
+        copy_param(param.narrow(shard.dim, 0, shard.length), tensor.narrow(shard.dim, shard.start, shard.length), name)
+        padding = param.shape[shard.dim] - shard.length
+        if padding:  # the padded tail of the last vocabulary shard
+            param.narrow(shard.dim, shard.length, padding).zero_()
 
 
 class FusedWeights:
@@ -98,6 +159,8 @@ class FusedWeights:
         """Copy ``(checkpoint name, tensor)`` pairs in; returns the parameters completely filled."""
         params = dict(self.model.named_parameters())  # the current objects (to_empty replaces them)
         modules = dict(self.model.named_modules())
+        fused_leaves = {fused for fused, _ in self.stacked.values()}
+        sharded = tp_size() > 1
         loaded: set[str] = set()
         shards_seen: dict[str, set[int]] = {}
         for name, tensor in weights:
@@ -108,16 +171,34 @@ class FusedWeights:
             if found is None:
                 raise WeightLoadingError(f"{name}: no such parameter in {type(self.model).__name__}")
             target, prefix, shard = found
-            if prefix is None:
-                copy_param(params[target], tensor, name)
+            owner_name, _, leaf_kind = target.rpartition(".")
+            owner_name, _, leaf = owner_name.rpartition(".")
+            owner = modules[owner_name]
+            owner = owner if sharded and isinstance(owner, ShardedWeights) else None
+            if prefix is None and owner is not None and leaf in fused_leaves:
+                # A fused projection stored whole (Qwen-VL's c_attn): this rank's part of each piece.
+                sizes, offset = owner.checkpoint_shard_sizes(leaf), 0
+                for index, size in enumerate(sizes):
+                    self._copy_piece(params[target], modules[owner_name], leaf, leaf_kind, index,
+                                     tensor.narrow(0, offset, size), owner, name)
+                    offset += size
                 loaded.add(target)
-                continue
-            sizes = modules[prefix].shard_sizes(target.rsplit(".", 2)[-2])
-            copy_param(params[target].narrow(0, sum(sizes[:shard]), sizes[shard]), tensor, name)
-            shards_seen.setdefault(target, set()).add(shard)
-            if len(shards_seen[target]) == len(sizes):  # filled only once every shard came
+            elif prefix is None:
+                copy_param(params[target], tensor, name, owner.tp_shard(leaf, leaf_kind, None) if owner else None)
                 loaded.add(target)
+            else:
+                self._copy_piece(params[target], modules[prefix], leaf, leaf_kind, shard, tensor, owner, name)
+                shards_seen.setdefault(target, set()).add(shard)
+                if len(shards_seen[target]) == len(modules[prefix].shard_sizes(leaf)):  # once every shard came
+                    loaded.add(target)
         return loaded
+
+    @staticmethod
+    def _copy_piece(param, module, leaf: str, kind: str, index: int, tensor, owner, name: str) -> None:
+        """Fill piece ``index`` of fused parameter ``param`` (rows ``shard_sizes`` of this rank)."""
+        sizes = module.shard_sizes(leaf)
+        piece = param.narrow(0, sum(sizes[:index]), sizes[index])
+        copy_param(piece, tensor, name, owner.tp_shard(leaf, kind, index) if owner is not None else None)
 
 
 def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None = None) -> None:

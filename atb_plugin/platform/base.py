@@ -120,6 +120,17 @@ class Platform:
         the first step: the CPU packs linear weights for oneDNN (``atb_plugin.ops.packed_linear``)
         when ``pack_weights``; nothing by default."""
 
+    # --- tensor parallelism -------------------------------------------------------------------
+
+    def device_count(self) -> int | None:
+        """Devices a tensor-parallel engine may spread its ranks over; None: no limit (CPU ranks
+        share the host's cores)."""
+        return None
+
+    def bind_device(self, index: int) -> None:
+        """Make device ``index`` this process's current device (a rank process, before it loads
+        its shard); nothing where there is one host."""
+
     # --- memory (the start-up profile, atb_plugin.engine.memory_profile, sizes the KV cache) ------
 
     def total_memory(self) -> int | None:

@@ -24,6 +24,12 @@ class CudaPlatform(Platform):
     def default_dtype(self) -> str:
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"
 
+    def device_count(self) -> int:
+        return torch.cuda.device_count()
+
+    def bind_device(self, index: int) -> None:
+        torch.cuda.set_device(index)
+
     # --- memory: torch's caching allocator on the current device --------------------------------
 
     def total_memory(self) -> int:

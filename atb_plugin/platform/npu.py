@@ -255,6 +255,12 @@ class NpuPlatform(Platform):
             raise ValueError(f"EngineConfig.block_size = {block_size}: the NPU's paged-attention ops need {why}; "
                              f"the default is {self.default_block_size(head_size)}")
 
+    def device_count(self) -> int:
+        return torch_npu().npu.device_count()
+
+    def bind_device(self, index: int) -> None:
+        torch_npu().npu.set_device(index)
+
     # --- memory: torch_npu's caching allocator (the simulated NPU's tensors live in host memory) ---
 
     def total_memory(self) -> int | None:

@@ -30,7 +30,8 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -135,7 +136,7 @@ class Service:
         while True:
             # The frontend's own path for failing requests (what an engine death uses): each is
             # aborted in the core, its lease released once, and its stream raises ``error``.
-            self.llm._fail_all(error, cut)
+            self.llm.fail_all(error, cut)
             await asyncio.sleep(0.1)
 
     def _on_engine_death(self, exit_code) -> None:
@@ -415,10 +416,35 @@ def deadlines(config: ServerConfig, req, start: float) -> Deadlines | None:
     return Deadlines(request_timeout, token_timeout, start)
 
 
-async def respond(raw: Request, req, llm: AsyncLLM, make_dialect, request_id: str, prompt: PreparedPrompt,
-                  start: float, structured=None):
-    """Run a prepared prompt (arrived at ``start``) and answer in the route's dialect
-    (``make_dialect(n)``): one JSON body, or SSE."""
+@dataclass(frozen=True)
+class Generation:
+    """A chat or completion request as ``admit_generation`` admitted it: the parsed body, the
+    frontend, its id and arrival time (its time limits count from it), and what both dialects
+    are made with, the served model's name and a token's text (for logprobs)."""
+
+    req: Any
+    llm: AsyncLLM
+    request_id: str
+    start: float
+    model_name: str
+    token_text: Callable[[int], str]
+
+
+async def admit_generation(raw: Request, model_cls, prefix: str) -> Generation:
+    """How chat and completions open: the body parsed and admitted (``http.admit``), refused with
+    a 400 unless the model generates."""
+    start = time.monotonic()
+    service = service_of(raw)
+    req, llm, request_id = await admit(raw, model_cls, prefix)
+    check_generates(service)
+    return Generation(req, llm, request_id, start, service.config.served_model_name,
+                      lambda token_id: service.tokenizer.decode([token_id]))
+
+
+async def respond(raw: Request, generation: Generation, make_dialect, prompt: PreparedPrompt, structured=None):
+    """Run a request's prepared prompt and answer in the route's dialect (``make_dialect(n)``):
+    one JSON body, or SSE."""
+    req, llm, request_id, start = generation.req, generation.llm, generation.request_id, generation.start
     try:
         params, structured_field = sampling_params(llm, req, len(prompt.ids), structured)
         await llm.check_grammar(params, structured_field)
@@ -485,9 +511,10 @@ async def version():
 @routes.get("/v1/models")
 async def models(raw: Request):
     config = service_of(raw).config
-    # vLLM's card has root = the --model value (a path or a hub id). Clients read it as the
-    # base model's name (LoRA cards' parent points at it), so it stays, but as the served name:
-    # the checkpoint's directory is this machine's business.
+    # root stays for vLLM compatibility: vLLM puts it on every card (the --model value; a LoRA
+    # card's parent names the base card), and clients written against vLLM read card["root"] as
+    # the base model's name, which a missing key would break. Its value is the served name, not
+    # vLLM's path: where the checkpoint lies is this machine's business.
     card = protocol.ModelCard(id=config.served_model_name, root=config.served_model_name,
                               max_model_len=config.engine.max_model_len)
     return JSONResponse(protocol.ModelList(data=[card]).model_dump(exclude_none=True))
@@ -510,37 +537,34 @@ async def metrics(raw: Request):
 
 @routes.post("/v1/chat/completions")
 async def chat_completions(raw: Request):
-    start = time.monotonic()
-    service = service_of(raw)
-    req, llm, request_id = await admit(raw, protocol.ChatCompletionRequest, "chatcmpl")
-    check_generates(service)
-    options, structured = chat_options(service.config, req)
+    generation = await admit_generation(raw, protocol.ChatCompletionRequest, "chatcmpl")
+    req = generation.req
+    options, structured = chat_options(service_of(raw).config, req)
     # A client that leaves while its request waits for a tokenizer worker drops it there.
-    prompt = await until_answered(raw, llm.chat_ids(
-        request_id, req.to_conversation(), add_generation_prompt=req.add_generation_prompt,
+    prompt = await until_answered(raw, generation.llm.chat_ids(
+        generation.request_id, req.to_conversation(), add_generation_prompt=req.add_generation_prompt,
         chat_template_kwargs=req.chat_template_kwargs, tools=options.tools))
-    name, token_text = service.config.served_model_name, _token_text(service)
-    make_dialect = lambda n: ChatDialect(request_id, name, token_text, n, options)  # noqa: E731
-    return await respond(raw, req, llm, make_dialect, request_id, prompt, start, structured)
+
+    def make_dialect(n: int) -> ChatDialect:
+        return ChatDialect(generation.request_id, generation.model_name, generation.token_text, n, options)
+
+    return await respond(raw, generation, make_dialect, prompt, structured)
 
 
 @routes.post("/v1/completions")
 async def completions(raw: Request):
-    start = time.monotonic()
-    service = service_of(raw)
-    req, llm, request_id = await admit(raw, protocol.CompletionRequest, "cmpl")
-    check_generates(service)
-    prompt = await until_answered(raw, llm.prompt_ids(request_id, req.prompt, add_special_tokens=req.add_special_tokens))
+    generation = await admit_generation(raw, protocol.CompletionRequest, "cmpl")
+    req, llm = generation.req, generation.llm
+    prompt = await until_answered(raw, llm.prompt_ids(generation.request_id, req.prompt,
+                                                      add_special_tokens=req.add_special_tokens))
     echo = None
     if req.echo:
-        echo = req.prompt if isinstance(req.prompt, str) else service.tokenizer.decode(prompt.ids)
-    name, token_text = service.config.served_model_name, _token_text(service)
-    make_dialect = lambda n: CompletionDialect(request_id, name, token_text, n, echo)  # noqa: E731
-    return await respond(raw, req, llm, make_dialect, request_id, prompt, start)
+        echo = req.prompt if isinstance(req.prompt, str) else llm.tokenizer.decode(prompt.ids)
 
+    def make_dialect(n: int) -> CompletionDialect:
+        return CompletionDialect(generation.request_id, generation.model_name, generation.token_text, n, echo)
 
-def _token_text(service: Service):
-    return lambda token_id: service.tokenizer.decode([token_id])
+    return await respond(raw, generation, make_dialect, prompt)
 
 
 @routes.post("/tokenize")

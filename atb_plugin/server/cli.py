@@ -68,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
              "pooling model as it is; auto: from the architecture")
     add("--hf-overrides", type=_json_object, metavar="JSON",
         help="config.json keys to replace, e.g. '{\"is_matryoshka\": true}' or '{\"architectures\": [...]}'")
-    add("--served-model-name", help="the name clients send as `model` (default: the --model value)")
+    add("--served-model-name",
+        help="the name clients send as `model` and /v1/models lists (default: the --model directory's name, e.g. "
+             "Qwen2-VL-7B-Instruct; org/name for a Hugging Face cache snapshot); the --model path is accepted too")
     add("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     add("--port", type=int, default=1025, help="port (MindIE's default)")
     add("--device", default="auto", choices=DEVICES, help="auto: NPU if torch_npu finds one, else CUDA, else CPU")
@@ -91,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--num-threads", type=int, default=None,
         help="torch intra-op threads of the engine process (default: every core it may use, less one per "
              "tokenizer worker for a model that takes images); the tokenizer workers keep one each")
+    add("--tensor-parallel-size", "-tp", type=int, default=1,
+        help="shard the model over this many devices (ranks: one process each, torch.distributed with the "
+             "platform's backend: hccl / nccl / gloo); on the CPU the engine's threads are split between the ranks")
     add("--enforce-eager", action="store_true",
         help="always run the eager forward: no captured decode step (on the CPU with the native kernels "
              "decode-only steps otherwise replay one captured plan per step; same tokens, less host time)")
@@ -106,6 +111,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a host http(s) images may be fetched from (subdomains too); repeatable")
     add("--max-image-bytes", type=_size, default=20 << 20, help="encoded bytes per image (data: URLs too)")
     add("--max-image-pixels", type=int, default=6000 * 6000, help="decoded pixels per image")
+    add("--max-request-pixels", type=int, default=None,
+        help="decoded pixels of all images in one request together, checked from each image's header before "
+             "it is decoded (default: 4 x --max-image-pixels)")
     add("--max-request-body-bytes", type=_size, default=64 << 20, help="HTTP request body limit (413 beyond)")
     add("--max-queued-requests", type=int, default=256, help="requests in flight before 429")
     add("--max-pooling-inputs", type=int, default=2048,
@@ -199,7 +207,13 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
     if values["model"] is None:
         from atb_plugin.default_model import default_model_dir, embedding_model_dir
 
-        values["model"] = str(embedding_model_dir() if values["runner"] == "pooling" else default_model_dir())
+        pooling = values["runner"] == "pooling"
+        values["model"] = str(embedding_model_dir() if pooling else default_model_dir())
+        if values["served_model_name"] is None and pooling:
+            # The package keeps the model in a directory named "model": name it as the hub does.
+            from atb_plugin.default_model import EMBEDDING_MODEL_NAME
+
+            values["served_model_name"] = EMBEDDING_MODEL_NAME
     engine = EngineConfig(model=values["model"], dtype=values["dtype"], device=values["device"],
                           max_model_len=values["max_model_len"], block_size=values["block_size"],
                           kv_cache_bytes=values["kv_cache_memory"], max_num_seqs=values["max_num_seqs"],
@@ -208,7 +222,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                           gpu_memory_utilization=values["gpu_memory_utilization"],
                           limit_mm_per_prompt=values["limit_mm_per_prompt"], mm_wire_dtype=values["mm_wire_dtype"],
                           num_threads=values["num_threads"], enforce_eager=values["enforce_eager"],
-                          runner=values["runner"],
+                          tensor_parallel_size=values["tensor_parallel_size"], runner=values["runner"],
                           convert=values["convert"], hf_overrides=values["hf_overrides"])
     if values["num_threads"] is None and engine.limit_mm_per_prompt > 0:
         # Images keep the tokenizer workers busy: leave them their cores. An OpenMP pool sharing
@@ -223,7 +237,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         allowed_local_media_paths=tuple(values["allowed_local_media_path"]),
         allowed_media_domains=tuple(values["allowed_media_domains"]),
         max_image_bytes=values["max_image_bytes"], max_image_pixels=values["max_image_pixels"],
-        max_request_body_bytes=values["max_request_body_bytes"],
+        max_request_pixels=values["max_request_pixels"], max_request_body_bytes=values["max_request_body_bytes"],
         max_input_tokens=values.get("max_input_tokens"), chat_template=values["chat_template"],
         shm_budget_bytes=values["shm_budget_bytes"], shutdown_timeout=values["shutdown_timeout"],
         log_level=values["log_level"], max_parallel_samples=values["max_parallel_samples"],

@@ -17,6 +17,22 @@ from atb_plugin.server.tls import TLSSettings, check_tls
 from atb_plugin.utils import available_cores
 
 
+def default_served_model_name(model: str) -> str:
+    """The public name of a checkpoint served without --served-model-name: its directory's name
+    (``/models/Qwen2-VL-7B-Instruct`` -> ``Qwen2-VL-7B-Instruct``), or the repository's
+    ``org/name`` for a Hugging Face cache snapshot (``.../models--Qwen--Qwen2-VL-2B-Instruct/
+    snapshots/<revision>``), what a client of the hub would call it. vLLM's default is the --model
+    value itself, but that is a path on this machine, which clients have no business knowing
+    (requests naming it are still accepted: ``http.parse``)."""
+    path = os.path.abspath(model)
+    parent, name = os.path.split(path)
+    grandparent, parent_name = os.path.split(parent)
+    repository = os.path.basename(grandparent)
+    if parent_name == "snapshots" and repository.startswith("models--") and len(repository) > len("models--"):
+        return repository[len("models--"):].replace("--", "/")
+    return name or path
+
+
 def default_tokenizer_workers() -> int:
     # One core stays with the engine core's busy loop; preprocessing images is the workers' job.
     return max(1, min(4, available_cores() - 1))
@@ -25,7 +41,7 @@ def default_tokenizer_workers() -> int:
 @dataclass(frozen=True)
 class ServerConfig:
     engine: EngineConfig
-    served_model_name: str | None = None  # None: the --model value, as vLLM does
+    served_model_name: str | None = None  # None: default_served_model_name(the --model value)
     host: str = "127.0.0.1"
     port: int = 1025  # MindIE's default
     api_key: str | None = None
@@ -37,6 +53,8 @@ class ServerConfig:
     allowed_media_domains: tuple[str, ...] = ()
     max_image_bytes: int = 20 * 1024 * 1024  # per image (a data: URL's decoded bytes too)
     max_image_pixels: int = 6000 * 6000
+    # All images of one request together; None: media.default_max_request_pixels (4 images' worth).
+    max_request_pixels: int | None = None
     max_request_body_bytes: int = 64 * 1024 * 1024  # three 20 MiB images as base64 data URLs fit
     max_input_tokens: int | None = None  # MindIE's maxInputTokenLen
     chat_template: str | None = None  # a file path or the template text
@@ -58,10 +76,15 @@ class ServerConfig:
 
     def __post_init__(self):
         if self.served_model_name is None:
-            object.__setattr__(self, "served_model_name", self.engine.model)
+            object.__setattr__(self, "served_model_name", default_served_model_name(self.engine.model))
+        if self.max_request_pixels is None and isinstance(self.max_image_pixels, int):
+            from input_builders.media import default_max_request_pixels
+
+            # Resolved here, not left to MediaConfig, so that describe() logs the value in force.
+            object.__setattr__(self, "max_request_pixels", default_max_request_pixels(self.max_image_pixels))
         for name, low in (("port", 0), ("tokenizer_workers", 1), ("max_queued_requests", 1), ("max_parallel_samples", 1),
-                          ("max_pooling_inputs", 1),
-                          ("max_image_bytes", 1), ("max_image_pixels", 1), ("max_request_body_bytes", 1)):
+                          ("max_pooling_inputs", 1), ("max_image_bytes", 1), ("max_image_pixels", 1),
+                          ("max_request_pixels", 1), ("max_request_body_bytes", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"--{name.replace('_', '-')} = {value!r}: must be an integer >= {low}")
@@ -112,7 +135,7 @@ class ServerConfig:
         return MediaConfig(allowed_local_media_paths=self.allowed_local_media_paths,
                            allowed_domains=self.allowed_media_domains,
                            max_image_bytes=self.max_image_bytes, max_image_pixels=self.max_image_pixels,
-                           api="server")
+                           max_request_pixels=self.max_request_pixels, api="server")
 
     def describe(self) -> str:
         lines = [f"{f.name} = {getattr(self, f.name)!r}" for f in dataclasses.fields(self)

@@ -13,6 +13,8 @@ So a MindIE deployment can switch over with its existing config file. Mapped fie
                                                            on the prompt, as in MindIE)
     ...ModelDeployConfig.ModelConfig[0].modelName       -> served_model_name
     ...ModelDeployConfig.ModelConfig[0].modelWeightPath -> model
+    ...ModelDeployConfig.ModelConfig[0].worldSize       -> tensor_parallel_size (ranks use the
+                                                           npuDeviceIds devices, renumbered 0..)
     ...ModelDeployConfig.ModelConfig[0].npuMemSize > 0  -> kv_cache_bytes (GiB -> bytes;
                                                            -1, MindIE's "automatic", maps to nothing)
     BackendConfig.ScheduleConfig.cacheBlockSize         -> block_size
@@ -36,7 +38,7 @@ So a MindIE deployment can switch over with its existing config file. Mapped fie
 
 Every other field lands in ``MindieMapping.ignored`` (dotted paths, ``ModelConfig[0]`` style,
 with the reason in ``.reasons``) when it is unknown or asks for something this server does not
-do (a separate metrics port, ``worldSize`` > 1...). Fields that change nothing here stay silent:
+do (a separate metrics port...). Fields that change nothing here stay silent:
 those at their neutral value (``truncation: false``...) and certificate paths of endpoints this
 server does not have (management, inter-process, inter-node TLS). Fields that are mapped or checked must have MindIE's types, or
 ``ValueError`` says which one is wrong.
@@ -181,8 +183,7 @@ _MODEL: dict[str, Any] = {
     "modelName": Flag("served_model_name", _text),
     "modelWeightPath": Flag("model", _text),
     "modelInstanceType": Neutral(_equals("Standard"), "only standard model instances"),
-    "worldSize": Neutral(_equals(1), "tensor parallelism is not supported: one device per instance",
-                         lambda p, v: _int(p, v, minimum=1)),
+    "worldSize": Flag("tensor_parallel_size", _positive),
     "cpuMemSize": Neutral(_equals(0), "no CPU swap space for the KV cache", lambda p, v: _int(p, v, minimum=0)),
     "npuMemSize": Custom("_npu_mem_size"),
     "backendType": Neutral(_equals("atb"), "this server is an ATB backend"),

@@ -10,7 +10,9 @@ A request flows: parse (pydantic, ``pooling_protocol``) -> ``PoolingParams`` che
 the model serves (``InputProcessor.pooling_params``: 400 naming its tasks) -> texts tokenised in
 a tokenizer worker (one job for all of a request's inputs: ``InputProcessor.pooling_ids``, the
 offline ``LLM``'s too) -> one engine request per input, at most ``pooling_window`` of them in
-flight at once, results in input order; one failing or the client leaving aborts the rest.
+flight at once, results in input order; one failing or the client leaving aborts the rest. A
+client that leaves while its texts wait for (or are in) a tokenizer worker drops the job there
+(``http.until_answered``, as the generate routes do: counted as an abort).
 
 A request takes at most --max-pooling-inputs inputs (2048, OpenAI's limit for /v1/embeddings;
 for /score and /rerank the pairs: text_2 / documents), refused with a 400 before anything is
@@ -39,7 +41,7 @@ from atb_plugin.pooling.outputs import cosine_similarity
 from atb_plugin.pooling.params import PoolingParams
 from atb_plugin.server import pooling_protocol as pp
 from atb_plugin.server.errors import APIError
-from atb_plugin.server.http import DISCONNECT_POLL_S, admit, service_of
+from atb_plugin.server.http import DISCONNECT_POLL_S, admit, service_of, until_answered
 from atb_plugin.server.protocol import UsageInfo
 
 __all__ = ["pooling_routes", "encode_array", "pooling_window", "run_all"]
@@ -164,7 +166,8 @@ async def pool_prompts(raw: Request, llm: AsyncLLM, request_id: str, req,
     """The request's ``prompts`` (truncated as it asks), each pooled on its own: their ids and
     tensors, in input order (/v1/embeddings, /pooling, /classify)."""
     _check_count(raw, llm, len(req.prompts), "input")
-    ids = await llm.pooling_ids(request_id, req.prompts, llm.processor.truncation(req.truncate_prompt_tokens))
+    ids = await until_answered(raw, llm.pooling_ids(request_id, req.prompts,
+                                                    llm.processor.truncation(req.truncate_prompt_tokens)))
     return ids, await run_all(raw, llm, request_id, [(i, None) for i in ids], params)
 
 
@@ -180,15 +183,15 @@ async def scores(raw: Request, llm: AsyncLLM, request_id: str, first: list[str],
     truncate_to = processor.truncation(truncate_prompt_tokens)
     if mode == "pair":
         pairs = pooling_inputs.score_pairs(first, second)  # the request validated the shapes
-        encoded = await llm.pair_ids(request_id, pairs, truncate_to, names[1])
+        encoded = await until_answered(raw, llm.pair_ids(request_id, pairs, truncate_to, names[1]))
         arrays = await run_all(raw, llm, request_id, encoded, params)
         if arrays[0].shape != (1,):
             raise APIError(400, f"{processor.config.model} has {arrays[0].shape[-1]} labels; scores need a "
                                 "one-label cross-encoder (use /classify for its class probabilities)")
         return [float(a[0]) for a in arrays], sum(len(ids) for ids, _ in encoded)
     # Each distinct side once: 1 -> N embeds the query a single time.
-    ids_1 = await llm.pooling_ids(request_id, first, truncate_to, names[0])
-    ids_2 = await llm.pooling_ids(request_id, second, truncate_to, names[1])
+    ids_1 = await until_answered(raw, llm.pooling_ids(request_id, first, truncate_to, names[0]))
+    ids_2 = await until_answered(raw, llm.pooling_ids(request_id, second, truncate_to, names[1]))
     arrays = await run_all(raw, llm, request_id, [(i, None) for i in ids_1 + ids_2], params)
     pairs = pooling_inputs.score_pairs(arrays[:len(ids_1)], arrays[len(ids_1):])
     return [cosine_similarity(u, v) for u, v in pairs], sum(len(i) for i in ids_1 + ids_2)

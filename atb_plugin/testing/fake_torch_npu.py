@@ -688,6 +688,21 @@ def build_module(device_count: int = 1, *, allow_fp32_attention: bool = False,
     return module
 
 
+def _register_hccl() -> None:
+    """The real torch_npu registers the ``hccl`` backend with torch.distributed (HCCL collectives
+    on the NPU); the simulated NPU's tensors are host tensors, so its ``hccl`` is a gloo process
+    group under that name: ``init_process_group("hccl")`` runs as on Ascend, gloo moves the bytes."""
+    import torch.distributed as dist
+
+    if "hccl" in dist.Backend.backend_list:
+        return
+
+    def create_gloo(store, rank, size, timeout):
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    dist.Backend.register_backend("hccl", create_gloo, devices=["cpu"])
+
+
 def install(device_count: int = 1, *, allow_fp32_attention: bool = False, chip: str = DEFAULT_CHIP) -> FakeTorchNpu:
     """Install a fake as ``sys.modules["torch_npu"]`` reporting ``device_count`` devices; returns the
     handle (a context manager). Refuses when a real torch_npu (or another fake) is loaded.
@@ -703,6 +718,7 @@ def install(device_count: int = 1, *, allow_fp32_attention: bool = False, chip: 
         sys.modules["torch_npu"] = handle.module
         proxy.runtime = handle.module.npu
         _active = handle
+    _register_hccl()
     _forget_cached_npu_probes()
     return handle
 

@@ -1,0 +1,228 @@
+"""``Worker``: the device side of one tensor-parallel rank — its model shard, its shard of the
+KV cache and the model runner. The engine core drives it through an executor
+(``atb_plugin.engine.executor``): in its own process at TP = 1, in a rank process otherwise
+(``run_rank``, started by ``MultiprocExecutor``).
+
+Every rank runs the whole step on the same inputs: the same scheduler output, the same
+all-gathered logits, the same sampler with the same per-request generators (seeded) or the same
+global generator state (unseeded: every rank seeds it alike at start), so every rank samples
+the same tokens and keeps the same batch without being told; only rank 0 answers the core.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from atb_plugin.distributed import destroy_tensor_parallel, init_tensor_parallel
+from atb_plugin.engine.config import EngineConfig
+from atb_plugin.engine.memory_profile import MiB, kv_bytes_per_block, kv_cache_budget, weight_bytes
+from atb_plugin.engine.model_runner import ModelRunner, RunnerOutput
+from atb_plugin.engine.request import Request
+from atb_plugin.engine.scheduler import SchedulerOutput
+from atb_plugin.models import registry
+from atb_plugin.models.pooling_adapters import as_pooling_model
+from atb_plugin.platform import platform_for
+from atb_plugin.pooling.config import pooler_config
+from atb_plugin.utils import available_cores, cdiv
+
+logger = logging.getLogger(__name__)
+
+_TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# Unseeded requests draw from torch's global generator: the same seed on every rank keeps their
+# draws identical across ranks.
+_GLOBAL_SEED = 0
+
+
+def load_model(config: EngineConfig, device):
+    """The model ``config`` names (this rank's shard of it), on ``device``, and its pooler on a
+    pooling runner (None when generating): a native pooling class as it is, a generative one
+    through its convert adapter, pooled as the checkpoint's own pooling files say."""
+    model_cls = registry.import_model_class(config.model_cls_path)
+    pooling = config.runner == "pooling"
+    hf_config = config.checkpoint_config() if pooling else {}
+    if pooling:
+        model_cls = as_pooling_model(model_cls, config.convert, hf_config)
+    model = model_cls.from_pretrained(config.model, dtype=_TORCH_DTYPES[config.dtype], device=device)
+    if not pooling:
+        model.get_language_model().share_tied_lm_head()  # a swapped-in head (packing) is the tied one too
+    # Before the pooler is built: it must hold the modules the platform swapped in.
+    platform_for(config.device).prepare_model(model, pack_weights=config.pack_weights)
+    pooler = model.build_pooler(pooler_config(config.model, model_cls.default_pooling_type,
+                                              hf_config.get("pooler_config"))) if pooling else None
+    return model, pooler
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What a rank reports once its shard is loaded."""
+
+    available_kv_blocks: int  # the most KV blocks its budget holds (the null block included)
+    weight_bytes: int  # its shard plus what every rank replicates, as held (packed weights are buffers)
+
+
+class Worker:
+    """One rank: ``load()`` builds the model shard, ``initialize(num_blocks)`` its KV cache and
+    runner (the core picks ``num_blocks``: the smallest that every rank can hold),
+    ``execute(step)`` runs one step."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0):
+        self.config = config
+        self.platform = platform_for(config.device)
+        self.device = self.platform.device(config.rank_device(rank))
+        self.model = self.pooler = self.runner = None
+
+    def load(self) -> WorkerInfo:
+        self.model, self.pooler = load_model(self.config, self.device)
+        return WorkerInfo(self._blocks_for_budget(), weight_bytes(self.model))
+
+    def initialize(self, num_blocks: int) -> str:
+        """Allocate the KV cache and the runner; returns how decode steps run (``decode_capture``)."""
+        self.runner = ModelRunner(self.model, self.config, num_blocks, self.pooler)
+        return self.runner.decode_capture
+
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        return self.runner.execute(output)
+
+    def _blocks_for_budget(self) -> int:
+        """Blocks that fit the KV budget (``memory_profile.kv_cache_budget``: ``kv_cache_bytes`` on the
+        CPU, what the start-up memory profile leaves of ``gpu_memory_utilization`` of the device
+        memory on NPU / CUDA), but no more than every sequence at full length needs. A budget that
+        cannot hold one ``max_model_len`` request is a start-up error naming what it needs.
+        Under TP the budget is per rank and so is a block's size (this rank's KV heads)."""
+        config = self.config
+        if config.kv_cache_blocks is not None:
+            return config.kv_cache_blocks
+        bytes_per_block = kv_bytes_per_block(self.model, config.block_size)
+        per_request = cdiv(config.max_model_len, config.block_size)
+        needed = config.max_num_seqs * per_request
+        if bytes_per_block == 0:  # an encoder keeps no KV: blocks are bookkeeping only, cost nothing
+            return 1 + needed
+        budget = kv_cache_budget(self.model, config, self.platform)
+        if budget.bytes // bytes_per_block < per_request:
+            raise ValueError(
+                f"max_model_len {config.max_model_len} needs {per_request} KV blocks x {bytes_per_block} bytes = "
+                f"{per_request * bytes_per_block / MiB:.1f} MiB of KV cache, but the budget is {budget.describe()}: "
+                f"raise {budget.flag} or lower --max-model-len")
+        blocks = min(budget.bytes // bytes_per_block, needed)
+        logger.info("KV cache: %d blocks x %d bytes = %.1f MiB (budget %s; weights %.1f MiB)", blocks,
+                    bytes_per_block, blocks * bytes_per_block / MiB, budget.describe(), budget.weight_bytes / MiB)
+        return 1 + blocks  # + the null block
+
+
+class RequestMirror:
+    """A rank process's copies of the running requests, kept as the core keeps its own: the
+    runner reads a request's computed tokens and outputs from it. New (and re-scheduled)
+    requests arrive whole in the scheduler output; a step then advances each scheduled request
+    by its tokens and its sampled token, as ``Scheduler.update_from_output`` does in the core.
+    ``num_computed_tokens`` from the core is checked each step, so a divergence fails loudly."""
+
+    def __init__(self):
+        self.requests: dict[str, Request] = {}
+
+    def before(self, output: SchedulerOutput, computed: dict[str, int]) -> None:
+        for request_id in output.finished_request_ids + output.preempted_request_ids:
+            self.requests.pop(request_id, None)
+        for request in output.new_requests:
+            self.requests[request.request_id] = request
+        for request_id, count in computed.items():
+            mine = self.requests.get(request_id)
+            if mine is not None and mine.num_computed_tokens != count:
+                raise RuntimeError(f"rank state diverged: request {request_id} has {mine.num_computed_tokens} "
+                                   f"computed tokens here, {count} in the core")
+        # The runner must see these objects, not the pickled copies of the same requests.
+        output.new_requests = [self.requests[r.request_id] for r in output.new_requests]
+
+    def after(self, output: SchedulerOutput, result: RunnerOutput) -> None:
+        for request_id, count in output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None:
+                continue
+            if request_id in result.failed:
+                del self.requests[request_id]
+                continue
+            request.num_computed_tokens += count
+            if request_id in result.sampled:
+                request.append_output_token(result.sampled[request_id])
+
+
+# -- the rank process ----------------------------------------------------------------------------
+
+def _die_with_parent() -> None:
+    """Linux: SIGKILL this rank when the engine core (its parent) dies, however it dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _bind_cpu_threads(config: EngineConfig, rank: int) -> None:
+    """CPU: each rank takes its own slice of the cores (``num_threads`` / TP threads, at least one)."""
+    per_rank = max(1, config.num_threads // config.tensor_parallel_size)
+    torch.set_num_threads(per_rank)
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(cores) >= per_rank * config.tensor_parallel_size:
+        os.sched_setaffinity(0, cores[rank * per_rank:(rank + 1) * per_rank])
+
+
+def run_rank(fd: int, rank: int) -> None:
+    """A rank process (``python -m atb_plugin.engine.worker FD RANK``, started by the core's
+    ``MultiprocExecutor`` with one end of a socket pair as ``FD``): join the process group, load
+    the shard, then run steps until told to stop or the core is gone."""
+    from multiprocessing.connection import Connection
+
+    _die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the core decides when ranks stop
+    conn = Connection(fd)
+    config, init_method, timeout_s, log_level = conn.recv()
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [rank {rank}] %(message)s")
+    try:
+        platform = platform_for(config.device)
+        if platform.name == "cpu":
+            _bind_cpu_threads(config, rank)
+        else:
+            torch.set_num_threads(max(1, available_cores() // config.tensor_parallel_size))
+        platform.bind_device(config.rank_device(rank))
+        init_tensor_parallel(rank, config.tensor_parallel_size, platform.dist_backend, init_method, timeout_s)
+        torch.manual_seed(_GLOBAL_SEED)
+        worker = Worker(config, rank)
+        conn.send(("READY", worker.load()))
+        kind, num_blocks = conn.recv()
+        conn.send(("INITIALIZED", worker.initialize(num_blocks)))
+    except BaseException:
+        conn.send(("FAILED", traceback.format_exc()))
+        raise
+    mirror = RequestMirror()
+    try:
+        while True:
+            message = conn.recv()
+            if message is None:  # stop
+                break
+            output, computed = message
+            mirror.before(output, computed)
+            result = worker.execute(output)
+            mirror.after(output, result)
+            if rank == 0:
+                conn.send(result)
+    except EOFError:
+        logger.error("the engine core is gone; rank %d exits", rank)
+    except BaseException:
+        logger.exception("rank %d failed", rank)
+        sys.exit(1)
+    finally:
+        destroy_tensor_parallel()
+
+
+if __name__ == "__main__":
+    # Through the module's real name, not __main__: what a rank pickles (WorkerInfo, results)
+    # must unpickle in the core as atb_plugin.engine.worker's classes.
+    from atb_plugin.engine.worker import run_rank as main
+
+    main(int(sys.argv[1]), int(sys.argv[2]))
