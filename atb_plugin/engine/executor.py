@@ -23,6 +23,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection, wait
 from typing import Protocol
 
@@ -185,9 +186,17 @@ class MultiprocExecutor:
             self._fail_with_first_dead("died")
 
     def _fail_with_first_dead(self, what: str):
-        dead = next((r for r in self.ranks if r.process.poll() is not None), None)
-        if dead is None:  # a socket closed under a live process: name rank 0
-            dead = self.ranks[0]
+        # The rank that died first is the cause; a peer it left in a collective may exit too (gloo
+        # reports the closed connection), moments later and with an exit code rather than a
+        # signal. Let exits settle briefly, then name a rank killed by a signal before one that
+        # exited by itself.
+        deadline = time.monotonic() + 1.0
+        while time.monotonic() < deadline and all(r.process.poll() is None for r in self.ranks):
+            time.sleep(0.02)
+        time.sleep(0.1)
+        dead = [r for r in self.ranks if r.process.poll() is not None]
+        dead.sort(key=lambda r: r.process.returncode >= 0)  # signalled first, rank order kept
+        dead = dead[0] if dead else self.ranks[0]  # a socket closed under a live process: name rank 0
         self._failure = dead.describe_failure(what + " during a step")
         self.shutdown(graceful=False)  # the survivors wait in a collective that never ends
         raise RankFailed(self._failure)
