@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["TPShard", "all_gather", "all_reduce", "destroy_tensor_parallel", "divide", "init_tensor_parallel",
-           "tp_rank", "tp_size"]
+           "kv_heads_per_rank", "tp_rank", "tp_size"]
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,17 @@ def divide(total: int, parts: int, what: str) -> int:
         raise ValueError(f"{what} ({total}) is not divisible by tensor_parallel_size ({parts}): choose a "
                          f"tensor_parallel_size that divides {total}")
     return total // parts
+
+
+def kv_heads_per_rank(num_kv_heads: int, parts: int) -> int:
+    """KV heads each of ``parts`` ranks holds: an even split, or with fewer KV heads than ranks
+    one head per rank, each replicated on ``parts / num_kv_heads`` ranks; a ValueError naming
+    both numbers when neither works."""
+    if num_kv_heads % parts if num_kv_heads >= parts else parts % num_kv_heads:
+        raise ValueError(f"num_key_value_heads ({num_kv_heads}) and tensor_parallel_size ({parts}): the KV heads "
+                         "must split evenly over the ranks, or (when fewer) divide tensor_parallel_size to be "
+                         "replicated")
+    return max(1, num_kv_heads // parts)
 
 
 @dataclass(frozen=True)

@@ -414,7 +414,7 @@ def main() -> None:
     print("  executor.weight_bytes as reported: " + ", ".join(
         f"{side} {[round(b / mib, 1) for b in v]} MiB" for side, v in weight_bytes.items()
         if side in (BASE, "TP=1 1t padded", TP_SIDE)))
-    print(f"goals: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in goals.items()))
+    print("goals: " + ", ".join(f"{k}: {'met' if v else 'MISSED'}" for k, v in goals.items()))
     print(f"other processes' CPU during the bench: {others:.0f} core-s of {cores} x {elapsed:.0f} s "
           f"({others / (cores * elapsed):.0%} of the box)")
     print(f"rank processes left running: {left or 'none'}; wall {elapsed:.0f} s")

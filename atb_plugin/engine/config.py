@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 
+from atb_plugin.distributed import divide, kv_heads_per_rank
 from atb_plugin.engine.memory_profile import DEFAULT_KV_CACHE_BYTES
 from atb_plugin.engine.scheduler import SchedulerConfig
 from atb_plugin.models import registry
@@ -56,13 +57,11 @@ def check_tensor_parallel(hf_config: dict, tp: int) -> None:
     if tp == 1:
         return
     heads = registry.config_value(hf_config, "num_attention_heads")
-    if isinstance(heads, int) and heads % tp:
-        raise ValueError(f"num_attention_heads ({heads}) is not divisible by tensor_parallel_size ({tp}): "
-                         f"choose a tensor_parallel_size that divides {heads}")
+    if isinstance(heads, int):
+        divide(heads, tp, "num_attention_heads")
     kv_heads = registry.config_value(hf_config, "num_key_value_heads")
-    if isinstance(kv_heads, int) and (kv_heads % tp if kv_heads >= tp else tp % kv_heads):
-        raise ValueError(f"num_key_value_heads ({kv_heads}) and tensor_parallel_size ({tp}): the KV heads must "
-                         "split evenly over the ranks, or (when fewer) divide tensor_parallel_size to be replicated")
+    if isinstance(kv_heads, int):
+        kv_heads_per_rank(kv_heads, tp)
 
 
 @dataclass(frozen=True)

@@ -61,8 +61,7 @@ class EngineCore:
     @property
     def runner(self):
         """The model runner when it runs in this process (TP = 1), else None (it runs on ranks)."""
-        worker = getattr(self.executor, "worker", None)
-        return worker.runner if worker is not None else None
+        return self.executor.runner
 
     def shutdown(self) -> None:
         """Stop the tensor-parallel ranks (nothing to do at TP = 1)."""
@@ -107,7 +106,10 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         scheduled = self.scheduler.schedule()
-        scheduled.grammar_bitmask = self.structured_output.grammar_bitmask(self._sampling(scheduled))
+        # Masks of every scheduled structured request (one in a prefill chunk short of its prompt's
+        # end samples nothing: its row goes unused).
+        scheduled.grammar_bitmask = self.structured_output.grammar_bitmask(
+            [self.scheduler.requests[r] for r in scheduled.num_scheduled_tokens])
         result = self.executor.execute(scheduled)
         self._advance_grammars(result)
         result.failed.update(self.structured_output.pop_compile_errors())
@@ -119,12 +121,6 @@ class EngineCore:
         if not scheduled.num_scheduled_tokens:
             self.structured_output.wait_for_compile(_COMPILE_WAIT_S)
         return outputs
-
-    def _sampling(self, scheduled) -> list[Request]:
-        """The scheduled requests that sample a token this step (their chunk reaches their end)."""
-        requests = (self.scheduler.requests[r] for r in scheduled.num_scheduled_tokens)
-        return [r for r in requests
-                if not r.is_pooling and r.num_computed_tokens + scheduled.num_scheduled_tokens[r.request_id] >= r.num_tokens]
 
     def _advance_grammars(self, result) -> None:
         """Feed each sampled token to its request's grammar. A token the grammar refuses (the

@@ -30,7 +30,7 @@ from typing import Protocol
 import torch
 
 from atb_plugin.engine.config import EngineConfig
-from atb_plugin.engine.model_runner import RunnerOutput
+from atb_plugin.engine.model_runner import ModelRunner, RunnerOutput
 from atb_plugin.engine.scheduler import SchedulerOutput
 from atb_plugin.engine.worker import Worker, WorkerInfo
 
@@ -50,12 +50,14 @@ class RankFailed(RuntimeError):
 
 class Executor(Protocol):
     """``kv_cache_blocks``: blocks every rank holds (the null block included); ``decode_capture``:
-    how decode steps run; ``weight_bytes``: each rank's parameter bytes; ``execute`` one step;
-    ``shutdown`` stops whatever it started (idempotent)."""
+    how decode steps run; ``weight_bytes``: each rank's weight bytes; ``runner``: the model
+    runner when it runs in this process, else None; ``execute`` one step; ``shutdown`` stops
+    whatever it started (idempotent)."""
 
     kv_cache_blocks: int
     decode_capture: str
     weight_bytes: list[int]
+    runner: ModelRunner | None
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput: ...
 
@@ -76,6 +78,7 @@ class UniprocExecutor:
         self.kv_cache_blocks = info.available_kv_blocks
         self.weight_bytes = [info.weight_bytes]
         self.decode_capture = self.worker.initialize(self.kv_cache_blocks)
+        self.runner = self.worker.runner
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         return self.worker.execute(output)
@@ -118,6 +121,8 @@ class _Rank:
 
 class MultiprocExecutor:
     """TP > 1: ``tensor_parallel_size`` rank processes; the core keeps scheduling."""
+
+    runner = None  # it runs on the ranks
 
     def __init__(self, config: EngineConfig):
         self.config = config
@@ -167,7 +172,7 @@ class MultiprocExecutor:
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         if self._failure is not None:  # not the ranks this executor killed itself: the first cause
             raise RankFailed(f"the engine already failed: {self._failure}")
-        payload = pickle.dumps((output, output.computed_tokens), protocol=pickle.HIGHEST_PROTOCOL)
+        payload = pickle.dumps(output, protocol=pickle.HIGHEST_PROTOCOL)
         try:
             for rank in self.ranks:
                 rank.conn.send_bytes(payload)

@@ -127,12 +127,12 @@ class RequestMirror:
     def __init__(self):
         self.requests: dict[str, Request] = {}
 
-    def before(self, output: SchedulerOutput, computed: dict[str, int]) -> None:
+    def before(self, output: SchedulerOutput) -> None:
         for request_id in output.finished_request_ids + output.preempted_request_ids:
             self.requests.pop(request_id, None)
         for request in output.new_requests:
             self.requests[request.request_id] = request
-        for request_id, count in computed.items():
+        for request_id, count in output.computed_tokens.items():
             mine = self.requests.get(request_id)
             if mine is not None and mine.num_computed_tokens != count:
                 raise RuntimeError(f"rank state diverged: request {request_id} has {mine.num_computed_tokens} "
@@ -202,11 +202,10 @@ def run_rank(fd: int, rank: int) -> None:
     mirror = RequestMirror()
     try:
         while True:
-            message = conn.recv()
-            if message is None:  # stop
+            output = conn.recv()
+            if output is None:  # stop
                 break
-            output, computed = message
-            mirror.before(output, computed)
+            mirror.before(output)
             result = worker.execute(output)
             mirror.after(output, result)
             if rank == 0:

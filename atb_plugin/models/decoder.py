@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from atb_plugin import ops
-from atb_plugin.distributed import TPShard, all_reduce, divide, tp_rank, tp_size
+from atb_plugin.distributed import TPShard, all_reduce, divide, kv_heads_per_rank, tp_rank, tp_size
 from atb_plugin.models.base import PretrainedModel
 from atb_plugin.models.parallel_layers import VocabParallelEmbedding, gather_vocab_logits
 from atb_plugin.models.weights import IGNORE, OLD_ROTARY_BUFFER, STACKED_QKV_GATE_UP
@@ -91,20 +91,6 @@ class RMSNorm(nn.Module):
         return ops.rms_norm(x, self.weight, self.eps)
 
 
-def kv_heads_per_rank(num_kv_heads: int, tp: int) -> tuple[int, int]:
-    """``(KV heads each rank holds, the first one of this rank)``: an even split, or with fewer KV
-    heads than ranks one head per rank, each replicated on ``tp / num_kv_heads`` ranks (the query
-    heads of a rank all belong to its one KV head then)."""
-    if num_kv_heads >= tp:
-        local = divide(num_kv_heads, tp, "num_key_value_heads")
-        return local, tp_rank() * local
-    if tp % num_kv_heads:
-        raise ValueError(f"num_key_value_heads ({num_kv_heads}) is fewer than "
-                         f"tensor_parallel_size ({tp}) and does not divide it: KV heads can be replicated "
-                         f"only when tensor_parallel_size is a multiple of {num_kv_heads}")
-    return 1, tp_rank() // (tp // num_kv_heads)
-
-
 class Attention(nn.Module):
     """GQA attention; under TP, this rank's heads (``ShardedWeights``)."""
 
@@ -114,7 +100,11 @@ class Attention(nn.Module):
         self.total_q_size = config.num_attention_heads * config.head_dim
         self.total_kv_size = config.num_key_value_heads * config.head_dim
         self.num_heads = divide(config.num_attention_heads, tp, "num_attention_heads")
-        self.num_kv_heads, self.first_kv_head = kv_heads_per_rank(config.num_key_value_heads, tp)
+        self.num_kv_heads = kv_heads_per_rank(config.num_key_value_heads, tp)
+        # Fewer KV heads than ranks: ranks r .. r + tp / KV - 1 share KV head r * KV / tp (their
+        # query heads all belong to it).
+        self.first_kv_head = (tp_rank() * self.num_kv_heads if config.num_key_value_heads >= tp
+                              else tp_rank() // (tp // config.num_key_value_heads))
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
