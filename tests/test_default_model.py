@@ -242,8 +242,8 @@ def reference(converted):
 @pytest.mark.slow
 @needs_package
 def test_conversion_writes_a_complete_checkpoint_once(converted, capsys):
-    path, seconds, _ = converted
-    assert path.name == MODEL_NAME and seconds < 90
+    path, _, _ = converted
+    assert path.name == MODEL_NAME
     names = {p.name for p in path.iterdir()}
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
             "tokenizer_config.json", "chat_template.jinja", COMPLETE_MARKER} <= names
@@ -258,12 +258,11 @@ def test_conversion_writes_a_complete_checkpoint_once(converted, capsys):
     assert marker["files"]["model.safetensors"]["size"] == (path / "model.safetensors").stat().st_size > 500e6
     # One mode for all (safetensors alone would write the weights 0600: unreadable to other users).
     assert {p.name: mode(p) for p in path.iterdir()} == dict.fromkeys(names, 0o644) and mode(path) == 0o755
-    start = time.monotonic()
     assert check_prepared(path) is None
-    assert time.monotonic() - start < 0.1
-    start = time.monotonic()
+    written = {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in path.iterdir()}
     assert default_model.main(["--cache-dir", str(path.parent)]) == 0
-    assert time.monotonic() - start < 1.0
+    # Prepared once: the second call found the checkpoint and wrote nothing.
+    assert {p.name: (p.stat().st_ino, p.stat().st_mtime_ns) for p in path.iterdir()} == written
     captured = capsys.readouterr()
     assert captured.out == f"{path}\n" and captured.err == ""
 

@@ -1,6 +1,7 @@
 """A text far too long for the model is refused before it is tokenized (``frontend/input_bounds``),
-through both doors: a 60 MB text to chat and to /v1/embeddings is refused in well under 2 s, a
-small request sent meanwhile is unaffected, and the tokenizer worker's memory stays where it was.
+through both doors: a 60 MB text to chat and to /v1/embeddings is refused without the builder ever
+tokenizing it, a small request sent meanwhile is answered, and the tokenizer worker's memory stays
+where it was (tokenizing the text would grow it by far more). No assertion reads a clock.
 Texts that fit are never refused by the estimate (it is a lower bound on their tokens)."""
 
 from __future__ import annotations
@@ -40,14 +41,19 @@ def test_the_estimate_never_refuses_a_text_that_fits():
         check_text_fits(1 << 20, tokenizer, 100)
 
 
-def test_the_offline_door_refuses_it_before_tokenizing():
+def test_the_offline_door_refuses_it_before_tokenizing(monkeypatch):
     with LLM(tiny_checkpoint("qwen2"), block_size=16) as llm:
-        start = time.monotonic()
+        builder = llm.router.input_builder
+
+        def never(*args, **kwargs):
+            raise AssertionError("the builder was asked to tokenize a text the bound should refuse")
+
+        monkeypatch.setattr(builder, "tokenize", never)
+        monkeypatch.setattr(builder, "make_context", never)
         with pytest.raises(ValueError, match="maximum context length"):
             llm.generate(HUGE, SamplingParams(max_tokens=2))
         with pytest.raises(ValueError, match="maximum context length"):
             llm.chat([{"role": "user", "content": HUGE}], SamplingParams(max_tokens=2))
-        assert time.monotonic() - start < 2.0
 
 
 def _rss_mb(pid: int) -> float:
@@ -71,20 +77,15 @@ def test_a_huge_text_is_refused_fast_and_leaves_the_others_and_the_worker_alone(
 
         def send_small():
             time.sleep(0.3)
-            start = time.monotonic()
             meanwhile["status"] = server.post(route, small).status_code
-            meanwhile["seconds"] = time.monotonic() - start
 
         thread = threading.Thread(target=send_small)
         thread.start()
-        start = time.monotonic()
         response = server.post(route, body(HUGE))
-        elapsed = time.monotonic() - start
         thread.join(30)
         assert response.status_code == 400, response.text[:300]
         assert "maximum context length" in response.json()["error"]["message"]
-        assert elapsed < 2.0, elapsed
-        assert meanwhile["status"] == 200 and meanwhile["seconds"] < 2.0, meanwhile
+        assert meanwhile == {"status": 200}
         assert _rss_mb(worker) < before + 100, (before, _rss_mb(worker))
     finally:
         assert server.stop() == 0, server.log()

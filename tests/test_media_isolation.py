@@ -6,8 +6,8 @@
 - A tokenizer worker fetches a job's media on its fetch threads while the jobs behind it run, and
   drops a job whose client left before it ran (``CancelJob``).
 - Through the real service (one tokenizer worker): image requests to a dripping and to a silent
-  host fail within their deadline + 1 s, and a text chat sent meanwhile answers at its normal
-  speed (+ 2 s at most).
+  host fail with their deadline's error, and a text chat sent meanwhile is answered while both
+  downloads still hang.
 - The images of one request share a pixel budget (``max_request_pixels``, 4 images at the
   per-image cap by default): the image that would pass it is refused from its header, before it
   is decoded, however it arrives (bytes, a resent data URL or a cached image, a PIL image).
@@ -82,10 +82,8 @@ def media_host(mode: str):
 def test_the_deadline_is_for_the_whole_download(mode):
     config = MediaConfig(allowed_domains=("127.0.0.1",), http_timeout_s=1.0)
     with media_host(mode) as url:
-        start = time.monotonic()
         with pytest.raises(MediaFetchError, match=r"timed out after 1 s \(http_timeout_s\), the limit for the whole"):
             load_image(url, config)
-        assert time.monotonic() - start < 1.8
 
 
 # -- the pixel budget of one request -------------------------------------------------------------------
@@ -206,37 +204,35 @@ def test_slow_media_hosts_delay_only_their_own_requests():
     server = ServerProcess(tiny_checkpoint("qwen2_vl"), "--allowed-media-domains", "127.0.0.1", workers=1)
     chat = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 4, "temperature": 0}
 
-    def text_latency() -> float:
-        start = time.monotonic()
+    def text_chat() -> None:
         assert server.post("/v1/chat/completions", chat).status_code == 200
-        return time.monotonic() - start
 
     try:
-        text_latency()  # warm-up
-        normal = min(text_latency() for _ in range(3))
+        text_chat()  # warm-up
         with media_host("drip") as drip, media_host("silent") as silent:
             outcomes = {}
 
             def image_request(name, url):
-                start = time.monotonic()
                 body = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
                                                                  {"type": "text", "text": "What is it?"}]}],
                         "max_tokens": 4}
                 response = server.post("/v1/chat/completions", body)
-                outcomes[name] = (response, time.monotonic() - start)
+                outcomes[name] = response
 
             threads = [threading.Thread(target=image_request, args=item) for item in
                        (("drip", drip), ("silent", silent))]
             for thread in threads:
                 thread.start()
             time.sleep(1.0)  # both downloads are hanging now
-            meanwhile = text_latency()
+            text_chat()
+            # Answered while both downloads still hang: the text did not queue behind them (they
+            # end at their 10 s deadline). An order of events, not a clock reading.
+            hanging = [thread.is_alive() for thread in threads]
             for thread in threads:
                 thread.join(30)
-        assert meanwhile <= normal + 2.0, (meanwhile, normal)
-        for name, (response, elapsed) in outcomes.items():
+        assert hanging == [True, True]
+        for name, response in outcomes.items():
             assert response.status_code == 400, (name, response.text)
             assert "timed out after 10 s (http_timeout_s" in response.json()["error"]["message"], name
-            assert elapsed <= 10 + 1.0, (name, elapsed)
     finally:
         assert server.stop() == 0, server.log()
