@@ -8,7 +8,10 @@ as vLLM's layers do; outside a group (the in-process TP = 1 engine, tests, tools
 and every collective here is the identity, so single-device code pays nothing.
 
 The backend is the platform's (``Platform.dist_backend``: gloo on the CPU, nccl on CUDA, hccl on
-Ascend). Sharding rules (which dimension each layer splits, how KV heads are replicated when
+Ascend). CPU ranks of one node (``same_node``) all-reduce and all-gather through a shared-memory
+exchange (``shm.exchange``) instead of gloo, which costs a millisecond or more per call over
+loopback TCP on a busy machine, two calls per layer per step; gloo stays for what does not fit
+the exchange's slots, and on CPUs where the exchange cannot order its writes. Sharding rules (which dimension each layer splits, how KV heads are replicated when
 there are fewer than ranks, vocabulary padding) are in docs/architecture.md, "Tensor parallelism".
 """
 
@@ -20,23 +23,34 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from shm import exchange as shm_exchange
+
 __all__ = ["TPShard", "all_gather", "all_reduce", "destroy_tensor_parallel", "divide", "init_tensor_parallel",
            "kv_heads_per_rank", "tp_rank", "tp_size"]
+
+
+#: Bytes of one rank's exchange slot: a decode step's hidden states (256 x 4096 fp32) or a
+#: 32-request step's logits share; larger tensors (long prefills) go through the backend.
+EXCHANGE_SLOT_BYTES = 4 << 20
 
 
 @dataclass(frozen=True)
 class _Group:
     rank: int
     size: int
+    exchange: shm_exchange.ShmExchange | None = None
+    timeout_s: float = 0.0
 
 
 _group = _Group(0, 1)
 
 
-def init_tensor_parallel(rank: int, size: int, backend: str, init_method: str, timeout_s: float) -> None:
+def init_tensor_parallel(rank: int, size: int, backend: str, init_method: str, timeout_s: float,
+                         same_node: bool = True) -> None:
     """Join the tensor-parallel group (the default process group: a rank belongs to one engine).
-    Every rank must call it with the same ``size``, ``backend`` and ``init_method``; it returns
-    when all have joined, or raises after ``timeout_s`` naming the rendezvous."""
+    Every rank must call it with the same ``size``, ``backend``, ``init_method`` and
+    ``same_node``; it returns when all have joined, or raises after ``timeout_s`` naming the
+    rendezvous."""
     global _group
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a process group")
@@ -46,11 +60,29 @@ def init_tensor_parallel(rank: int, size: int, backend: str, init_method: str, t
     except Exception as error:  # noqa: BLE001 - a rendezvous failure is re-raised with its context
         raise RuntimeError(f"rank {rank} of {size} could not join the {backend} process group at {init_method} "
                            f"within {timeout_s:.0f} s: {error}") from error
-    _group = _Group(rank, size)
+    use_exchange = backend == "gloo" and same_node and size > 1 and shm_exchange.supported()
+    _group = _Group(rank, size, _open_exchange(rank, size) if use_exchange else None, timeout_s)
+
+
+def _open_exchange(rank: int, size: int) -> shm_exchange.ShmExchange:
+    """Rank 0 creates the segment and sends its name; once every rank has mapped it, rank 0
+    removes the name, so no file outlives the group however its processes end."""
+    mine = shm_exchange.ShmExchange.create(rank, size, EXCHANGE_SLOT_BYTES) if rank == 0 else None
+    name = [mine.name if mine else None]
+    dist.broadcast_object_list(name, src=0)
+    if mine is None:
+        mine = shm_exchange.ShmExchange.attach(name[0], rank, size, EXCHANGE_SLOT_BYTES)
+    dist.barrier()
+    if rank == 0:
+        mine.unlink()
+    dist.barrier()  # gone for every rank when the group is ready
+    return mine
 
 
 def destroy_tensor_parallel() -> None:
     global _group
+    if _group.exchange is not None:
+        _group.exchange.close()
     if dist.is_initialized():
         dist.destroy_process_group()
     _group = _Group(0, 1)
@@ -65,10 +97,18 @@ def tp_size() -> int:
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
-    """The sum of ``x`` over the ranks (in place); ``x`` itself at size 1."""
-    if _group.size > 1:
+    """The sum of ``x`` over the ranks (in place); ``x`` itself at size 1. Every rank gets the
+    same bits: the exchange adds the ranks' tensors in rank order on each of them."""
+    if _group.size == 1:
+        return x
+    pieces = _exchanged(x)
+    if pieces is None:
         dist.all_reduce(x)
-    return x
+        return x
+    total = torch.add(pieces[0], pieces[1])
+    for piece in pieces[2:]:
+        total += piece
+    return x.copy_(total.view(x.shape))
 
 
 def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -76,9 +116,22 @@ def all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if _group.size == 1:
         return x
     x = x.contiguous()
-    pieces = [torch.empty_like(x) for _ in range(_group.size)]
-    dist.all_gather(pieces, x)
-    return torch.cat(pieces, dim=dim)
+    pieces = _exchanged(x)
+    if pieces is None:
+        pieces = [torch.empty_like(x) for _ in range(_group.size)]
+        dist.all_gather(pieces, x)
+    return torch.cat([piece.view(x.shape) for piece in pieces], dim=dim)
+
+
+def _exchanged(x: torch.Tensor) -> list[torch.Tensor] | None:
+    """Every rank's ``x`` through the shared-memory exchange (flat views, valid until the next
+    collective), or None where the group has none or ``x`` does not fit its slot. Every rank
+    decides alike: their tensors have the same shape."""
+    exchange = _group.exchange
+    if exchange is None or x.device.type != "cpu" or x.numel() * x.element_size() > exchange.slot_bytes:
+        return None
+    payload = x.detach().contiguous().view(-1).view(torch.uint8).numpy()
+    return [torch.from_numpy(view).view(x.dtype) for view in exchange.exchange(payload, _group.timeout_s)]
 
 
 def divide(total: int, parts: int, what: str) -> int:
