@@ -19,6 +19,9 @@ setup(
         "tokenizers>=0.22,<0.24",
         "safetensors>=0.7,<0.9",
         "pillow>=11,<14",
+        # Video (and audio) decoding: PyAV's wheels bundle FFmpeg, so nothing system-wide is needed.
+        # Pinned: the frames a video decodes to (and so the model's input) follow FFmpeg's version.
+        "av==18.1.0",
         # The service (atb_plugin/server): HTTP, request models, metrics, IPC between its processes.
         "fastapi==0.163.2",
         "uvicorn==0.54.0",
@@ -55,6 +58,8 @@ setup(
             "cryptography==50.0.2",
             # tests/test_structured_json.py validates sampled json_schema outputs against their schema.
             "jsonschema==4.26.0",
+            # tests/test_deploy.py parses the Kubernetes manifests.
+            "pyyaml==6.0.4",
         ],
         # benchmarks/profile_serving.py samples the service's processes with it (a binary wheel).
         "bench": ["py-spy==0.4.3"],

@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from shm import exchange as shm_exchange
 
-__all__ = ["TPShard", "all_gather", "all_reduce", "destroy_tensor_parallel", "divide", "init_tensor_parallel",
-           "kv_heads_per_rank", "tp_rank", "tp_size"]
+__all__ = ["TPShard", "all_gather", "all_reduce", "destroy_tensor_parallel", "divide", "expert_parallel",
+           "init_tensor_parallel", "kv_heads_per_rank", "tp_rank", "tp_size"]
 
 
 #: Bytes of one rank's exchange slot: a decode step's hidden states (256 x 4096 fp32) or a
@@ -40,17 +40,19 @@ class _Group:
     size: int
     exchange: shm_exchange.ShmExchange | None = None
     timeout_s: float = 0.0
+    expert_parallel: bool = False
 
 
 _group = _Group(0, 1)
 
 
 def init_tensor_parallel(rank: int, size: int, backend: str, init_method: str, timeout_s: float,
-                         same_node: bool = True) -> None:
+                         same_node: bool = True, expert_parallel: bool = False) -> None:
     """Join the tensor-parallel group (the default process group: a rank belongs to one engine).
-    Every rank must call it with the same ``size``, ``backend``, ``init_method`` and
-    ``same_node``; it returns when all have joined, or raises after ``timeout_s`` naming the
-    rendezvous."""
+    Every rank must call it with the same ``size``, ``backend``, ``init_method``, ``same_node``
+    and ``expert_parallel`` (MoE layers built afterwards split their experts over the group
+    instead of slicing every expert: ``models/moe.py``); it returns when all have joined, or
+    raises after ``timeout_s`` naming the rendezvous."""
     global _group
     if dist.is_initialized():
         raise RuntimeError("this process already belongs to a process group")
@@ -61,7 +63,7 @@ def init_tensor_parallel(rank: int, size: int, backend: str, init_method: str, t
         raise RuntimeError(f"rank {rank} of {size} could not join the {backend} process group at {init_method} "
                            f"within {timeout_s:.0f} s: {error}") from error
     use_exchange = backend == "gloo" and same_node and size > 1 and shm_exchange.supported()
-    _group = _Group(rank, size, _open_exchange(rank, size) if use_exchange else None, timeout_s)
+    _group = _Group(rank, size, _open_exchange(rank, size) if use_exchange else None, timeout_s, expert_parallel)
 
 
 def _open_exchange(rank: int, size: int) -> shm_exchange.ShmExchange:
@@ -94,6 +96,11 @@ def tp_rank() -> int:
 
 def tp_size() -> int:
     return _group.size
+
+
+def expert_parallel() -> bool:
+    """Whether this group splits MoE experts across its ranks (``--enable-expert-parallel``)."""
+    return _group.expert_parallel
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

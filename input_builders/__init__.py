@@ -2,8 +2,10 @@
 
 - ``base.InputBuilder``: the MindIE contract (``make_context``, ``tokenize``), chat template,
   history window, leases; ``conversation``: both content spellings;
-- ``media``: loading images safely; ``preprocess``: our image preprocessing per family;
-- one module per family (``qwen_vl``, ``qwen2_vl``, ``llava``, ``text``) laying out its media
+- ``media``: loading images safely (and the source policy every kind shares); ``preprocess``: our
+  image preprocessing per family; ``audio``: loading audio (PyAV: decode, 16 kHz mono);
+  ``audio_features``: Whisper's log-mel features;
+- one module per family (``qwen_vl``, ``qwen2_vl``, ``llava``, ``qwen2_audio``, ``text``) laying out its media
   block as docs/wire-format.md describes.
 """
 

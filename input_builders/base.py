@@ -77,6 +77,7 @@ class InputBuilder:
 
     max_images_per_prompt: int = 0  # 0: the family takes no images
     model_type: str | None = None  # a multimodal family's key in atb_plugin.models.registry
+    media_part_type: type = ImagePart  # the kind of media part this family loads (AudioPart for audio models)
 
     def __init__(
         self,
@@ -147,7 +148,7 @@ class InputBuilder:
             # A template variable like any other (so the history window renders with it too); the
             # explicit argument wins over a "tools" key in chat_template_kwargs.
             template_kwargs = {**template_kwargs, "tools": list(tools)}
-        images = self._load_images([part for message in messages for part in message.images])
+        images = self._load_images(self.media_parts(part for message in messages for part in message.parts))
         max_length = kwargs.get("max_length", self.max_length)
         if adapt_to_max_length and max_length is None:
             raise ValueError("adapt_to_max_length needs max_length (from the model config or the call)")
@@ -170,7 +171,7 @@ class InputBuilder:
     def tokenize(self, inputs, **kwargs) -> list[int]:
         """A string, or MindIE's list of ``{"text": ...}`` / ``{"image": ...}`` items, in order."""
         parts = parse_prompt(inputs)
-        images = self._load_images([part for part in parts if isinstance(part, ImagePart)])
+        images = self._load_images(self.media_parts(parts))
         text = self._prompt_text(parts)
         ids = self.tokenizer(text, add_special_tokens=kwargs.get("add_special_tokens", True))["input_ids"]
         return self._with_media(list(ids), images, kwargs.get("request_id"))
@@ -201,7 +202,7 @@ class InputBuilder:
         if not self.max_images_per_prompt:
             return message.text
         return [
-            {"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "image"}
+            {"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": part.kind}
             for part in message.parts
         ]
 
@@ -242,9 +243,37 @@ class InputBuilder:
             if isinstance(part, TextPart):
                 pieces.append(part.text)
             else:
-                pieces.append(self.image_prompt_text(index))
+                pieces.append(self.part_prompt_text(part, index))
                 index += 1
         return "".join(pieces)
+
+    def part_prompt_text(self, part, index: int) -> str:
+        """How media part ``index`` (0-based, all kinds counted) appears in a non-chat prompt."""
+        return self.image_prompt_text(index)
+
+    def anchor_id(self, item) -> int:
+        """The anchor token a loaded media item (what ``_load_images`` returned) replaces."""
+        return self.image_anchor_id
+
+    def anchor_ids(self) -> frozenset:
+        """Every anchor token of this family (an image family: just the image's)."""
+        return frozenset({self.image_anchor_id})
+
+    def media_parts(self, parts) -> list:
+        """The media parts of ``parts`` in order, all of this family's kind (``media_part_type``):
+        a part of another kind (audio to an image or text model, an image to an audio model) is
+        refused here, naming it; how many of its own kind it takes is ``_load_images``' check."""
+        found = []
+        for part in parts:
+            if isinstance(part, TextPart):
+                continue
+            if not isinstance(part, self.media_part_type):
+                raise UnsupportedContentError(
+                    f"{type(self).__name__} serves a model without {part.kind} input: the prompt has {part.kind} "
+                    f"content; remove the {part.kind} parts or use a model that takes them"
+                )
+            found.append(part)
+        return found
 
     def _load_images(self, parts: list[ImagePart]) -> list[LoadedImage]:
         if parts and not self.max_images_per_prompt:
@@ -268,7 +297,7 @@ class InputBuilder:
         system = messages[:1] if messages[0].role == "system" else []
         turns = messages[len(system):]
         while True:
-            kept_images = images[len(images) - sum(len(m.images) for m in turns):]
+            kept_images = images[len(images) - sum(len(self.media_parts(m.parts)) for m in turns):]
             if self._expanded_length(self._render(system + turns, add_generation_prompt, template_kwargs),
                                     kept_images) <= max_length:
                 break
@@ -281,7 +310,8 @@ class InputBuilder:
 
     def _truncate_left(self, ids: list[int], images: list[LoadedImage], max_length: int):
         """Keep the last ``max_length`` tokens, never cutting through a media block."""
-        anchors = [i for i, token in enumerate(ids) if token == self.image_anchor_id]
+        anchor_ids = self.anchor_ids()
+        anchors = [i for i, token in enumerate(ids) if token in anchor_ids]
         widths = {position: self.num_media_tokens(image) for position, image in zip(anchors, images)}
         cut, total = len(ids), 0
         while cut > 0 and total + widths.get(cut - 1, 1) <= max_length:
@@ -295,8 +325,9 @@ class InputBuilder:
             return ids
         if request_id is None:
             raise ValueError("request_id is required when the prompt has images: the segments are leased to it")
-        anchors = [i for i, token in enumerate(ids) if token == self.image_anchor_id]
-        if len(anchors) != len(images):
+        anchor_ids = self.anchor_ids()
+        anchors = [i for i, token in enumerate(ids) if token in anchor_ids]
+        if len(anchors) != len(images) or any(ids[i] != self.anchor_id(item) for i, item in zip(anchors, images)):
             raise InputBuilderError(
                 f"found {len(anchors)} image placeholders ({self.image_anchor!r}) for {len(images)} images: "
                 "the text must not contain the image token itself"

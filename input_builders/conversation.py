@@ -6,6 +6,10 @@ Accepted, and freely mixed within one conversation or one message:
     OpenAI:  {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:..."}},
                                           {"type": "text", "text": "What is this?"}]}
     text:    {"role": "user", "content": "What is this?"}
+    audio:   {"type": "input_audio", "input_audio": {"data": <base64>, "format": "wav"}} (OpenAI),
+             {"type": "audio_url", "audio_url": {"url": ...}} (vLLM), {"audio": "/data/clip.flac"} (MindIE)
+    video:   {"type": "video_url", "video_url": {"url": ...}} (vLLM), {"video": "/data/clip.mp4", "fps": 1.0} (MindIE,
+             with Qwen's per-video sampling options)
 
 and OpenAI's tool calling: an assistant message may carry ``tool_calls`` (``[{"id", "type":
 "function", "function": {"name", "arguments": <JSON text>}}]``) with null or empty content; a
@@ -18,7 +22,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Union
+from typing import ClassVar, Union
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -55,9 +59,31 @@ class TextPart:
 @dataclass(frozen=True)
 class ImagePart:
     ref: object  # str (path / file:// / data: / http(s) URL / base64), bytes or PIL image
+    kind: ClassVar[str] = "image"
 
 
-Part = Union[TextPart, ImagePart]
+@dataclass(frozen=True)
+class AudioPart:
+    """An audio clip: ``input_audio`` (base64 ``data`` + its declared ``format``), ``audio_url``
+    or MindIE's ``{"audio": ...}`` (``format`` None: the container says)."""
+
+    ref: object  # str (path / file:// / data: / http(s) URL / base64) or bytes
+    format: str | None = None
+    kind: ClassVar[str] = "audio"
+
+
+@dataclass(frozen=True)
+class VideoPart:
+    """A video: vLLM's ``{"type": "video_url", "video_url": {"url": ...}}`` or MindIE's
+    ``{"video": ...}``. ``options``: sampling overrides given in the part itself, Qwen's spelling
+    (``{"video": ..., "fps": 1.0, "max_pixels": ...}``), checked by ``input_builders.video``."""
+
+    ref: object  # str (path / file:// / data: / http(s) URL / base64) or bytes
+    options: tuple[tuple[str, object], ...] = ()
+    kind: ClassVar[str] = "video"
+
+
+Part = Union[TextPart, ImagePart, AudioPart, VideoPart]
 
 
 @dataclass(frozen=True)
@@ -119,7 +145,8 @@ class Message:
         return "".join(p.text for p in self.parts if isinstance(p, TextPart))
 
 
-_UNSUPPORTED_KINDS = ("video", "audio", "video_url", "audio_url", "input_audio")
+_VIDEO_KINDS = ("video", "video_url")
+_AUDIO_KINDS = ("audio", "audio_url", "input_audio")
 
 
 def _short(value, limit: int = 60) -> str:
@@ -140,7 +167,7 @@ def parse_part(item, where: str) -> Part:
         elif "image" in item:
             kind = "image"
         else:
-            kind = next((k for k in item if k in _UNSUPPORTED_KINDS), None)
+            kind = next((k for k in item if k in _VIDEO_KINDS + _AUDIO_KINDS), None)
             if kind is None:
                 raise ConversationError(
                     f"{where}: unknown content item with keys {sorted(item)}; "
@@ -162,9 +189,57 @@ def parse_part(item, where: str) -> Part:
         if ref is None or (isinstance(ref, str) and not ref):
             raise ConversationError(f'{where}: an image part needs {{"image": <path, URL or base64>}}')
         return ImagePart(ref)
-    if kind in _UNSUPPORTED_KINDS:
-        raise UnsupportedContentError(f"{where}: {kind} content is not supported; only text and images are")
+    if kind in _AUDIO_KINDS:
+        return parse_audio_part(item, kind, where)
+    if kind in _VIDEO_KINDS:
+        return parse_video_part(item, kind, where)
     raise ConversationError(f"{where}: unknown content type {kind!r}; expected 'text' or 'image_url'")
+
+
+def parse_audio_part(item: dict, kind: str, where: str) -> AudioPart:
+    """``{"type": "input_audio", "input_audio": {"data": <base64>, "format": "wav"}}`` (OpenAI),
+    ``{"type": "audio_url", "audio_url": {"url": ...}}`` (vLLM) or ``{"audio": <path or URL>}``
+    (MindIE; ``{"type": "audio", "audio": ...}`` too)."""
+    if kind == "input_audio":
+        body = item.get("input_audio")
+        data = body.get("data") if isinstance(body, dict) else None
+        audio_format = body.get("format") if isinstance(body, dict) else None
+        if not isinstance(data, str) or not data or not isinstance(audio_format, str):
+            raise ConversationError(f'{where}: an input_audio part needs {{"input_audio": {{"data": "<base64>", '
+                                    '"format": "wav" | "mp3" | "flac" | "ogg"}}')
+        return AudioPart(data, audio_format.lower())
+    if kind == "audio_url":
+        audio_url = item.get("audio_url")
+        url = audio_url.get("url") if isinstance(audio_url, dict) else audio_url
+        if not isinstance(url, str) or not url:
+            raise ConversationError(f'{where}: an audio_url part needs {{"audio_url": {{"url": "..."}}}}')
+        return AudioPart(url)
+    ref = item.get("audio")
+    if ref is None or (isinstance(ref, str) and not ref):
+        raise ConversationError(f'{where}: an audio part needs {{"audio": <path, URL or base64>}}')
+    return AudioPart(ref)
+
+
+_VIDEO_PART_KEYS = ("type", "video", "video_url")
+
+
+def parse_video_part(item: dict, kind: str, where: str) -> VideoPart:
+    """``{"type": "video_url", "video_url": {"url": ...}}`` (vLLM) or ``{"video": <path or URL>}``
+    (MindIE; ``{"type": "video", "video": ...}`` too); any other key of the item is a sampling option."""
+    if kind == "video_url":
+        video_url = item.get("video_url")
+        ref = video_url.get("url") if isinstance(video_url, dict) else video_url
+        if not isinstance(ref, str) or not ref:
+            raise ConversationError(f'{where}: a video_url part needs {{"video_url": {{"url": "..."}}}}')
+    else:
+        ref = item.get("video")
+        if ref is None or (isinstance(ref, str) and not ref):
+            raise ConversationError(f'{where}: a video part needs {{"video": <path, URL or base64>}}')
+        if isinstance(ref, (list, tuple)):
+            raise UnsupportedContentError(f"{where}: a video given as a list of frames is not supported; send "
+                                          "the video file (or the frames as image parts)")
+    options = tuple(sorted((key, value) for key, value in item.items() if key not in _VIDEO_PART_KEYS))
+    return VideoPart(ref, options)
 
 
 def parse_content(content, where: str) -> tuple[Part, ...]:

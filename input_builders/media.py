@@ -71,6 +71,7 @@ import numpy as np
 from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 __all__ = [
+    "ByteCap",
     "LoadedImage",
     "MediaConfig",
     "MediaDecodeError",
@@ -83,6 +84,7 @@ __all__ = [
     "default_max_request_pixels",
     "load_image",
     "load_images",
+    "read_media_bytes",
 ]
 
 
@@ -123,11 +125,18 @@ _KNOBS = {
     "server": {"local": "start the server with --allowed-local-media-path DIR",
                "domains": "start the server with --allowed-media-domains {host}",
                "max_image_bytes": "--max-image-bytes", "max_image_pixels": "--max-image-pixels",
-               "max_request_pixels": "--max-request-pixels"},
+               "max_request_pixels": "--max-request-pixels",
+               "max_video_bytes": "--max-video-bytes", "max_video_seconds": "--max-video-seconds",
+               "max_video_frames": "--max-video-frames", "max_video_frame_pixels": "--max-video-frame-pixels",
+               "max_audio_bytes": "--max-audio-bytes", "max_audio_seconds": "--max-audio-seconds"},
     "offline": {"local": "pass LLM(..., media_config=MediaConfig(allowed_local_media_paths=('DIR',)))",
                 "domains": "pass LLM(..., media_config=MediaConfig(allowed_domains=('{host}',)))",
                 "max_image_bytes": "MediaConfig.max_image_bytes", "max_image_pixels": "MediaConfig.max_image_pixels",
-                "max_request_pixels": "MediaConfig.max_request_pixels"},
+                "max_request_pixels": "MediaConfig.max_request_pixels",
+                "max_video_bytes": "MediaConfig.max_video_bytes", "max_video_seconds": "MediaConfig.max_video_seconds",
+                "max_video_frames": "MediaConfig.max_video_frames",
+                "max_video_frame_pixels": "MediaConfig.max_video_frame_pixels",
+                "max_audio_bytes": "MediaConfig.max_audio_bytes", "max_audio_seconds": "MediaConfig.max_audio_seconds"},
 }
 
 
@@ -149,6 +158,22 @@ class MediaConfig:
     max_image_pixels: int = 6000 * 6000
     # All images of one request together; None: default_max_request_pixels(max_image_pixels).
     max_request_pixels: int | None = None
+    # Video (input_builders.video). Encoded size: MindIE's 512 MB per video.
+    max_video_bytes: int = 512 * 1024 * 1024
+    # Duration, read from the container before any frame is decoded. 30 minutes: at Qwen's 768-frame
+    # cap that is one frame per 2.3 s, already sparse for a model that reads motion.
+    max_video_seconds: float = 1800.0
+    # Frames sampled from one video: Qwen's own cap (FPS_MAX_FRAMES); a request's max_frames may lower it.
+    max_video_frames: int = 768
+    # Width x height of the source frames, from the stream header: DCI 4K. Every kept frame is decoded
+    # at this size before its resize (a 768-frame 8K video would be 25 GB of RGB while decoding).
+    max_video_frame_pixels: int = 4096 * 2160
+    # Videos per prompt (--limit-mm-per-prompt video=N); None: the model's own limit, which it may not exceed.
+    max_videos_per_prompt: int | None = None
+    # Audio (input_builders.audio), per clip. Encoded size: OpenAI's 25 MB audio upload limit.
+    max_audio_bytes: int = 25 * 1024 * 1024
+    # Duration: 240 s is eight 30 s windows, 6000 audio tokens, inside Qwen2-Audio's 8192-token context.
+    max_audio_seconds: float = 240.0
     # Per socket operation and for the whole download.
     http_timeout_s: float = 10.0
     # Which API set these limits ("offline": LLM's media_config; "server": its flags): error
@@ -164,10 +189,22 @@ class MediaConfig:
         object.__setattr__(self, "allowed_domains", tuple(dict.fromkeys(domains)))
         if self.max_request_pixels is None and _positive_int(self.max_image_pixels):
             object.__setattr__(self, "max_request_pixels", default_max_request_pixels(self.max_image_pixels))
-        for name in ("max_image_bytes", "max_image_pixels", "max_request_pixels"):
+        for name in ("max_image_bytes", "max_image_pixels", "max_request_pixels", "max_video_bytes",
+                     "max_video_frames", "max_video_frame_pixels", "max_audio_bytes"):
             value = getattr(self, name)
             if not _positive_int(value):
                 raise ValueError(f"MediaConfig.{name} must be a positive integer, got {value!r}")
+        videos = self.max_videos_per_prompt
+        if videos is not None and (isinstance(videos, bool) or not isinstance(videos, int) or videos < 0):
+            raise ValueError(f"MediaConfig.max_videos_per_prompt must be an integer >= 0 or None, got {videos!r}")
+        seconds = self.max_video_seconds
+        if (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                or not math.isfinite(seconds) or seconds <= 0):
+            raise ValueError(f"MediaConfig.max_video_seconds must be a positive number of seconds, got {seconds!r}")
+        audio_seconds = self.max_audio_seconds
+        if (isinstance(audio_seconds, bool) or not isinstance(audio_seconds, (int, float))
+                or not math.isfinite(audio_seconds) or audio_seconds <= 0):
+            raise ValueError(f"MediaConfig.max_audio_seconds must be a positive number of seconds, got {audio_seconds!r}")
         timeout = self.http_timeout_s
         if (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
                 or not math.isfinite(timeout) or timeout <= 0):
@@ -438,58 +475,125 @@ def limit_decoded_image_cache(max_bytes: int) -> None:
     _recently_decoded = _DecodedImages(min(max_bytes, DECODED_CACHE_MAX_BYTES))
 
 
-def _read_str(ref: str, config: MediaConfig) -> tuple[bytes, str, str]:
+def pyav():
+    """PyAV, the one decoding library of video and audio, imported on first use (a text-only
+    service never loads FFmpeg), with FFmpeg's own logging off: its lines about a client's broken
+    file are noise beside the error the client gets."""
+    import av
+
+    av.logging.set_level(None)
+    return av
+
+
+def read_media_bytes(ref, config: MediaConfig, *, kind: str, max_bytes: int) -> tuple[bytes, str]:
+    """The encoded bytes of a media reference of any ``kind`` ("image", "video", "audio") and a
+    short description of where they came from, under ``config``'s source policy (allowed
+    directories, allowed domains, timeouts) and at most ``max_bytes`` (the kind's own limit, named
+    ``max_<kind>_bytes`` in messages). Accepts what ``load_image`` accepts as encoded input: a
+    ``str`` (the module docstring's rules 1–8; a data: URL must have a ``<kind>/...`` media type),
+    an ``os.PathLike`` or bytes. Decoding is the caller's (each kind has its own decoder)."""
+    cap = ByteCap(kind, max_bytes)
+    if isinstance(ref, (bytes, bytearray, memoryview)):
+        data = bytes(ref)
+        _check_bytes(len(data), f"{kind} bytes", config, cap=cap)
+        return data, f"{kind} bytes ({len(data)} bytes)"
+    if isinstance(ref, os.PathLike):
+        return _read_local(os.fspath(ref), config, cap)
+    if isinstance(ref, str):
+        data, source, _ = _read_str(ref, config, cap)
+        return data, source
+    unwrap = " (unwrap OpenAI {'url': ...} parts first)" if isinstance(ref, dict) else ""
+    raise MediaDecodeError(f"unsupported {kind} reference of type {type(ref).__name__}{unwrap}; send a path, "
+                           "a file://, data: or http(s) URL, a base64 string or bytes")
+
+
+@dataclass(frozen=True)
+class ByteCap:
+    """The encoded-size limit one source is read under: the kind of media (named in messages,
+    and the data: URL media type it must have) and its byte limit (knob ``max_<kind>_bytes``)."""
+
+    kind: str
+    limit: int
+
+    def __post_init__(self):
+        if not _positive_int(self.limit):
+            raise ValueError(f"the {self.kind} byte limit must be a positive integer, got {self.limit!r}")
+
+    @property
+    def knob(self) -> str:
+        return f"max_{self.kind}_bytes"
+
+    @property
+    def example(self) -> str:  # a data URL of this kind, for messages
+        return f"data:{_MIME_EXAMPLES.get(self.kind, self.kind + '/...')};base64,<data>"
+
+
+_MIME_EXAMPLES = {"image": "image/png", "video": "video/mp4", "audio": "audio/wav"}
+
+
+def _image_cap(config: MediaConfig) -> ByteCap:
+    return ByteCap("image", config.max_image_bytes)
+
+
+def _read_str(ref: str, config: MediaConfig, cap: ByteCap | None = None) -> tuple[bytes, str, str]:
     """Classify a string reference (module docstring, rules 1–8) and return (bytes, source, hint)."""
+    cap = cap or _image_cap(config)
     text = ref.strip()
     if not text:
-        raise MediaDecodeError("the image reference is an empty string; send a path, URL or base64 image")
+        raise MediaDecodeError(f"the {cap.kind} reference is an empty string; send a path, URL or base64 {cap.kind}")
     head = text[:8].lower()
     if head.startswith("data:"):
-        data, source = _read_data_url(text, config)
+        data, source = _read_data_url(text, config, cap)
         return data, source, ""
     if head.startswith("file:"):
-        data, source = _read_local(_file_url_path(text), config)
+        data, source = _read_local(_file_url_path(text), config, cap)
         return data, source, ""
     if head.startswith(("http://", "https://")):
-        data, source = _fetch(text, config)
+        data, source = _fetch(text, config, cap)
         return data, source, ""
     scheme = _OTHER_SCHEME.match(text)
     if scheme:
         raise MediaNotAllowedError(
             f"URL scheme {scheme.group(1)!r} is not supported; send a path, a file://, data: or http(s):// URL, "
-            "or base64 image data"
+            f"or base64 {cap.kind} data"
         )
     if len(text) > _PATH_MAX or text.startswith(_BASE64_JPEG):
-        return _read_raw_base64(text, "", config)
+        return _read_raw_base64(text, "", config, cap)
     if text.startswith(_PATH_PREFIXES):
-        data, source = _read_local(text, config)
+        data, source = _read_local(text, config, cap)
         return data, source, ""
     if _BASE64_ONLY.fullmatch(text):
-        return _read_raw_base64(text, _NOT_A_PATH_HINT, config)
-    data, source = _read_local(text, config)
+        return _read_raw_base64(text, _NOT_A_PATH_HINT, config, cap)
+    data, source = _read_local(text, config, cap)
     return data, source, ""
 
 
-def _read_raw_base64(text: str, hint: str, config: MediaConfig) -> tuple[bytes, str, str]:
-    data = _b64decode(text, "base64 string", config, hint)
+def _read_raw_base64(text: str, hint: str, config: MediaConfig,
+                     cap: ByteCap | None = None) -> tuple[bytes, str, str]:
+    data = _b64decode(text, "base64 string", config, hint, cap)
     return data, f"base64 string ({len(data)} bytes)", hint
 
 
 # -------------------------------------------------------------------------------------- the sources
 
 
-def _check_bytes(size: int, what: str, config: MediaConfig, *, at_least: bool = False) -> None:
-    if size > config.max_image_bytes:
-        amount = f"more than {config.max_image_bytes}" if at_least else str(size)
+def _check_bytes(size: int, what: str, config: MediaConfig, *, at_least: bool = False,
+                 cap: ByteCap | None = None) -> None:
+    cap = cap or _image_cap(config)
+    if size > cap.limit:
+        amount = f"more than {cap.limit}" if at_least else str(size)
         raise MediaTooLargeError(
-            f"image ({what}) is {amount} bytes; the limit is {config.max_image_bytes} "
-            f"({_knob(config, 'max_image_bytes')}); "
-            "send a smaller image"
+            f"{cap.kind} ({what}) is {amount} bytes; the limit is {cap.limit} "
+            f"({_knob(config, cap.knob)}); "
+            f"send a smaller {cap.kind}"
         )
 
 
 def _knob(config: MediaConfig, which: str, **names) -> str:
-    return _KNOBS[config.api][which].format(**names)
+    knobs = _KNOBS[config.api]
+    if which not in knobs:  # a limit without its own entry: the MediaConfig field / server flag by its name
+        return f"--{which.replace('_', '-')}" if config.api == "server" else f"MediaConfig.{which}"
+    return knobs[which].format(**names)
 
 
 def _clip(text: str, limit: int = 120) -> str:
@@ -497,13 +601,14 @@ def _clip(text: str, limit: int = 120) -> str:
     return text if len(text) <= limit else f"{text[:limit]}…"
 
 
-def _read_local(path: str, config: MediaConfig) -> tuple[bytes, str]:
+def _read_local(path: str, config: MediaConfig, cap: ByteCap | None = None) -> tuple[bytes, str]:
+    cap = cap or _image_cap(config)
     shown = _clip(path)
     dirs = config.allowed_local_media_paths
     if not dirs:
         raise MediaNotAllowedError(
             f"path {shown} refused: reading local files is disabled (no allowed media directories); "
-            f"{_knob(config, 'local')}, or send the image inline as a data: URL"
+            f"{_knob(config, 'local')}, or send the {cap.kind} inline as a data: URL"
         )
     if "\0" in path:
         raise MediaNotAllowedError(f"path {shown!r} contains a NUL byte; send a plain file path")
@@ -513,7 +618,7 @@ def _read_local(path: str, config: MediaConfig) -> tuple[bytes, str]:
     if not any(real == d or real.startswith(d.rstrip(os.sep) + os.sep) for d in dirs):
         raise MediaNotAllowedError(
             f"path {shown} is outside the allowed media directories [{', '.join(dirs)}] (symlinks and '..' "
-            f"are resolved first); put the image there, or allow its directory: {_knob(config, 'local')}"
+            f"are resolved first); put the {cap.kind} there, or allow its directory: {_knob(config, 'local')}"
         )
     try:
         # O_NOFOLLOW: the resolved path must not have become a symlink since the check (a swap race);
@@ -533,13 +638,13 @@ def _read_local(path: str, config: MediaConfig) -> tuple[bytes, str]:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise MediaNotFoundError(f"path {shown} is not a regular file (a directory, device or pipe); "
-                                     "send the path of an image file")
-        _check_bytes(info.st_size, f"path {shown}", config)
+                                     f"send the path of {'an' if cap.kind[0] in 'aeiou' else 'a'} {cap.kind} file")
+        _check_bytes(info.st_size, f"path {shown}", config, cap=cap)
         with open(fd, "rb", closefd=False) as file:
-            data = file.read(config.max_image_bytes + 1)  # the file may have grown since fstat
+            data = file.read(cap.limit + 1)  # the file may have grown since fstat
     finally:
         os.close(fd)
-    _check_bytes(len(data), f"path {shown}", config, at_least=True)
+    _check_bytes(len(data), f"path {shown}", config, at_least=True, cap=cap)
     return data, shown
 
 
@@ -556,29 +661,31 @@ def _file_url_path(url: str) -> str:
     return path
 
 
-def _read_data_url(url: str, config: MediaConfig) -> tuple[bytes, str]:
+def _read_data_url(url: str, config: MediaConfig, cap: ByteCap | None = None) -> tuple[bytes, str]:
+    cap = cap or _image_cap(config)
     header, comma, payload = url.partition(",")
     if not comma:
-        raise MediaDecodeError("data: URL has no ',' before the data; send data:image/png;base64,<data>")
+        raise MediaDecodeError(f"data: URL has no ',' before the data; send {cap.example}")
     media_type, *params = (p.strip().lower() for p in header[len("data:"):].split(";"))
-    if media_type and not media_type.startswith("image/"):
+    if media_type and not media_type.startswith(f"{cap.kind}/"):
+        article = "an" if cap.kind[0] in "aeiou" else "a"
         raise MediaDecodeError(
-            f"data: URL media type is {_clip(media_type, 40)!r}; send an image: data:image/png;base64,<data>"
+            f"data: URL media type is {_clip(media_type, 40)!r}; send {article} {cap.kind}: {cap.example}"
         )
     if "base64" not in params:
-        raise MediaDecodeError("data: URL is not base64-encoded; send data:image/png;base64,<data>")
-    data = _b64decode(payload, "data: URL", config)
+        raise MediaDecodeError(f"data: URL is not base64-encoded; send {cap.example}")
+    data = _b64decode(payload, "data: URL", config, cap=cap)
     return data, f"data: URL ({len(data)} bytes)"
 
 
-def _b64decode(text: str, what: str, config: MediaConfig, hint: str = "") -> bytes:
+def _b64decode(text: str, what: str, config: MediaConfig, hint: str = "", cap: ByteCap | None = None) -> bytes:
     payload = "".join(text.split()).rstrip("=")
     # Missing '=' padding is tolerated (some encoders drop it); a remainder of 1 is never valid.
     if len(payload) % 4 == 1:
         raise MediaDecodeError(f"{what} is not valid base64 (truncated: impossible length){hint}; "
                                "send standard base64 (A-Z a-z 0-9 + /)")
     # Cap the decoded size from the encoded length, before allocating anything.
-    _check_bytes(len(payload) * 3 // 4, what, config)
+    _check_bytes(len(payload) * 3 // 4, what, config, cap=cap)
     try:
         return base64.b64decode(payload + "=" * (-len(payload) % 4), validate=True)
     except ValueError as exc:  # binascii.Error, and non-ASCII text
@@ -597,7 +704,7 @@ def _host_allowed(host: str, domains: tuple[str, ...]) -> bool:
     return any(host == d or (not _is_ip(d) and host.endswith("." + d)) for d in domains)
 
 
-def _allowed_host(url: str, config: MediaConfig) -> str:
+def _allowed_host(url: str, config: MediaConfig, kind: str = "image") -> str:
     """The URL's host if fetching it is allowed; raise ``MediaNotAllowedError`` otherwise."""
     shown = _clip(url)
     try:
@@ -610,15 +717,15 @@ def _allowed_host(url: str, config: MediaConfig) -> str:
         raise MediaNotAllowedError(f"URL {shown} is not http(s); only http(s) URLs are fetched")
     if not config.allowed_domains:
         raise MediaNotAllowedError(
-            f"URL {shown} refused: fetching http(s) images is disabled (no allowed media domains); send the "
-            f"image inline as a data: URL, or {_knob(config, 'domains', host='HOST')}"
+            f"URL {shown} refused: fetching http(s) {kind}s is disabled (no allowed media domains); send the "
+            f"{kind} inline as a data: URL, or {_knob(config, 'domains', host='HOST')}"
         )
     if not host:
         raise MediaNotAllowedError(f"URL {shown} has no host; send a full http(s) URL")
     if not _host_allowed(host, config.allowed_domains):
         raise MediaNotAllowedError(
             f"host {host} is not in the allowed media domains [{', '.join(config.allowed_domains)}]; send the "
-            f"image inline as a data: URL, or {_knob(config, 'domains', host=host)}"
+            f"{kind} inline as a data: URL, or {_knob(config, 'domains', host=host)}"
         )
     return host
 
@@ -627,13 +734,13 @@ class _AllowListRedirects(urllib.request.HTTPRedirectHandler):
     """Follows a redirect only to an allowed host: the allow-list would mean nothing if an allowed
     host could bounce us anywhere (an internal address, say)."""
 
-    def __init__(self, config: MediaConfig):
+    def __init__(self, config: MediaConfig, kind: str = "image"):
         super().__init__()
-        self._config = config
+        self._config, self._kind = config, kind
 
     def redirect_request(self, req, fp, code, msg, headers, newurl):
         try:
-            _allowed_host(newurl, self._config)
+            _allowed_host(newurl, self._config, self._kind)
         except MediaNotAllowedError as exc:
             fp.close()
             raise MediaNotAllowedError(f"redirect from {urllib.parse.urlsplit(req.full_url).hostname} "
@@ -725,29 +832,32 @@ def fetch_url(url: str, config: MediaConfig) -> tuple[bytes, str] | MediaError:
         return error
 
 
-def _fetch(url: str, config: MediaConfig) -> tuple[bytes, str]:
-    done = _PREFETCHED.get()
+def _fetch(url: str, config: MediaConfig, cap: ByteCap | None = None) -> tuple[bytes, str]:
+    cap = cap or _image_cap(config)
+    # Prefetched results were fetched under the image policy (the workers prefetch image URLs
+    # only): another kind is fetched here, under its own byte limit.
+    done = _PREFETCHED.get() if cap.kind == "image" else None
     if done is not None and url in done:
         result = done[url]
         if isinstance(result, MediaError):
             raise result
         return result
-    host = _allowed_host(url, config)
+    host = _allowed_host(url, config, cap.kind)
     source = f"URL on host {host}"
     timeout = config.http_timeout_s
     deadline = _Deadline(timeout)
-    opener = urllib.request.build_opener(_AllowListRedirects(config), *_watched_handlers(deadline))
-    request = urllib.request.Request(url, headers={"User-Agent": "atb-plugin-media/1", "Accept": "image/*"})
+    opener = urllib.request.build_opener(_AllowListRedirects(config, cap.kind), *_watched_handlers(deadline))
+    request = urllib.request.Request(url, headers={"User-Agent": "atb-plugin-media/1", "Accept": f"{cap.kind}/*"})
     try:
         try:
             with opener.open(request, timeout=timeout) as response:
                 length = response.headers.get("Content-Length", "")
                 if length.isdigit():  # refuse early when the server tells us; never trust it as an upper bound
-                    _check_bytes(int(length), source, config)
-                data = _read_capped(response, config.max_image_bytes, deadline)
+                    _check_bytes(int(length), source, config, cap=cap)
+                data = _read_capped(response, cap.limit, deadline)
         except (OSError, http.client.HTTPException):
             if deadline.expired:  # whatever the cut socket raised: the deadline's doing
-                raise _timed_out(source, timeout) from None
+                raise _timed_out(source, timeout, cap.kind) from None
             raise
     except MediaError:
         raise
@@ -756,10 +866,10 @@ def _fetch(url: str, config: MediaConfig) -> tuple[bytes, str]:
         kind = MediaNotFoundError if exc.code in (404, 410) else MediaFetchError
         raise kind(f"{source} answered HTTP {exc.code} {exc.reason}; check the URL") from None
     except TimeoutError:
-        raise _timed_out(source, timeout) from None
+        raise _timed_out(source, timeout, cap.kind) from None
     except urllib.error.URLError as exc:
         if isinstance(exc.reason, TimeoutError):
-            raise _timed_out(source, timeout) from None
+            raise _timed_out(source, timeout, cap.kind) from None
         raise MediaFetchError(f"{source} could not be fetched ({exc.reason}); check the URL") from None
     except (OSError, http.client.HTTPException) as exc:  # reset connection, bad status line, short body
         raise MediaFetchError(
@@ -768,14 +878,14 @@ def _fetch(url: str, config: MediaConfig) -> tuple[bytes, str]:
     finally:
         deadline.cancel()
     if data is None:
-        raise _timed_out(source, timeout)
-    _check_bytes(len(data), source, config, at_least=True)
+        raise _timed_out(source, timeout, cap.kind)
+    _check_bytes(len(data), source, config, at_least=True, cap=cap)
     return data, source
 
 
-def _timed_out(source: str, timeout: float) -> MediaFetchError:
+def _timed_out(source: str, timeout: float, kind: str = "image") -> MediaFetchError:
     return MediaFetchError(f"{source} timed out after {timeout:g} s (http_timeout_s), the limit for the whole "
-                           "download; try a faster host or send the image inline as a data: URL")
+                           f"download; try a faster host or send the {kind} inline as a data: URL")
 
 
 def _read_capped(stream: BinaryIO, cap: int, deadline: _Deadline | float, chunk: int = 1 << 16) -> bytes | None:

@@ -17,6 +17,11 @@ of two wire dtypes (``atb_plugin.multimodal.wire``; the preprocessor's ``wire_dt
   * LLaVA-1.5 / CLIP: bicubic resize so the shortest edge is shortest_edge, centre crop to
     crop_size, rescale, normalise -> ``[1, 3, crop_h, crop_w]``.
 
+Video (Qwen2-VL / Qwen2.5-VL, ``Qwen2VLPreprocessor.preprocess_video``): frames sampled and resized
+by ``input_builders.video``, uint8 ``(n, 3, H, W)`` as they are, or float32 patches in
+transformers' ``Qwen2VLVideoProcessor`` layout ``[n/2*h*w, 3*2*p*p]`` (the two frames of a temporal
+patch side by side in each row instead of one frame repeated).
+
 Where the time goes, and why the code looks the way it does: the resize is Pillow's own bicubic
 ``Image.resize`` on the uint8 image, exactly what the Pil processors call, because only that
 reproduces their output bit for bit (one uint8 step off is 1/255/std ~ 0.015, far beyond 1e-5).
@@ -96,8 +101,10 @@ class PreprocessedImage:
             raise TypeError(f"pixel_values must be a float32 or uint8 numpy array, got {_describe(values)}")
         if not values.flags.c_contiguous:
             raise ValueError("pixel_values must be C-contiguous")
-        if values.dtype == np.uint8 and (values.ndim != 3 or values.shape[2] != 3):
-            raise ValueError(f"uint8 pixel_values must be an RGB image [H, W, 3], got shape {values.shape}")
+        if values.dtype == np.uint8 and not ((values.ndim == 3 and values.shape[2] == 3)
+                                             or (values.ndim == 4 and values.shape[1] == 3)):
+            raise ValueError(f"uint8 pixel_values must be an RGB image [H, W, 3] or video frames [t, 3, H, W], "
+                             f"got shape {values.shape}")
         if self.grid_thw is not None:
             grid = tuple(self.grid_thw)
             if len(grid) != 3 or not all(_is_int(v) and v > 0 for v in grid):
@@ -331,6 +338,33 @@ class Qwen2VLPreprocessor(ImagePreprocessor):
                 pixel_values[start : start + len(block)] = block[:, :, :, None]
         pixel_values = pixel_values.reshape(num_patches, 3 * t * p * p)
         return PreprocessedImage(pixel_values, grid_thw=(1, grid_h, grid_w))
+
+    def preprocess_video(self, frames: np.ndarray) -> PreprocessedImage:
+        """Video frames, already sampled and resized (``input_builders.video``), uint8
+        ``(n, 3, H, W)`` with ``n`` a multiple of ``temporal_patch_size`` -> the wire form with
+        ``grid_thw = (n / T, H / p, W / p)``: the frames as they are (uint8; the device patchifies)
+        or float32 patches in transformers' ``Qwen2VLVideoProcessor.patchify`` order, rows
+        ``(t, window row, window col, row in window, col in window)``, each row
+        ``(channel, frame in the temporal patch, pixel row, pixel col)``."""
+        if not isinstance(frames, np.ndarray) or frames.dtype != np.uint8 or frames.ndim != 4 or frames.shape[1] != 3:
+            raise ValueError(f"expected uint8 video frames [n, 3, H, W], got {_describe(frames)} "
+                             f"{getattr(frames, 'shape', '')}")
+        count, _, height, width = frames.shape
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        if count % t or height % (p * m) or width % (p * m) or not count:
+            raise ValueError(f"video frames {frames.shape}: need a multiple of {t} frames and sides that are "
+                             f"multiples of {p * m}")
+        grid = (count // t, height // p, width // p)
+        if self.wire_dtype == "uint8":
+            return PreprocessedImage(np.ascontiguousarray(frames), grid_thw=grid)
+        grid_t, grid_h, grid_w = grid
+        # (n, 3, H, W) -> (gt, T, 3, gh/m, m, p, gw/m, m, p) -> (gt, gh/m, gw/m, m, m, 3, T, p, p):
+        # the gather on uint8, then one normalising pass into the float32 output.
+        patches = frames.reshape(grid_t, t, 3, grid_h // m, m, p, grid_w // m, m, p)
+        patches = np.ascontiguousarray(patches.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8))
+        flat = patches.reshape(-1, 3, t * p, p)  # rows x channel x (frame, pixel row) x pixel col
+        values = self._normalize(flat)
+        return PreprocessedImage(values.reshape(grid_t * grid_h * grid_w, 3 * t * p * p), grid_thw=grid)
 
     @classmethod
     def from_config(cls, preprocessor_config: Mapping[str, Any]) -> Self:

@@ -1,50 +1,187 @@
-"""Qwen2-VL / Qwen2.5-VL: one block per image, sized by the image's patch grid.
+"""Qwen2-VL / Qwen2.5-VL: one block per image or video, sized by its patch grid.
 
-    <|vision_start|> NAME SHAPE THW <|image_pad|> × (n − 3) <|vision_end|>,   n = t·h·w / merge²
+    image: <|vision_start|> NAME SHAPE THW     <|image_pad|> × (n − 3) <|vision_end|>
+    video: <|vision_start|> NAME SHAPE THW SPG <|video_pad|> × (n − 4) <|vision_end|>
+                                                      n = t·h·w / merge²
 
-NAME/SHAPE locate the ``(t·h·w, 3·2·14·14)`` patches in shared memory; THW is ``grid_thw``
-encoded with the shape codec. The model puts back ``<|image_pad|>`` in the three metadata slots
-and replaces all n slots with the merged patch features.
+NAME/SHAPE locate the pixels in shared memory (an image ``(H, W, 3)`` or video frames
+``(2t, 3, H, W)`` in uint8, or the ``(t·h·w, 3·2·14·14)`` patches in float32); THW is ``grid_thw``
+encoded with the shape codec; SPG is a video's ``second_per_grid_t`` (``wire.encode_second_per_grid_t``),
+which Qwen2.5-VL's M-RoPE needs. The model puts back the placeholder in the metadata slots and
+replaces all n slots with the merged patch features. See docs/wire-format.md.
 """
 
 from __future__ import annotations
 
-from atb_plugin.multimodal.wire import QWEN2_VL_BLOCK
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+from atb_plugin.multimodal.wire import QWEN2_VL_BLOCK, QWEN2_VL_VIDEO_BLOCK, encode_second_per_grid_t
 from input_builders.base import InputBuilder, PreparedImage
-from input_builders.conversation import InputBuilderError
-from input_builders.media import LoadedImage
+from input_builders.conversation import ImagePart, InputBuilderError, UnsupportedContentError, VideoPart
+from input_builders.media import pyav
 from input_builders.preprocess import Qwen2VLPreprocessor
-from shm import encode_shape_to_int64
+from input_builders.video import LoadedVideo, VideoOptionError, VideoSampling, load_video
+from shm import ShmHandle, ShmStore, encode_shape_to_int64
 
 METADATA_SLOTS = QWEN2_VL_BLOCK.metadata_slots  # NAME, SHAPE, THW
+VIDEO_METADATA_SLOTS = QWEN2_VL_VIDEO_BLOCK.metadata_slots  # NAME, SHAPE, THW, SPG
+
+# The request's sampling overrides (vLLM's mm_processor_kwargs) while one make_context / tokenize
+# call runs: a context variable, so concurrent calls on other threads never see each other's.
+_REQUEST_VIDEO_OPTIONS: contextvars.ContextVar[Mapping] = contextvars.ContextVar("video_options", default={})
+
+
+class TooManyVideosError(InputBuilderError):
+    """More videos in one prompt than the family's (or the server's) limit."""
+
+
+@dataclass(frozen=True)
+class PreparedVideo:
+    """A video's frames in shared memory, leased to the request, with what its block needs."""
+
+    handle: ShmHandle
+    num_tokens: int
+    grid_thw: tuple[int, int, int]
+    second_per_grid_t: float
 
 
 class Qwen2VlInputBuilder(InputBuilder):
-    model_type = "qwen2_vl"  # its model class declares the images per prompt
+    model_type = "qwen2_vl"  # its model class declares the images and videos per prompt
+    media_part_type = (ImagePart, VideoPart)
 
     def __init__(self, tokenizer, *, vision_start_token_id: int, vision_end_token_id: int,
-                 preprocessor: Qwen2VLPreprocessor, **kwargs):
+                 preprocessor: Qwen2VLPreprocessor, video_token_id: int | None = None,
+                 video_sampling: VideoSampling | None = None, **kwargs):
         super().__init__(tokenizer, preprocessor=preprocessor, **kwargs)
         self.vision_start = tokenizer.convert_ids_to_tokens(vision_start_token_id)
         self.vision_end = tokenizer.convert_ids_to_tokens(vision_end_token_id)
+        family_videos = self.family_max_videos() if video_token_id is not None else 0
+        limit = self.media_config.max_videos_per_prompt
+        if limit is not None and limit > family_videos:
+            raise ValueError(f"max_videos_per_prompt = {limit} (--limit-mm-per-prompt video=N): this model takes at "
+                             f"most {family_videos} videos per prompt; set it to {family_videos} or less")
+        self.max_videos_per_prompt = family_videos if limit is None else limit
+        self.video_anchor_id = video_token_id
+        self.video_anchor = None if video_token_id is None else tokenizer.convert_ids_to_tokens(video_token_id)
+        # Qwen's defaults, with the checkpoint's temporal patch and merge window.
+        self.video_sampling = video_sampling or VideoSampling(frame_factor=preprocessor.temporal_patch_size,
+                                                              image_factor=preprocessor.factor)
+
+    @classmethod
+    def family_max_videos(cls) -> int:
+        from atb_plugin.models import registry
+        from atb_plugin.models.interfaces import supported_mm_limit
+
+        return supported_mm_limit(registry.import_model_class(registry.MODEL_CLASSES[cls.model_type]), "video")
+
+    # -- the request's video options ---------------------------------------------------------------
+
+    def make_context(self, rank: int, conversation, add_generation_prompt: bool = True,
+                     adapt_to_max_length: bool = False, **kwargs) -> list[int]:
+        """``InputBuilder.make_context``; ``mm_processor_kwargs`` (a dict) overrides the video
+        sampling of every video of the request (a video part's own keys win over it)."""
+        with self._video_options(kwargs.get("mm_processor_kwargs")):
+            return super().make_context(rank, conversation, add_generation_prompt, adapt_to_max_length, **kwargs)
+
+    def tokenize(self, inputs, **kwargs) -> list[int]:
+        with self._video_options(kwargs.get("mm_processor_kwargs")):
+            return super().tokenize(inputs, **kwargs)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _video_options(options) -> Iterator[None]:
+        if options is not None and not isinstance(options, Mapping):
+            raise VideoOptionError(f"mm_processor_kwargs must be an object, got {type(options).__name__}")
+        token = _REQUEST_VIDEO_OPTIONS.set(dict(options or {}))
+        try:
+            yield
+        finally:
+            _REQUEST_VIDEO_OPTIONS.reset(token)
+
+    # -- loading -----------------------------------------------------------------------------------
+
+    def _load_images(self, parts: list) -> list:
+        """Images (``InputBuilder._load_images``: the pixel budget) and videos (probed and planned,
+        not decoded: ``input_builders.video``), in prompt order."""
+        videos = [part for part in parts if isinstance(part, VideoPart)]
+        if videos and not self.max_videos_per_prompt:
+            raise UnsupportedContentError(
+                f"this model takes no video (video_token_id is not in its config, or the server allows 0 videos "
+                f"per prompt): the prompt has {len(videos)} video(s); remove the video parts")
+        if len(videos) > self.max_videos_per_prompt:
+            raise TooManyVideosError(f"the prompt has {len(videos)} videos; this model takes at most "
+                                     f"{self.max_videos_per_prompt} per prompt (--limit-mm-per-prompt video=N)")
+        images = iter(super()._load_images([part for part in parts if not isinstance(part, VideoPart)]))
+        request = _REQUEST_VIDEO_OPTIONS.get()
+        loaded = iter([load_video(part.ref, self.media_config, self.video_sampling, {**request, **dict(part.options)})
+                       for part in videos])
+        return [next(loaded) if isinstance(part, VideoPart) else next(images) for part in parts]
+
+    # -- family hooks ----------------------------------------------------------------------------
 
     def image_prompt_text(self, index: int) -> str:
         return f"{self.vision_start}{self.image_anchor}{self.vision_end}"
 
-    def grid_thw(self, image: LoadedImage) -> tuple[int, int, int]:
-        # Known from the image size alone, so a reused segment needs no preprocessing.
-        height, width = self.preprocessor.smart_resize(image.image.height, image.image.width)
-        return 1, height // self.preprocessor.patch_size, width // self.preprocessor.patch_size
+    def part_prompt_text(self, part, index: int) -> str:
+        if isinstance(part, VideoPart):
+            return f"{self.vision_start}{self.video_anchor}{self.vision_end}"
+        return self.image_prompt_text(index)
 
-    def num_media_tokens(self, image: LoadedImage) -> int:
-        tokens = self.preprocessor.num_image_tokens(self.grid_thw(image))
+    def anchor_id(self, item) -> int:
+        return self.video_anchor_id if isinstance(item, LoadedVideo) else self.image_anchor_id
+
+    def anchor_ids(self) -> frozenset:
+        return frozenset(a for a in (self.image_anchor_id, self.video_anchor_id) if a is not None)
+
+    def grid_thw(self, item) -> tuple[int, int, int]:
+        # Known from the image size, or the video's stream header and plan alone, so a reused
+        # segment needs no decoding.
+        patch = self.preprocessor.patch_size
+        if isinstance(item, LoadedVideo):
+            height, width = item.plan.size
+            return item.plan.num_frames // self.preprocessor.temporal_patch_size, height // patch, width // patch
+        height, width = self.preprocessor.smart_resize(item.image.height, item.image.width)
+        return 1, height // patch, width // patch
+
+    def num_media_tokens(self, item) -> int:
+        tokens = self.preprocessor.num_image_tokens(self.grid_thw(item))
+        if isinstance(item, LoadedVideo):
+            if tokens < VIDEO_METADATA_SLOTS:
+                raise InputBuilderError(f"the video ({item.source}) becomes {tokens} video tokens; a block needs at "
+                                        f"least {VIDEO_METADATA_SLOTS}: raise min_pixels or the frame count")
+            return tokens
         if tokens < METADATA_SLOTS:
             raise InputBuilderError(
-                f"a {image.image.width}x{image.image.height} image becomes {tokens} image tokens; a block "
+                f"a {item.image.width}x{item.image.height} image becomes {tokens} image tokens; a block "
                 f"needs at least {METADATA_SLOTS}: raise min_pixels in preprocessor_config.json"
             )
         return tokens
 
-    def media_block(self, image: PreparedImage) -> list[int]:
-        metadata = [image.handle.name_value, image.handle.shape_value, encode_shape_to_int64(image.grid_thw)]
-        return metadata + [self.image_anchor_id] * (image.num_tokens - METADATA_SLOTS)
+    def _prepare(self, item, store: ShmStore, request_id):
+        if not isinstance(item, LoadedVideo):
+            return super()._prepare(item, store, request_id)
+        # Content-addressed like images: the same bytes under the same sampling and preprocessing
+        # (and the same decoder: frames follow FFmpeg's version) reuse one segment, undecoded.
+        av = pyav()
+        key = f"{item.digest}:{item.sampling.cache_key()}:{self.preprocessor.cache_key()};av={av.__version__}"
+        grid = self.grid_thw(item)
+        handle = store.get(key, request_id=request_id)
+        if handle is None:
+            processed = self.preprocessor.preprocess_video(item.resized_frames())
+            if tuple(processed.grid_thw) != grid:
+                raise AssertionError(f"grid {processed.grid_thw} differs from the predicted {grid}")
+            handle = store.put(processed.pixel_values, key=key, request_id=request_id)
+        return PreparedVideo(handle, self.num_media_tokens(item), grid, item.plan.second_per_grid_t)
+
+    def media_block(self, item: PreparedImage | PreparedVideo) -> list[int]:
+        metadata = [item.handle.name_value, item.handle.shape_value, encode_shape_to_int64(item.grid_thw)]
+        if isinstance(item, PreparedVideo):
+            metadata.append(encode_second_per_grid_t(item.second_per_grid_t))
+            return metadata + [self.video_anchor_id] * (item.num_tokens - VIDEO_METADATA_SLOTS)
+        return metadata + [self.image_anchor_id] * (item.num_tokens - METADATA_SLOTS)
+
+
+__all__ = ["PreparedVideo", "Qwen2VlInputBuilder", "TooManyVideosError"]

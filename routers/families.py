@@ -5,8 +5,11 @@ from __future__ import annotations
 import functools
 from functools import cached_property
 
+from atb_plugin.models.registry import config_value
 from input_builders.llava import LlavaInputBuilder
 from input_builders.preprocess import ClipPreprocessor, Qwen2VLPreprocessor, QwenVLPreprocessor
+from input_builders.audio_features import WhisperFeatures
+from input_builders.qwen2_audio import Qwen2AudioInputBuilder
 from input_builders.qwen2_vl import Qwen2VlInputBuilder
 from input_builders.qwen_vl import QwenVlInputBuilder
 from input_builders.text import BertInputBuilder, TextInputBuilder
@@ -14,9 +17,10 @@ from routers.base import BaseRouter
 from routers.registry import register_router
 
 
-@register_router("qwen2", "llama")
+@register_router("qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe")
 class TextRouter(BaseRouter):
-    """Decoder-only text models: Qwen2 and Llama share everything the front end needs."""
+    """Decoder-only text models: Qwen2 (dense and MoE), Qwen3 (dense and MoE) and Llama share
+    everything the front end needs (Qwen3's thinking switch is its chat template's: ``chat_template_kwargs``)."""
 
     def make_input_builder(self):
         return TextInputBuilder(self.tokenizer, **self.builder_kwargs())
@@ -28,6 +32,7 @@ class Qwen2VlRouter(BaseRouter):
         return Qwen2VlInputBuilder(
             self.tokenizer,
             image_token_id=self.config_value("image_token_id"),
+            video_token_id=config_value(self.raw_config, "video_token_id", None),  # None: no video
             vision_start_token_id=self.config_value("vision_start_token_id"),
             vision_end_token_id=self.config_value("vision_end_token_id"),
             preprocessor=self.make_preprocessor(Qwen2VLPreprocessor, self.preprocessor_config()),
@@ -47,6 +52,21 @@ class LlavaRouter(BaseRouter):
             patch_size=vision["patch_size"],
             feature_select_strategy=self.raw_config.get("vision_feature_select_strategy", "default"),
             preprocessor=self.make_preprocessor(ClipPreprocessor, self.preprocessor_config()),
+            **self.builder_kwargs(),
+        )
+
+
+@register_router("qwen2_audio")
+class Qwen2AudioRouter(BaseRouter):
+    """Qwen2-Audio: the checkpoint's chat template, Whisper features from its
+    ``preprocessor_config.json``; audio always crosses as float32 features (``--mm-wire-dtype``
+    is about images)."""
+
+    def make_input_builder(self):
+        return Qwen2AudioInputBuilder(
+            self.tokenizer,
+            audio_token_id=self.config_value("audio_token_index"),
+            features=WhisperFeatures.from_config(self.preprocessor_config()),
             **self.builder_kwargs(),
         )
 

@@ -166,9 +166,10 @@ FLOORS = {
 # The platform picks its op kernels (atb_plugin/ops/*_kernels.py) lazily, at run time: the one
 # import that runs upward.
 UPWARD_ALLOWED = {("atb_plugin.platform", "atb_plugin.ops")}
-# What the HTTP layer may take from the engine: the client's types, the config and the messages.
-SERVER_ENGINE_MODULES = {"atb_plugin.engine.client", "atb_plugin.engine.config", "atb_plugin.engine.messages",
-                         "atb_plugin.engine.sampling_params"}
+# What the HTTP layer may take from the engine: the clients' types (one engine core or several:
+# the data-parallel routing names), the config and the messages.
+SERVER_ENGINE_MODULES = {"atb_plugin.engine.client", "atb_plugin.engine.dp_client", "atb_plugin.engine.config",
+                         "atb_plugin.engine.messages", "atb_plugin.engine.sampling_params"}
 
 
 def _room(module: str) -> str:

@@ -118,7 +118,7 @@ def test_processing_info_is_validated():
     with pytest.raises(ValueError, match="grid_thw"):
         MultimodalProcessingInfo("image", 4, 16, (56, 56), (17, 1176), grid_thw=(1, 4, 4))
     with pytest.raises(ValueError, match="modality"):
-        MultimodalProcessingInfo("video", 4, 16, (56, 56), (1, 3, 56, 56))
+        MultimodalProcessingInfo("hologram", 4, 16, (56, 56), (1, 3, 56, 56))
 
 
 # -- the limit: min(model, user), one declaration -----------------------------------------------

@@ -65,6 +65,7 @@ def test_every_member_is_needed():
 
     class Media:
         media_layout = MediaLayout(placeholder_id=5, num_metadata_slots=2, tokens_per_block=4)
+        media_layouts = (media_layout,)
 
         def encoder_input(self, pixels, grid_thw=None): ...
 
@@ -81,7 +82,7 @@ def test_every_member_is_needed():
 
     assert isinstance(Media(), SupportsMedia) and not isinstance(Media(), SupportsMRoPE)
     assert isinstance(MRoPE(), SupportsMRoPE) and not isinstance(MRoPE(), SupportsMedia)
-    for member in ("media_layout", "encoder_input", "get_multimodal_embeddings", "get_input_embeddings",
+    for member in ("media_layout", "media_layouts", "encoder_input", "get_multimodal_embeddings", "get_input_embeddings",
                    "get_processing_info"):
         partial = type("Partial", (), {k: v for k, v in vars(Media).items() if k != member})
         assert not isinstance(partial(), SupportsMedia), member

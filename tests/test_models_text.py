@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from atb_plugin.models.weights import WeightLoadingError
-from atb_plugin.testing.sequence import SequenceRunner
+from atb_plugin.testing.sequence import SequenceRunner, check_simulated_npu
 from atb_plugin.testing.tiny import tiny_checkpoint
 from routers import get_router
 from tests.helpers import copy_checkpoint
@@ -124,33 +124,11 @@ def test_npu_path_equals_cpu_path(family, dtype):
     """The same model through the ATB kernels (simulated torch_npu) in bf16 / fp16 against the CPU
     path in fp32: prefill, a chunked-prefill step and decode steps, each on the op the real NPU
     would use. Block size 16: ATB's rule."""
-    import copy
-
-    from atb_plugin.platform import use_platform
-    from atb_plugin.testing import fake_torch_npu
-
     ours, _ = load_pair(family)
-    half = copy.deepcopy(ours).to(dtype)
-    ids = prompt(40, ours.config.vocab_size, seed=2)
-
-    def run(model):
-        runner = SequenceRunner(model, max_len=48, block_size=16)
-        steps = [runner.step(ids[:20]), runner.step(ids[20:33])]
-        return torch.cat(steps + [runner.step(ids[i:i + 1]) for i in range(33, 40)]).float()
-
-    cpu = run(ours)
-    with fake_torch_npu.install() as fake, use_platform("npu"):
-        npu = run(half)
-        calls = dict(fake.module.calls)
+    calls = check_simulated_npu(ours, prompt(40, ours.config.vocab_size, seed=2), dtype, NPU_TOL[dtype])
     for op in ("_npu_reshape_and_cache", "_npu_flash_attention", "_npu_paged_attention_splitfuse",
                "_npu_paged_attention", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu"):
         assert calls.get(op), f"{op} was not used"
-    tol = NPU_TOL[dtype] * cpu.abs().max()
-    assert (npu - cpu).abs().max() <= tol
-    top2 = cpu.topk(2, dim=-1).values
-    stable = (top2[:, 0] - top2[:, 1]) > 2 * tol
-    assert stable.any()
-    assert torch.equal(npu.argmax(-1)[stable], cpu.argmax(-1)[stable])
 
 
 def test_npu_host_syncs_per_step_do_not_grow_with_layers(tmp_path):

@@ -157,7 +157,9 @@ def _fake_ops():
 
 
 CALLED_OPS = ["_npu_reshape_and_cache", "_npu_flash_attention", "_npu_flash_attention_unpad", "_npu_paged_attention",
-              "_npu_paged_attention_splitfuse", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu"]
+              "_npu_paged_attention_splitfuse", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu",
+              "npu_moe_gating_top_k_softmax", "npu_moe_init_routing", "npu_moe_compute_expert_tokens",
+              "npu_grouped_matmul", "npu_moe_finalize_routing"]
 
 
 def test_fixture_parses_and_covers_the_ops_in_use():

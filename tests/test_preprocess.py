@@ -395,7 +395,7 @@ def test_preprocessed_image_checks_its_contract():
         PreprocessedImage(np.zeros((1, 3, 2, 2), np.float64))
     PreprocessedImage(np.zeros((28, 28, 3), np.uint8), grid_thw=(1, 2, 2))  # the uint8 wire form
     with pytest.raises(ValueError, match=r"RGB image \[H, W, 3\]"):
-        PreprocessedImage(np.zeros((1, 3, 2, 2), np.uint8))
+        PreprocessedImage(np.zeros((1, 2, 2, 2), np.uint8))  # neither (H, W, 3) nor video frames (t, 3, H, W)
     with pytest.raises(ValueError, match="C-contiguous"):
         PreprocessedImage(np.zeros((4, 4), np.float32).T)
     with pytest.raises(ValueError, match="grid_thw"):

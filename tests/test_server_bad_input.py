@@ -206,8 +206,11 @@ CASES = [
          body=lambda m: {"messages": [{"role": "user", "content": 5}]}, param="messages.0.content"),
     Case("user-content-null", 400, "content is required for a 'user' message",
          body=lambda m: {"messages": [{"role": "user", "content": None}]}),
-    Case("video-part", 400, "content type 'video' is not supported; only text and images are",
+    Case("video-part-outside-the-allowed-directories", 400, "path x.mp4 is outside the allowed media directories",
          body=lambda m: {"messages": [{"role": "user", "content": [{"type": "video", "video": "x.mp4"}]}]}),
+    Case("audio-to-an-image-model", 400, "serves a model without audio input",
+         body=lambda m: {"messages": [{"role": "user", "content": [
+             {"type": "input_audio", "input_audio": {"data": "UklGRiQAAABXQVZF", "format": "wav"}}]}]}),
     Case("image-detail-unknown", 400, "image_url.detail must be one of auto, low, high, got 'ultra'",
          body=lambda m: {"messages": [{"role": "user", "content": [
              {"type": "image_url", "image_url": {"url": IMAGE_URL, "detail": "ultra"}}]}]}),

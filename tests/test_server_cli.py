@@ -22,7 +22,7 @@ FLAGS = ["--model", "--served-model-name", "--host", "--port", "--device", "--dt
          "--enable-prefix-caching", "--limit-mm-per-prompt", "--mm-wire-dtype", "--num-threads", "--enforce-eager",
          "--allowed-local-media-path",
          "--allowed-media-domains", "--max-image-bytes", "--max-image-pixels", "--max-request-pixels",
-         "--max-request-body-bytes",
+         "--max-request-body-bytes", "--max-audio-bytes", "--max-audio-seconds",
          "--max-queued-requests", "--chat-template", "--api-key", "--tokenizer-workers", "--shm-budget-bytes",
          "--shutdown-timeout", "--config"]
 

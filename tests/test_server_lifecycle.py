@@ -46,6 +46,30 @@ def wait_until(condition, timeout: float = 20.0, what: str = "condition") -> Non
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def wait_until_gone(pids, timeout: float = 15.0) -> None:
+    """Until none of ``pids`` exists any more."""
+    def gone(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+            return False
+        except ProcessLookupError:
+            return True
+
+    wait_until(lambda: all(gone(pid) for pid in pids), timeout=timeout, what=f"processes {list(pids)} to exit")
+
+
+def wait_until_group_gone(leader: int, timeout: float = 15.0) -> None:
+    """Until every process of the group ``leader`` leads (a service and all it started) has exited."""
+    def gone() -> bool:
+        try:
+            os.killpg(leader, 0)
+            return False
+        except ProcessLookupError:
+            return True
+
+    wait_until(gone, timeout=timeout, what="every process of the service's group to exit")
+
+
 def ipc_sockets_of(server: ServerProcess) -> list[str]:
     """The ZeroMQ ipc:// socket files the service (named by its API process id) left in the temp directory."""
     import glob
@@ -246,11 +270,4 @@ def test_a_failed_start_exits_nonzero_and_leaves_no_process():
         raise AssertionError("the service did not exit after a failed start")
     assert process.returncode != 0 and "raise --kv-cache-memory" in log, log[-2000:]
 
-    def group_gone() -> bool:
-        try:
-            os.killpg(process.pid, 0)
-            return False
-        except ProcessLookupError:
-            return True
-
-    wait_until(group_gone, timeout=15, what="every process of the service's group to exit")
+    wait_until_group_gone(process.pid)

@@ -18,7 +18,7 @@ import pytest
 from atb_plugin import LLM, SamplingParams
 from atb_plugin.testing.tiny import tiny_checkpoint
 from tests.server_helpers import ServerProcess, data_url
-from tests.test_server_lifecycle import StreamInThread, segments_of, wait_until
+from tests.test_server_lifecycle import StreamInThread, segments_of, wait_until_gone, wait_until_group_gone
 
 pytestmark = pytest.mark.slow  # a real server with two rank processes
 
@@ -62,21 +62,6 @@ def test_a_dead_rank_fails_the_stream_and_the_service_exits_nonzero(server):
     log = server.log(tail=None)
     assert "died during a step" in log and "tensor-parallel rank 1 died" in log, log[-3000:]
 
-    def gone(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-            return False
-        except ProcessLookupError:
-            return True
-
-    wait_until(lambda: all(gone(pid) for pid in ranks), timeout=15, what="both ranks to be gone")
-
-    def group_gone() -> bool:
-        try:
-            os.killpg(server.process.pid, 0)
-            return False
-        except ProcessLookupError:
-            return True
-
-    wait_until(group_gone, timeout=15, what="every process of the service to exit")
+    wait_until_gone(ranks)
+    wait_until_group_gone(server.process.pid)
     assert segments_of(server) == []

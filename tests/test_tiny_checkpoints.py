@@ -34,14 +34,18 @@ from atb_plugin.testing.tiny import FAMILIES, make_tiny_checkpoint, qwen_vl_weig
 
 REPO = Path(__file__).resolve().parents[1]
 
-HF_FAMILIES = ["qwen2", "llama", "qwen2_vl", "qwen2_5_vl", "llava", "bert"]
+HF_FAMILIES = ["qwen2", "llama", "qwen2_vl", "qwen2_5_vl", "llava", "qwen2_audio", "bert", "qwen3", "qwen3_moe", "qwen2_moe"]
 MODEL_CLASS = {
     "qwen2": "Qwen2ForCausalLM",
     "llama": "LlamaForCausalLM",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
     "llava": "LlavaForConditionalGeneration",
+    "qwen2_audio": "Qwen2AudioForConditionalGeneration",
     "bert": "BertModel",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 VL_TRANSFORMERS = ["qwen2_vl", "qwen2_5_vl", "llava"]
 
@@ -93,6 +97,8 @@ EXPECTED_FILES = {
                    "chat_template.jinja", "preprocessor_config.json", "model.safetensors"},
     "llava": {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
               "chat_template.jinja", "preprocessor_config.json", "processor_config.json", "model.safetensors"},
+    "qwen2_audio": {"config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                    "chat_template.jinja", "preprocessor_config.json", "model.safetensors"},
     "bert": {"config.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt", "model.safetensors",
              "modules.json", "sentence_bert_config.json", "1_Pooling/config.json"},
 }
@@ -102,6 +108,7 @@ EXPECTED_FILES["qwen2_seq_cls"] = EXPECTED_FILES["qwen2_reward"] = EXPECTED_FILE
 # Template variants: a family's files with another chat template (and vocabulary additions).
 TEMPLATE_VARIANTS = {"qwen2_5": "qwen2"}
 EXPECTED_FILES["qwen2_5"] = EXPECTED_FILES["qwen2"]
+EXPECTED_FILES["qwen3"] = EXPECTED_FILES["qwen3_moe"] = EXPECTED_FILES["qwen2_moe"] = EXPECTED_FILES["qwen2"]
 EXPECTED_FILES["bert_cross_encoder"] = {"config.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
                                         "model.safetensors"}
 
@@ -212,10 +219,15 @@ NAMED_IDS = {
     "llava": [("<image>", lambda c: c["image_token_index"]), ("<pad>", lambda c: c["pad_token_id"]),
               ("<s>", lambda c: c["text_config"]["bos_token_id"]), ("</s>", lambda c: c["text_config"]["eos_token_id"]),
               ("<unk>", None)],
+    "qwen2_audio": [("<|AUDIO|>", lambda c: c["audio_token_index"]), ("<|audio_bos|>", None),
+                    ("<|audio_eos|>", None), ("<|endoftext|>", lambda c: c["text_config"]["bos_token_id"]),
+                    ("<|im_end|>", lambda c: c["text_config"]["eos_token_id"]), ("<|im_start|>", None)],
     "bert": [("[PAD]", lambda c: c["pad_token_id"]), ("[UNK]", None), ("[CLS]", None), ("[SEP]", None),
              ("[MASK]", None)],
 }
 NAMED_IDS["qwen2_5_vl"] = NAMED_IDS["qwen2_vl"]
+NAMED_IDS["qwen3"] = NAMED_IDS["qwen3_moe"] = NAMED_IDS["qwen2"] + [("<think>", None), ("</think>", None)]
+NAMED_IDS["qwen2_moe"] = NAMED_IDS["qwen2"]
 for _variant, _family in {**POOLING_VARIANTS, **TEMPLATE_VARIANTS}.items():
     NAMED_IDS[_variant] = NAMED_IDS[_family]
 

@@ -97,7 +97,8 @@ class MPClient:
     async def start(self, timeout_s: float = 600.0) -> None:
         self._inbox.bind(self._addresses[0])
         self._outbox.bind(self._addresses[1])
-        self.process = processes.spawn(run_engine_core, "atb-engine-core", self.config, *self._addresses)
+        name = "atb-engine-core" + ("" if self.config.data_parallel_size == 1 else f"-{self.config.data_parallel_rank}")
+        self.process = processes.spawn(run_engine_core, name, self.config, *self._addresses)
         message = await processes.wait_started(self.process, self._outbox.recv_multipart(), timeout_s)
         if message is None:
             raise EngineStartError(f"the engine core did not start (exit code {self.process.exitcode}); "

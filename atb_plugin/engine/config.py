@@ -9,6 +9,7 @@ the checkpoint (model type, vocabulary size, declared context window) are read f
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from atb_plugin.distributed import divide, kv_heads_per_rank
@@ -50,12 +51,23 @@ def head_size(hf_config: dict) -> int | None:
     return None
 
 
-def check_tensor_parallel(hf_config: dict, tp: int) -> None:
+def check_tensor_parallel(hf_config: dict, tp: int, expert_parallel: bool = False) -> None:
     """ValueError, naming the numbers and the fix, when the language model's attention heads do
     not split over ``tp`` ranks (KV heads: split evenly, or replicated when fewer than the ranks
-    and dividing them). The layers check the rest (intermediate size) when they are built."""
+    and dividing them), nor an MoE model's experts (``expert_parallel``: the expert count; else
+    each expert's ``moe_intermediate_size``). The layers check the rest (intermediate size) when
+    they are built."""
     if tp == 1:
         return
+    experts = registry.config_value(hf_config, "num_experts", registry.config_value(hf_config, "num_local_experts"))
+    if isinstance(experts, int) and experts > 0:
+        if expert_parallel:
+            divide(experts, tp, "num_experts")
+        elif isinstance(size := registry.config_value(hf_config, "moe_intermediate_size"), int) and size % tp:
+            try:
+                divide(size, tp, "moe_intermediate_size")
+            except ValueError as error:
+                raise ValueError(f"{error}; or split whole experts over the ranks (--enable-expert-parallel)") from None
     heads = registry.config_value(hf_config, "num_attention_heads")
     if isinstance(heads, int):
         divide(heads, tp, "num_attention_heads")
@@ -123,8 +135,16 @@ class EngineConfig:
     # Ranks one model is sharded over (atb_plugin.engine.executor; docs/architecture.md, "Tensor
     # parallelism"); 1 runs it in the engine core's own process.
     tensor_parallel_size: int = 1
-    # The device index each rank uses (MindIE's npuDeviceIds); None: ranks 0 .. TP-1.
+    # MoE models under TP: each rank holds num_experts / TP whole experts instead of a slice of
+    # every expert (models/moe.py says why the outputs are combined by the existing all-reduce).
+    enable_expert_parallel: bool = False
+    # The device index each rank uses (MindIE's npuDeviceIds); None: ranks 0 .. TP-1 (with data
+    # parallelism, engine i's ranks take devices i*TP .. (i+1)*TP-1).
     device_ids: tuple[int, ...] | None = None
+    # Engine cores behind one API server, each a whole engine with its own ranks, devices and (on
+    # the CPU) cores (docs/architecture.md, "Data parallelism"); this engine's index among them.
+    data_parallel_size: int = 1
+    data_parallel_rank: int = 0
     # Resolved from config.json in __post_init__:
     architecture: str = field(init=False)
     tasks: tuple[str, ...] = field(init=False)  # what the model serves: ("generate",) or pooling tasks
@@ -152,7 +172,7 @@ class EngineConfig:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"EngineConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
-        for flag in ("pack_weights", "enforce_eager"):
+        for flag in ("pack_weights", "enforce_eager", "enable_expert_parallel"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"EngineConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
         set_(self, "shm_instances", tuple(self.shm_instances))
@@ -163,11 +183,17 @@ class EngineConfig:
         if self.limit_mm_per_prompt is not None:
             _check_int("limit_mm_per_prompt", self.limit_mm_per_prompt, 0)
         check_wire_dtype(self.mm_wire_dtype, "EngineConfig.mm_wire_dtype (--mm-wire-dtype)")
-        if self.num_threads is None:
-            set_(self, "num_threads", available_cores())
+        _check_int("data_parallel_size", self.data_parallel_size, 1, 64)
+        _check_int("data_parallel_rank", self.data_parallel_rank, 0, self.data_parallel_size - 1)
+        if self.num_threads is None:  # the cores this process may use, shared out among the engines
+            set_(self, "num_threads", max(1, available_cores() // self.data_parallel_size))
         else:
             _check_int("num_threads", self.num_threads, 1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
+        if self.data_parallel_size > 1 and self.device_ids is not None:
+            raise ValueError("EngineConfig.device_ids with data_parallel_size > 1: each engine takes the next "
+                             "tensor_parallel_size devices; choose the devices with ASCEND_RT_VISIBLE_DEVICES "
+                             "(MindIE: npuDeviceIds) instead")
         if self.device_ids is not None:
             set_(self, "device_ids", tuple(self.device_ids))
             for index in self.device_ids:
@@ -203,13 +229,16 @@ class EngineConfig:
             _check_int("max_model_len", self.max_model_len, 2, declared)
         platform = platform_for(self.device)
         dtype, block_size = platform.check_engine_config(self.dtype, self.block_size, head_size(hf_config))
-        check_tensor_parallel(hf_config, self.tensor_parallel_size)
+        check_tensor_parallel(hf_config, self.tensor_parallel_size, self.enable_expert_parallel)
         devices = platform.device_count()
-        needed = max(self.device_ids) + 1 if self.device_ids else self.tensor_parallel_size
+        engines = self.tensor_parallel_size * self.data_parallel_size
+        needed = max(self.device_ids) + 1 if self.device_ids else engines
         if devices is not None and needed > devices:
-            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size} (device ids "
+            engines_part = f" x data_parallel_size {self.data_parallel_size}" if self.data_parallel_size > 1 else ""
+            raise ValueError(f"tensor_parallel_size {self.tensor_parallel_size}{engines_part} (device ids "
                              f"{list(self.device_ids or range(needed))}) needs {needed} {platform.name} devices, "
-                             f"this machine has {devices}: lower --tensor-parallel-size or fix the device ids")
+                             f"this machine has {devices}: lower --tensor-parallel-size"
+                             f"{' / --data-parallel-size' if engines_part else ''} or fix the device ids")
         set_(self, "dtype", dtype)
         set_(self, "block_size", block_size)
         if self.kv_cache_blocks is not None and (self.kv_cache_blocks - 1) * self.block_size < 2:
@@ -226,8 +255,22 @@ class EngineConfig:
              SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len))
 
     def rank_device(self, rank: int) -> int:
-        """The device index of tensor-parallel ``rank``."""
-        return self.device_ids[rank] if self.device_ids else rank
+        """The device index of tensor-parallel ``rank`` of this engine."""
+        if self.device_ids:
+            return self.device_ids[rank]
+        return self.data_parallel_rank * self.tensor_parallel_size + rank
+
+    def for_data_parallel_rank(self, rank: int) -> "EngineConfig":
+        """Engine ``rank``'s own config: the same settings, its index (which picks its devices)."""
+        return self.replace(data_parallel_rank=rank)
+
+    def engine_cores(self, cores: Sequence[int]) -> list[int] | None:
+        """The CPU cores engine ``data_parallel_rank`` may use out of ``cores`` (this process's):
+        its own ``num_threads`` of them, or None (no pinning) with one engine or too few cores."""
+        if self.data_parallel_size == 1 or len(cores) < self.num_threads * self.data_parallel_size:
+            return None
+        start = self.data_parallel_rank * self.num_threads
+        return sorted(cores)[start:start + self.num_threads]
 
     def checkpoint_config(self) -> dict:
         """The checkpoint's config.json with ``hf_overrides`` applied (top-level keys replaced)."""

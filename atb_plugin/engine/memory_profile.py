@@ -97,7 +97,7 @@ def dummy_inputs(model, config) -> DummyInputs:
         return DummyInputs(None, 0, input_ids)
     info = model.get_processing_info(config.model)
     # Zeros: the values do not change the memory a step takes, and zeros are cheap to make.
-    if config.mm_wire_dtype == "uint8":
+    if config.mm_wire_dtype == "uint8" and info.modality == "image":  # audio crosses as float32 features only
         pixels = torch.zeros((*info.max_item_size, 3), dtype=torch.uint8, device=weight.device)
     else:
         pixels = torch.zeros(info.pixel_shape, dtype=torch.float32, device=weight.device)

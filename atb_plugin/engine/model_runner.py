@@ -94,7 +94,7 @@ class ModelRunner:
         logger.info("decode step: %s", self.decode_capture)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size)
         self.sampler = Sampler()
-        self.layout = model.media_layout if isinstance(model, SupportsMedia) else None
+        self.layout = model.media_layouts if isinstance(model, SupportsMedia) else None
         self.uses_mrope = isinstance(model, SupportsMRoPE)
         self.pooler = pooler
         self.uses_token_types = isinstance(model, SupportsTokenTypes)
@@ -118,8 +118,10 @@ class ModelRunner:
         elif min(prompt) < 0:
             raise MediaBlockError(f"the prompt has media handles but {type(self.model).__name__} takes no images")
         if self.uses_mrope:
-            grids = [block.grid_thw for block in state.media.blocks] if state.media else []
-            state.mrope_positions, state.rope_delta = self.model.get_mrope_positions(torch.tensor(prompt), grids)
+            blocks = state.media.blocks if state.media else []
+            state.mrope_positions, state.rope_delta = self.model.get_mrope_positions(
+                torch.tensor(prompt), [block.grid_thw for block in blocks],
+                second_per_grid_ts=[block.second_per_grid_t for block in blocks])
         if request.request_id not in self.generators and not request.is_pooling:
             self.generators[request.request_id] = make_generator(request.sampling_params.seed, device=self.device)
         self.input_batch.add_request(request.request_id, prompt + request.output_token_ids,

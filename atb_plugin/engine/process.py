@@ -72,7 +72,8 @@ class HeapTrimmer:
 
 def run_engine_core(config, input_address: str, output_address: str, log_level: int = logging.INFO) -> None:
     """Process entry point (spawned by ``MPClient``)."""
-    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s [engine-core] %(message)s")
+    name = "engine-core" if config.data_parallel_size == 1 else f"engine-core {config.data_parallel_rank}"
+    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [{name}] %(message)s")
     # Ctrl-C (SIGINT) and a supervisor's SIGTERM often reach the whole process group: the API
     # process decides when the core stops (after draining), so the core ignores both. It still
     # exits when the API process is gone (see _loop), so it is never orphaned.
@@ -85,6 +86,9 @@ def run_engine_core(config, input_address: str, output_address: str, log_level: 
     outbox = context.socket(zmq.PUSH)
     outbox.setsockopt(zmq.LINGER, 2000)
     outbox.connect(output_address)
+    cores = config.engine_cores(sorted(os.sched_getaffinity(0)))
+    if cores is not None:  # data parallelism on the CPU: this engine's own cores, inherited by its ranks
+        os.sched_setaffinity(0, cores)
     try:
         from atb_plugin.engine.core import EngineCore
 

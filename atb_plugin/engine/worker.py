@@ -11,11 +11,12 @@ the same tokens and keeps the same batch without being told; only rank 0 answers
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 
@@ -156,11 +157,21 @@ class RequestMirror:
 # -- the rank process ----------------------------------------------------------------------------
 
 def _die_with_parent() -> None:
-    """Linux: SIGKILL this rank when the engine core (its parent) dies, however it dies."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+    """End this rank when the engine core (its parent) is gone, however it went: a daemon thread
+    notices the rank being re-parented within half a second, whatever the main thread is doing.
+    Not ``PR_SET_PDEATHSIG``: that fires when the *thread* that started the rank exits, which
+    killed the ranks of an offline ``LLM`` built in a short-lived thread."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        try:  # stderr is a pipe to the core: it may be broken now
+            print(f"the engine core (pid {parent}) is gone; rank pid {os.getpid()} exits", file=sys.stderr, flush=True)
+        finally:
+            os._exit(1)  # not sys.exit: the main thread may be inside a collective that never returns
+
+    threading.Thread(target=watch, name="engine-core-watch", daemon=True).start()
 
 
 def _bind_cpu_threads(config: EngineConfig, rank: int) -> None:
@@ -190,7 +201,8 @@ def run_rank(fd: int, rank: int) -> None:
         else:
             torch.set_num_threads(max(1, available_cores() // config.tensor_parallel_size))
         platform.bind_device(config.rank_device(rank))
-        init_tensor_parallel(rank, config.tensor_parallel_size, platform.dist_backend, init_method, timeout_s)
+        init_tensor_parallel(rank, config.tensor_parallel_size, platform.dist_backend, init_method, timeout_s,
+                             expert_parallel=config.enable_expert_parallel)
         torch.manual_seed(_GLOBAL_SEED)
         worker = Worker(config, rank)
         conn.send(("READY", worker.load()))

@@ -30,7 +30,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from atb_plugin.engine.client import MPClient
+from atb_plugin.engine.dp_client import make_client
 from atb_plugin.engine.config import EngineConfig
 from atb_plugin.engine.messages import EngineCoreOutputs
 from atb_plugin.engine.sampling_params import SamplingParams
@@ -51,9 +51,10 @@ __all__ = ["AsyncLLM", "Deadlines", "EngineDeadError", "FrontendMetrics", "Reque
 class FrontendMetrics(Protocol):
     """Where ``AsyncLLM`` reports what it sees (the server's Prometheus metrics)."""
 
-    def set_scheduler_stats(self, num_running: int, num_waiting: int, kv_cache_usage: float) -> None: ...
+    def set_scheduler_stats(self, num_running: int, num_waiting: int, kv_cache_usage: float,
+                            engine: int = 0) -> None: ...
 
-    def add_prefix_cache(self, queries: int, hits: int) -> None: ...
+    def add_prefix_cache(self, queries: int, hits: int, engine: int = 0) -> None: ...
 
     def record_finished(self, *, prompt_tokens: int, finish_reason: str | None, e2e: float,
                         queue_time: float | None, generation_tokens: int = 0, ttft: float | None = None,
@@ -119,7 +120,8 @@ class AsyncLLM:
 
     def __init__(self, config: EngineConfig, settings: WorkerSettings, *, num_workers: int,
                  shm_budget_bytes: int | None, limits: InputLimits, metrics: FrontendMetrics,
-                 max_queued_requests: int, on_engine_death=None, shm_help: str = ""):
+                 max_queued_requests: int, on_engine_death=None, shm_help: str = "",
+                 data_parallel_routing: str = "cache-aware"):
         self.config = config
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
@@ -132,7 +134,8 @@ class AsyncLLM:
         self.processor = InputProcessor(config, self.router, limits)
         self.pool = TokenizerPool(settings, num_workers, shm_budget_bytes, on_worker_death=self.on_worker_death,
                                   shm_help=shm_help)
-        self.client = MPClient(config, on_outputs=self.on_outputs, on_death=self.on_engine_death)
+        self.client = make_client(config, on_outputs=self.on_outputs, on_death=self.on_engine_death,
+                                  routing=data_parallel_routing)
         self.tracker = RequestTracker(self.client, self.tokenizer, release=self._release, on_finish=self._on_finish)
         self._tracked: dict[str, _Tracked] = {}
         self.dead_reason: str | None = None
@@ -206,9 +209,10 @@ class AsyncLLM:
 
     async def chat_ids(self, request_id: str, messages: list, *, add_generation_prompt: bool = True,
                        chat_template_kwargs: dict | None = None, tools: list | None = None,
-                       release_now: bool = False) -> PreparedPrompt:
+                       release_now: bool = False, mm_processor_kwargs: dict | None = None) -> PreparedPrompt:
         worker, instance, ids = await self._prepare(ChatJob(request_id, messages, add_generation_prompt,
-                                                            chat_template_kwargs, tools, release_now))
+                                                            chat_template_kwargs, tools, release_now,
+                                                            mm_processor_kwargs))
         return PreparedPrompt(ids, None if release_now else Lease(request_id, worker), instance)
 
     async def pooling_ids(self, request_id: str, prompts: list, truncate_to: int | None,
@@ -317,12 +321,13 @@ class AsyncLLM:
 
     # -- from the engine ---------------------------------------------------------------------------
 
-    def on_outputs(self, outputs: EngineCoreOutputs) -> None:
+    def on_outputs(self, outputs: EngineCoreOutputs, engine: int = 0) -> None:
+        """A step's outputs from engine ``engine`` (its index under data parallelism)."""
         now = time.monotonic()
         if outputs.stats is not None:
             stats = outputs.stats
-            self.metrics.set_scheduler_stats(stats.num_running, stats.num_waiting, stats.kv_cache_usage)
-            self.metrics.add_prefix_cache(stats.prefix_cache_queries, stats.prefix_cache_hits)
+            self.metrics.set_scheduler_stats(stats.num_running, stats.num_waiting, stats.kv_cache_usage, engine)
+            self.metrics.add_prefix_cache(stats.prefix_cache_queries, stats.prefix_cache_hits, engine)
         tracked_now = {}
         for out in outputs.outputs:
             tracked = self._tracked.get(out.request_id)

@@ -204,12 +204,15 @@ class InputProcessor:
                                   f"({{'image': ...}} / {{'text': ...}}); got {prompt!r:.80}", param="prompt")
 
     def chat_ids(self, messages, request_id: str, *, add_generation_prompt: bool = True,
-                 chat_template_kwargs: dict | None = None, tools: list | None = None) -> list[int]:
-        """A conversation through the checkpoint's chat template; media leased to ``request_id``."""
+                 chat_template_kwargs: dict | None = None, tools: list | None = None,
+                 mm_processor_kwargs: dict | None = None) -> list[int]:
+        """A conversation through the checkpoint's chat template; media leased to ``request_id``;
+        ``mm_processor_kwargs``: a video family's sampling overrides (others take none)."""
         check_text_fits(text_chars(messages), self.tokenizer, self.config.max_model_len, "The conversation")
         return self.router.input_builder.make_context(
             0, messages, add_generation_prompt=add_generation_prompt, request_id=request_id,
-            chat_template_kwargs=chat_template_kwargs, tools=tools)
+            chat_template_kwargs=chat_template_kwargs, tools=tools,
+            **({"mm_processor_kwargs": mm_processor_kwargs} if mm_processor_kwargs else {}))
 
     def pooling_ids(self, prompts: Sequence, truncate_to: int | None = None, label: str = "input") -> list[list[int]]:
         """Each pooling prompt's ids: texts tokenised with the tokenizer's special tokens, a

@@ -160,7 +160,7 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
-             tools: list | None = None) -> list[RequestOutput]:
+             tools: list | None = None, mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
         """One conversation or a list of them, through the checkpoint's chat template (with
         ``chat_template_kwargs`` and ``tools`` as the server's chat route passes them)."""
         if not isinstance(messages, (list, tuple)) or not messages:
@@ -171,7 +171,7 @@ class LLM:
             raise ValueError("each conversation must be a non-empty list of message dicts")
         return self._run(conversations, sampling_params, functools.partial(
             self.input_processor.chat_ids, add_generation_prompt=add_generation_prompt,
-            chat_template_kwargs=chat_template_kwargs, tools=tools))
+            chat_template_kwargs=chat_template_kwargs, tools=tools, mm_processor_kwargs=mm_processor_kwargs))
 
     # -- pooling ---------------------------------------------------------------------------------
 

@@ -61,6 +61,7 @@ class ChatJob(msgspec.Struct, tag="chat"):
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[Any] | None = None
     release_now: bool = False
+    mm_processor_kwargs: dict[str, Any] | None = None  # the video sampling overrides (input_builders.video)
 
 
 class PromptJob(msgspec.Struct, tag="prompt"):
@@ -198,13 +199,15 @@ _LARGE_JOB_BYTES = 8 << 20  # after a job this large, the worker trims its heap
 
 def media_urls(job: Job) -> list[str]:
     """The http(s) URLs a chat or prompt job names as media (an ``image_url``'s ``url``, MindIE's
-    ``{"image": url}``), in order, once each."""
+    ``{"image": url}``), in order, once each. Video URLs are not among them: the loader fetches
+    those itself, under the video byte limit (a prefetch is made under the image policy)."""
     found: list[str] = []
 
     def walk(value, key=None):
         if isinstance(value, dict):
             for k, v in value.items():
-                walk(v, k)
+                if k != "video_url":
+                    walk(v, k)
         elif isinstance(value, list):
             for item in value:
                 walk(item)
@@ -327,7 +330,8 @@ def run_job(job_id: int, job: Job, processor, store, media: dict | None = None) 
 def _run(job_id: int, job: Job, processor, store) -> Reply:
     if isinstance(job, ChatJob):
         ok = processor.chat_ids(job.messages, job.request_id, add_generation_prompt=job.add_generation_prompt,
-                                chat_template_kwargs=job.chat_template_kwargs, tools=job.tools)
+                                chat_template_kwargs=job.chat_template_kwargs, tools=job.tools,
+                                mm_processor_kwargs=job.mm_processor_kwargs)
     elif isinstance(job, PromptJob):
         ok = processor.prompt_ids(job.prompt, job.request_id, job.add_special_tokens)
     elif isinstance(job, PoolJob):

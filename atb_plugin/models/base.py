@@ -84,6 +84,13 @@ class MultimodalModel(PretrainedModel):
             self.pixel_normalization = PixelNormalization.from_preprocessor_config(json.loads(path.read_text()))
 
     @property
+    def media_layouts(self) -> tuple:
+        """Every block layout this model reads (``MultimodalPrompt.from_ids`` tells them apart by
+        their metadata slots): its ``media_layout``, and a family with more kinds adds theirs
+        (Qwen2-VL: the video block)."""
+        return (self.media_layout,)
+
+    @property
     def pixel_format(self):
         """The family's ``atb_plugin.multimodal.pixels.PixelFormat``."""
         raise NotImplementedError

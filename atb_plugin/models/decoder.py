@@ -1,5 +1,8 @@
-"""The decoder-only transformer shared by Qwen2, Llama and the language models of the VL
+"""The decoder-only transformer shared by Qwen2, Qwen3, Llama and the language models of the VL
 families: RMSNorm, GQA attention over the paged KV cache with rotary positions, SwiGLU MLP.
+Options a family turns on in its ``DecoderConfig``: q/k/v biases (Qwen2), per-head RMSNorm of
+queries and keys before rotary (``qk_norm``: Qwen3), sparse mixture-of-experts MLPs in some or
+all layers (``moe``: Qwen3-MoE, Qwen2-MoE with its shared expert; ``models/moe.py``).
 
 Parameters follow transformers' names (``model.layers.N.self_attn.o_proj.weight`` ...) except
 two fused projections, filled from the checkpoint's separate ones at load time::
@@ -24,6 +27,7 @@ from torch import nn
 from atb_plugin import ops
 from atb_plugin.distributed import TPShard, all_reduce, divide, kv_heads_per_rank, tp_rank, tp_size
 from atb_plugin.models.base import PretrainedModel
+from atb_plugin.models.moe import MoeConfig, SparseMoeBlock
 from atb_plugin.models.parallel_layers import VocabParallelEmbedding, gather_vocab_logits
 from atb_plugin.models.weights import IGNORE, OLD_ROTARY_BUFFER, STACKED_QKV_GATE_UP
 from atb_plugin.ops import AttentionMetadata
@@ -46,6 +50,8 @@ class DecoderConfig:
     qkv_bias: bool = False
     tie_word_embeddings: bool = False
     mrope_section: tuple[int, ...] | None = None
+    qk_norm: bool = False  # RMSNorm over each query / key head (weights of head_dim), before rotary
+    moe: MoeConfig | None = None  # sparse layers and their experts; None: every layer dense
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -59,7 +65,8 @@ class DecoderConfig:
             )
 
     @classmethod
-    def from_hf(cls, config: dict, *, qkv_bias: bool = False) -> "DecoderConfig":
+    def from_hf(cls, config: dict, *, qkv_bias: bool = False, qk_norm: bool = False,
+                moe: MoeConfig | None = None) -> "DecoderConfig":
         """From a (text) config.json dict, published layout or transformers 5's ``rope_parameters``."""
         heads = config["num_attention_heads"]
         rope = dict(config.get("rope_parameters") or config.get("rope_scaling") or {})
@@ -78,6 +85,8 @@ class DecoderConfig:
             qkv_bias=config.get("attention_bias", qkv_bias),
             tie_word_embeddings=config.get("tie_word_embeddings", False),
             mrope_section=tuple(mrope) if mrope else None,
+            qk_norm=qk_norm,
+            moe=moe,
         )
 
 
@@ -109,6 +118,10 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        # Qwen3: one RMSNorm weight of head_dim shared by all query heads, one by all key heads:
+        # replicated under TP (every rank's heads use the whole weight).
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.hidden_size = config.hidden_size
         self.scale = self.head_dim**-0.5
 
@@ -119,6 +132,8 @@ class Attention(nn.Module):
         return [self.total_q_size, self.total_kv_size, self.total_kv_size]
 
     def tp_shard(self, leaf: str, kind: str, shard: int | None) -> TPShard | None:
+        if leaf in ("q_norm", "k_norm"):
+            return None
         if leaf == "o_proj":
             return TPShard.row(kind, self.q_size, self.hidden_size)
         if shard == 0:
@@ -127,8 +142,11 @@ class Attention(nn.Module):
 
     def forward(self, hidden, cos, sin, kv_cache: KVCache, metadata: AttentionMetadata):
         q, k, v = self.qkv_proj(hidden).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = ops.apply_rotary(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = ops.apply_rotary(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = q.view(-1, self.num_heads, self.head_dim), k.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = ops.apply_rotary(q, cos, sin)
+        k = ops.apply_rotary(k, cos, sin)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         key_cache, value_cache = kv_cache
         ops.write_kv_cache(k, v, key_cache, value_cache, metadata.slot_mapping)
@@ -137,12 +155,15 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """SwiGLU; under TP, this rank's intermediate features (``ShardedWeights``)."""
+    """SwiGLU; under TP, this rank's intermediate features (``ShardedWeights``). ``intermediate_size``
+    other than the config's: a MoE layer's shared expert, whose partial output its layer reduces
+    together with the experts' (``reduce=False``)."""
 
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, intermediate_size: int | None = None, reduce: bool = True):
         super().__init__()
-        self.total_intermediate_size = config.intermediate_size
-        self.intermediate_size = divide(config.intermediate_size, tp_size(), "intermediate_size")
+        self.total_intermediate_size = intermediate_size or config.intermediate_size
+        self.reduce = reduce
+        self.intermediate_size = divide(self.total_intermediate_size, tp_size(), "intermediate_size")
         self.hidden_size = config.hidden_size
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
         self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
@@ -159,16 +180,22 @@ class MLP(nn.Module):
         return TPShard.column(self.intermediate_size)
 
     def forward(self, hidden):
-        return all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden))))
+        out = self.down_proj(ops.silu_and_mul(self.gate_up_proj(hidden)))
+        return all_reduce(out) if self.reduce else out
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        if config.moe is not None and config.moe.is_sparse(index):
+            shared = config.moe.shared_expert_intermediate_size
+            self.mlp = SparseMoeBlock(config.moe, config.hidden_size,
+                                      MLP(config, shared, reduce=False) if shared else None)
+        else:
+            self.mlp = MLP(config)
 
     def forward(self, hidden, cos, sin, kv_cache, metadata):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata)
@@ -180,7 +207,7 @@ class DecoderModel(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = ops.RotaryEmbedding(config.head_dim, config.rope, config.mrope_section)
         self.captured_decode = None  # a NativeDecodeStep once the engine captured one (capture_decode_step)

@@ -40,10 +40,10 @@ if TYPE_CHECKING:
     from atb_plugin.pooling.config import PoolerConfig
 
 GridTHW = tuple[int, int, int]  # an image's patch grid (temporal, height, width)
-MODALITIES = ("image",)
+MODALITIES = ("image", "audio", "video")
 
 __all__ = ["GridTHW", "MODALITIES", "MultimodalProcessingInfo", "SupportsMRoPE", "SupportsMedia", "SupportsPooling",
-           "SupportsTokenTypes", "resolve_mm_limit", "supported_mm_limit"]
+           "SupportsTokenTypes", "model_modality", "resolve_mm_limit", "supported_mm_limit"]
 
 
 @runtime_checkable
@@ -52,6 +52,8 @@ class SupportsMedia(Protocol):
 
     - ``media_layout``: the ``MediaLayout`` of this model's blocks (placeholder id, number of
       metadata slots, block length). Fixed for the model's lifetime.
+    - ``media_layouts``: every layout the model reads, ``media_layout`` first (Qwen2-VL adds its
+      video block); ``MultimodalPrompt.from_ids`` tells them apart by their metadata slots.
     - ``encoder_input(pixels, grid_thw=None)``: ONE block's pixels as its shm segment holds them
       (a uint8 ``[H, W, 3]`` resized image or float32 pixel values, on the model's device) -> the
       encoder's input in the model's dtype (``atb_plugin.multimodal.pixels``); raises
@@ -74,6 +76,9 @@ class SupportsMedia(Protocol):
     @property
     def media_layout(self) -> MediaLayout: ...
 
+    @property
+    def media_layouts(self) -> tuple[MediaLayout, ...]: ...
+
     def encoder_input(self, pixels: torch.Tensor, grid_thw: GridTHW | None = None) -> torch.Tensor: ...
 
     def get_multimodal_embeddings(self, pixel_values: torch.Tensor, grid_thw: GridTHW | None = None) -> torch.Tensor: ...
@@ -91,6 +96,8 @@ class SupportsMRoPE(Protocol):
     - ``get_mrope_positions(token_ids, grid_thws)`` -> ``(positions (3, L), rope_delta)`` for a
       whole prompt of ``L`` ids whose media blocks, in order, have the patch grids ``grid_thws``
       (metadata slots < 0 count as block slots; a text-only prompt has ``grid_thws == []``).
+      ``second_per_grid_ts``: per block, a video's ``second_per_grid_t`` (None for an image), for
+      models whose time positions follow the clock (Qwen2.5-VL).
       ``rope_delta`` is ``max position + 1 - L``, an int. Raises ``ValueError`` when the blocks
       and the grids disagree. Computed once per prompt; chunks of a chunked prefill take slices.
     - ``decode_positions(num_computed, num_new, rope_delta)`` -> ``(3, num_new)`` positions of the
@@ -99,7 +106,8 @@ class SupportsMRoPE(Protocol):
       all three rows. Depends on its arguments only.
     """
 
-    def get_mrope_positions(self, token_ids: torch.Tensor, grid_thws: Sequence[GridTHW]) -> tuple[torch.Tensor, int]: ...
+    def get_mrope_positions(self, token_ids: torch.Tensor, grid_thws: Sequence[GridTHW],
+                            second_per_grid_ts: Sequence[float | None] | None = None) -> tuple[torch.Tensor, int]: ...
 
     def decode_positions(self, num_computed: int, num_new: int, rope_delta: int) -> torch.Tensor: ...
 
@@ -167,15 +175,25 @@ class MultimodalProcessingInfo:
             object.__setattr__(self, name, value)
         if len(self.max_item_size) != 2:
             raise ValueError(f"MultimodalProcessingInfo.max_item_size = {self.max_item_size}: expected (height, width)")
-        if self.grid_thw is not None and (len(self.grid_thw) != 3 or math.prod(self.grid_thw) != self.pixel_shape[0]):
+        if self.modality == "image" and self.grid_thw is not None and (
+                len(self.grid_thw) != 3 or math.prod(self.grid_thw) != self.pixel_shape[0]):
             raise ValueError(f"MultimodalProcessingInfo: grid_thw {self.grid_thw} does not match the "
                              f"{self.pixel_shape[0]} patch rows of pixel_shape {self.pixel_shape}")
 
 
-def supported_mm_limit(model_cls: type, modality: str = "image") -> int:
+def supported_mm_limit(model_cls: type, modality: str | None = None) -> int:
     """The most items of ``modality`` one prompt may carry, as the model class declares it
-    (``supported_mm_limits``); 0 for a model that takes none (text-only models declare nothing)."""
-    return int(getattr(model_cls, "supported_mm_limits", {}).get(modality, 0))
+    (``supported_mm_limits``); 0 for a model that takes none (text-only models declare nothing).
+    None: the model's own modality (each family here takes one kind: images, or audio clips)."""
+    limits = getattr(model_cls, "supported_mm_limits", {})
+    if modality is None:
+        return int(next(iter(limits.values()), 0))
+    return int(limits.get(modality, 0))
+
+
+def model_modality(model_cls: type) -> str:
+    """The kind of media a model takes ("image" for text-only models: what their refusals name)."""
+    return next(iter(getattr(model_cls, "supported_mm_limits", {})), "image")
 
 
 def resolve_mm_limit(model_cls: type, requested: int | None) -> int:
@@ -186,7 +204,8 @@ def resolve_mm_limit(model_cls: type, requested: int | None) -> int:
     if requested is None:
         return supported
     if requested > supported:
-        what = f"at most {supported} images per prompt" if supported else "no images"
+        items = "images" if model_modality(model_cls) == "image" else "audio clips"
+        what = f"at most {supported} {items} per prompt" if supported else f"no {items}"
         fix = f"set it to {supported} or less, or leave it unset" if supported else "leave it unset (or 0)"
         raise ValueError(f"EngineConfig.limit_mm_per_prompt = {requested} (--limit-mm-per-prompt): "
                          f"{model_cls.__name__} takes {what}; {fix}")

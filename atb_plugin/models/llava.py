@@ -33,7 +33,7 @@ from atb_plugin.models.base import MultimodalModel
 from atb_plugin.models.clip import CLIPVisionConfig, CLIPVisionModel, activation
 from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM
 from atb_plugin.models.interfaces import MultimodalProcessingInfo
-from atb_plugin.models.weights import IGNORE, OLD_ROTARY_BUFFER, STACKED_QKV_GATE_UP
+from atb_plugin.models.weights import STACKED_QKV_GATE_UP, prefixed_name
 from atb_plugin.multimodal.pixels import ChwImageFormat
 from atb_plugin.multimodal.wire import LLAVA_BLOCK
 
@@ -187,13 +187,4 @@ class LlavaForConditionalGeneration(MultimodalModel):
 
     def _own_name(self, name: str) -> str | None:
         """The model's name for a checkpoint tensor, ``IGNORE`` for known unused ones, else None."""
-        for prefix, own in _PREFIXES:
-            if name.startswith(prefix):
-                full = own + name[len(prefix):]
-                if full.startswith("language_model.") and (
-                    OLD_ROTARY_BUFFER.match(full)
-                    or (full == "language_model.lm_head.weight" and self.language_model.lm_head is None)
-                ):
-                    return IGNORE  # rotary buffers of old checkpoints, tied head
-                return full
-        return None
+        return prefixed_name(name, _PREFIXES, tied_lm_head=self.language_model.lm_head is None)

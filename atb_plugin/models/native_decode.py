@@ -102,6 +102,8 @@ def capture(model, kv_caches, max_rows: int) -> tuple[NativeDecodeStep | None, s
     library = cpu_native.library_for(weight.dtype, weight.device)  # None off the CPU or float32
     if library is None:
         return None, f"the native CPU kernels are not in use ({weight.dtype}, {cpu_native.KERNELS_ENV}={cpu_native.choice()})"
+    if model.config.qk_norm or model.config.moe is not None:  # not in the native plan (csrc/cpu_kernels.c)
+        return None, "per-head q/k norms or mixture-of-experts layers (Qwen3 / Qwen3-MoE) are not in the native plan"
     if model.config.head_dim % cpu_native.DECODE_HEAD_DIM_MULTIPLE:
         return None, f"head_dim {model.config.head_dim} is not a multiple of {cpu_native.DECODE_HEAD_DIM_MULTIPLE}"
     for layer in model.layers:

@@ -50,7 +50,7 @@ from atb_plugin.models.interfaces import MultimodalProcessingInfo
 from atb_plugin.models.weights import IGNORE, STACKED_QKV_GATE_UP
 from atb_plugin.multimodal import MediaLayout
 from atb_plugin.multimodal.pixels import Qwen2VLPatchFormat
-from atb_plugin.multimodal.wire import QWEN2_VL_BLOCK
+from atb_plugin.multimodal.wire import QWEN2_VL_BLOCK, QWEN2_VL_VIDEO_BLOCK
 from atb_plugin.utils import cdiv
 
 GridTHW = tuple[int, int, int]
@@ -96,6 +96,9 @@ class VisionConfig:
     window_size: int = 0  # pixels; Qwen2.5-VL only
     fullatt_block_indexes: tuple[int, ...] = ()
     rope_theta: float = 10000.0
+    # Qwen2.5-VL: M-RoPE time positions per second of video (a video block's temporal patch is
+    # tokens_per_second x second_per_grid_t positions apart). None: Qwen2-VL (one position per patch).
+    tokens_per_second: int | None = None
 
     def __post_init__(self):
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
@@ -131,7 +134,8 @@ class VisionConfig:
             return cls(window_attention=True, hidden_size=vision["hidden_size"],
                        intermediate_size=vision["intermediate_size"], out_hidden_size=vision["out_hidden_size"],
                        hidden_act=vision.get("hidden_act", "silu"), window_size=vision.get("window_size", 112),
-                       fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))), **common)
+                       fullatt_block_indexes=tuple(vision.get("fullatt_block_indexes", (7, 15, 23, 31))),
+                       tokens_per_second=vision.get("tokens_per_second", 4), **common)
         width = vision["embed_dim"]
         return cls(window_attention=False, hidden_size=width, intermediate_size=int(width * vision.get("mlp_ratio", 4)),
                    out_hidden_size=vision["hidden_size"], hidden_act=vision.get("hidden_act", "quick_gelu"), **common)
@@ -351,23 +355,33 @@ class VisionTransformer(nn.Module):
 
 
 def mrope_positions(token_ids: torch.Tensor, grid_thws: Sequence[GridTHW], image_token_id: int,
-                    spatial_merge_size: int) -> tuple[torch.Tensor, int]:
-    """transformers' ``get_rope_index`` for one prompt of images: ``(positions (3, L), rope_delta)``.
+                    spatial_merge_size: int, *, video_token_id: int | None = None,
+                    time_intervals: Sequence[torch.Tensor | int] | None = None) -> tuple[torch.Tensor, int]:
+    """transformers' ``get_rope_index`` for one prompt of images and videos: ``(positions (3, L),
+    rope_delta)``.
 
-    Image blocks are the runs of ``image_token_id`` (metadata slots, ids < 0, count as image slots
-    too, so raw prompt ids work as well as restored ones); run i must hold exactly
-    ``t·h·w / merge²`` slots of ``grid_thws[i]``."""
+    Media blocks are the runs of ``image_token_id`` or ``video_token_id`` (metadata slots, ids < 0,
+    count as block slots too, so raw prompt ids work as well as restored ones); run i must hold
+    exactly ``t·h·w / merge²`` slots of ``grid_thws[i]``. ``time_intervals[i]``: how many positions
+    apart block i's temporal patches are (1 for images and for Qwen2-VL's videos; Qwen2.5-VL's
+    videos: ``tokens_per_second × second_per_grid_t``, a float32 0-d tensor, truncated per patch
+    as transformers does)."""
     ids = torch.as_tensor(token_ids).reshape(-1).cpu()
     length = ids.shape[0]
-    is_image = (ids == image_token_id) | (ids < 0)
-    edges = torch.diff(is_image.to(torch.int8), prepend=torch.zeros(1, dtype=torch.int8),
+    is_media = (ids == image_token_id) | (ids < 0)
+    if video_token_id is not None:
+        is_media |= ids == video_token_id
+    edges = torch.diff(is_media.to(torch.int8), prepend=torch.zeros(1, dtype=torch.int8),
                        append=torch.zeros(1, dtype=torch.int8))
     starts, ends = torch.nonzero(edges == 1).flatten().tolist(), torch.nonzero(edges == -1).flatten().tolist()
     if len(starts) != len(grid_thws):
         raise ValueError(f"the prompt holds {len(starts)} image blocks, {len(grid_thws)} grid_thw were given")
+    intervals = list(time_intervals) if time_intervals is not None else [1] * len(grid_thws)
+    if len(intervals) != len(grid_thws):
+        raise ValueError(f"{len(intervals)} time intervals for {len(grid_thws)} media blocks")
     positions = torch.empty(3, length, dtype=torch.long)
     text_from, current = 0, 0
-    for index, (start, end, grid) in enumerate(zip(starts, ends, grid_thws)):
+    for index, (start, end, grid, interval) in enumerate(zip(starts, ends, grid_thws, intervals)):
         t, h, w = (int(v) for v in grid)
         gh, gw = h // spatial_merge_size, w // spatial_merge_size
         if end - start != t * gh * gw:
@@ -375,7 +389,9 @@ def mrope_positions(token_ids: torch.Tensor, grid_thws: Sequence[GridTHW], image
                              f"{[t, h, w]} needs {t * gh * gw}")
         positions[:, text_from:start] = torch.arange(current, current + start - text_from)
         current += start - text_from
-        positions[0, start:end] = torch.arange(t).repeat_interleave(gh * gw) + current
+        plain = isinstance(interval, int) and interval == 1
+        temporal = torch.arange(t) if plain else (torch.arange(t) * interval).long()
+        positions[0, start:end] = temporal.repeat_interleave(gh * gw) + current
         positions[1, start:end] = torch.arange(gh).repeat_interleave(gw).repeat(t) + current
         positions[2, start:end] = torch.arange(gw).repeat(t * gh) + current
         current += max(h, w) // spatial_merge_size
@@ -463,9 +479,10 @@ class Qwen2VLForConditionalGeneration(MultimodalModel):
 
     # -- multimodal (interfaces.SupportsMedia, SupportsMRoPE) -------------------------------------
 
-    # Images one prompt may carry: the input builder's limit and the most EngineConfig's
-    # limit_mm_per_prompt may be (one declaration, read by both).
-    supported_mm_limits = MappingProxyType({"image": 16})
+    # Images (and videos) one prompt may carry: the input builder's limits and the most
+    # EngineConfig's limit_mm_per_prompt (MediaConfig's max_videos_per_prompt) may be (one
+    # declaration, read by both).
+    supported_mm_limits = MappingProxyType({"image": 16, "video": 4})
 
     def get_processing_info(self, model_dir) -> MultimodalProcessingInfo:
         """The largest image: ``max_pixels`` (preprocessor_config.json, read with the builder's
@@ -494,6 +511,16 @@ class Qwen2VLForConditionalGeneration(MultimodalModel):
                            merge_size=self.config.vision.spatial_merge_size)
 
     @property
+    def media_layouts(self) -> tuple[MediaLayout, ...]:
+        """The image block, and the video block where the checkpoint has a video token."""
+        if self.config.video_token_id is None:
+            return (self.media_layout,)
+        video = MediaLayout(placeholder_id=self.config.video_token_id,
+                            num_metadata_slots=QWEN2_VL_VIDEO_BLOCK.metadata_slots,
+                            merge_size=self.config.vision.spatial_merge_size, modality="video")
+        return self.media_layout, video
+
+    @property
     def pixel_format(self) -> Qwen2VLPatchFormat:
         vision = self.config.vision
         return Qwen2VLPatchFormat(self.pixel_normalization, patch_size=vision.patch_size,
@@ -505,9 +532,19 @@ class Qwen2VLForConditionalGeneration(MultimodalModel):
             raise ValueError("Qwen2-VL needs the image's grid_thw (the block's THW slot)")
         return self.visual(pixel_values, [tuple(grid_thw)])
 
-    def get_mrope_positions(self, token_ids: torch.Tensor, grid_thws: Sequence[GridTHW]) -> tuple[torch.Tensor, int]:
-        """``(positions (3, L), rope_delta)`` of a prompt whose image blocks have ``grid_thws``."""
-        return mrope_positions(token_ids, grid_thws, self.config.image_token_id, self.config.vision.spatial_merge_size)
+    def get_mrope_positions(self, token_ids: torch.Tensor, grid_thws: Sequence[GridTHW],
+                            second_per_grid_ts: Sequence[float | None] | None = None) -> tuple[torch.Tensor, int]:
+        """``(positions (3, L), rope_delta)`` of a prompt whose media blocks have ``grid_thws``;
+        ``second_per_grid_ts``: per block, a video's ``second_per_grid_t`` (None for an image).
+        Qwen2.5-VL spaces a video's temporal patches ``tokens_per_second × second_per_grid_t``
+        positions apart, computed in float32 as transformers does; Qwen2-VL one apart."""
+        vision = self.config.vision
+        intervals = None
+        if second_per_grid_ts is not None and vision.tokens_per_second is not None:
+            intervals = [1 if seconds is None else vision.tokens_per_second * torch.tensor(seconds, dtype=torch.float32)
+                         for seconds in second_per_grid_ts]
+        return mrope_positions(token_ids, grid_thws, self.config.image_token_id, vision.spatial_merge_size,
+                               video_token_id=self.config.video_token_id, time_intervals=intervals)
 
     decode_positions = staticmethod(decode_positions)
 

@@ -14,10 +14,14 @@ from pathlib import Path
 MODEL_CLASSES: dict[str, str] = {
     "qwen2": "atb_plugin.models.qwen2:Qwen2ForCausalLM",
     "llama": "atb_plugin.models.llama:LlamaForCausalLM",
+    "qwen3": "atb_plugin.models.qwen3:Qwen3ForCausalLM",
+    "qwen3_moe": "atb_plugin.models.qwen3:Qwen3MoeForCausalLM",
+    "qwen2_moe": "atb_plugin.models.qwen3:Qwen2MoeForCausalLM",
     "qwen2_vl": "atb_plugin.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "atb_plugin.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "llava": "atb_plugin.models.llava:LlavaForConditionalGeneration",
     "qwen_vl": "atb_plugin.models.qwen_vl:QwenVLForCausalLM",
+    "qwen2_audio": "atb_plugin.models.qwen2_audio:Qwen2AudioForConditionalGeneration",
     "bert": "atb_plugin.models.bert:BertModel",
 }
 

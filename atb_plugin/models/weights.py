@@ -30,6 +30,21 @@ from atb_plugin.distributed import TPShard, tp_size
 IGNORE = ""  # what a rename function returns for a known checkpoint tensor the model does not use
 OLD_ROTARY_BUFFER = re.compile(r".*rotary_emb\.inv_freq$")  # some old checkpoints still carry it
 
+def prefixed_name(name: str, prefixes, tied_lm_head: bool) -> str | None:
+    """A multimodal model's own name for checkpoint tensor ``name``: the first ``(checkpoint
+    prefix, own prefix)`` of ``prefixes`` it starts with, renamed; ``IGNORE`` for the language
+    model's rotary buffers of old checkpoints and, when ``tied_lm_head``, its LM head; None when no
+    prefix matches."""
+    for prefix, own in prefixes:
+        if name.startswith(prefix):
+            full = own + name[len(prefix):]
+            if full.startswith("language_model.") and (
+                    OLD_ROTARY_BUFFER.match(full) or (full == "language_model.lm_head.weight" and tied_lm_head)):
+                return IGNORE
+            return full
+    return None
+
+
 # Checkpoint projection leaf -> (fused parameter leaf, shard index): decoders and encoders alike.
 STACKED_QKV = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2)}
 STACKED_QKV_GATE_UP = {**STACKED_QKV, "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
@@ -149,7 +164,10 @@ class FusedWeights:
             prefix, leaf, kind = match.groups()
             fused, shard = self.stacked[leaf]
             target = f"{prefix}.{fused}.{kind}"
-            return (target, prefix, shard) if target in self.names else None
+            if target in self.names:
+                return target, prefix, shard
+            # A module that keeps the projection unfused (Qwen2-Audio's encoder: k without a
+            # bias) holds it under its own name.
         return (name, None, 0) if name in self.names else None
 
     def accepts(self, own_name: str | None) -> bool:

@@ -64,9 +64,11 @@ class PixelFormat(ABC):
 
     def encoder_input(self, pixels: torch.Tensor, grid_thw: GridTHW | None, dtype: torch.dtype) -> torch.Tensor:
         if pixels.dtype == torch.uint8:
+            if pixels.dim() == 4 and pixels.shape[1] == 3:  # video frames
+                return self._from_frames(pixels, grid_thw, dtype)
             if pixels.dim() != 3 or pixels.shape[2] != 3:
-                raise PixelFormatError(f"a uint8 segment must hold an RGB image [H, W, 3], got shape "
-                                       f"{list(pixels.shape)}")
+                raise PixelFormatError(f"a uint8 segment must hold an RGB image [H, W, 3] or video frames "
+                                       f"[t, 3, H, W], got shape {list(pixels.shape)}")
             self._check_image(pixels.shape[0], pixels.shape[1], grid_thw)
             return self._from_image(pixels, grid_thw, dtype)
         if pixels.dtype == torch.float32:
@@ -76,6 +78,10 @@ class PixelFormat(ABC):
             f"the segment holds {str(pixels.dtype).removeprefix('torch.')} pixels; this model reads uint8 (the resized "
             "RGB image) or float32 (normalised pixel values): the frontend that wrote it speaks another wire format "
             "(see docs/wire-format.md)")
+
+    def _from_frames(self, frames: torch.Tensor, grid_thw: GridTHW | None, dtype: torch.dtype) -> torch.Tensor:
+        """uint8 video frames ``[t, 3, H, W]`` -> the encoder input; families without video refuse."""
+        raise PixelFormatError(f"the segment holds video frames {list(frames.shape)}; this model reads no video")
 
     @abstractmethod
     def _check_image(self, height: int, width: int, grid_thw: GridTHW | None) -> None:
@@ -158,6 +164,24 @@ class Qwen2VLPatchFormat(PixelFormat):
         values = normalize_image(windows, self.normalization).to(dtype)  # (gh/m, gw/m, m, m, 3, p, p)
         values = values.unsqueeze(-3).expand(*values.shape[:5], frames, p, p)
         return values.reshape(h * w, self.patch_dim)
+
+    def _from_frames(self, frames: torch.Tensor, grid_thw: GridTHW | None, dtype: torch.dtype) -> torch.Tensor:
+        """Video frames ``[n, 3, H, W]`` (``n = t·T``) -> ``(t·h·w, 3·T·p·p)``: transformers'
+        ``Qwen2VLVideoProcessor.patchify`` order, rows ``(t, window row, window col, row, col)``,
+        each row ``(channel, frame of the temporal patch, pixel row, pixel col)``."""
+        t, h, w = self._grid(grid_thw)
+        p, m, frames_per_patch = self.patch_size, self.merge_size, self.temporal_patch_size
+        count, _, height, width = frames.shape
+        if count != t * frames_per_patch or (height, width) != (h * p, w * p) or h % m or w % m:
+            raise PixelFormatError(
+                f"video frames {list(frames.shape)} do not fit grid_thw {[t, h, w]}: expected "
+                f"[{t * frames_per_patch}, 3, {h * p}, {w * p}] ({frames_per_patch} frames per temporal patch, "
+                f"{p}-pixel patches, sides multiples of {m} patches)")
+        # Gather on uint8 (the layout is pure data movement), then normalise contiguously and cast.
+        patches = frames.reshape(t, frames_per_patch, 3, h // m, m, p, w // m, m, p)
+        patches = patches.permute(0, 3, 6, 4, 7, 2, 1, 5, 8).contiguous()
+        values = normalize_image(patches.reshape(-1, 3, frames_per_patch * p, p), self.normalization)
+        return values.to(dtype).reshape(t * h * w, self.patch_dim)
 
     def _check_values(self, shape: tuple[int, ...], grid_thw: GridTHW | None) -> None:
         t, h, w = self._grid(grid_thw)

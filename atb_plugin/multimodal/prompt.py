@@ -19,7 +19,7 @@ the block and the counts; nothing is ever replaced by zeros.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -27,6 +27,7 @@ import torch
 
 import shm
 from atb_plugin.multimodal.pixels import PixelFormatError
+from atb_plugin.multimodal.wire import decode_second_per_grid_t
 
 
 def encode_pixels(model, pixels: torch.Tensor, grid_thw) -> torch.Tensor:
@@ -48,14 +49,21 @@ class MediaLayout:
     builder) completed with the checkpoint's placeholder id, block length and merge size."""
 
     placeholder_id: int  # what every slot holds once the metadata is restored
-    num_metadata_slots: int  # NAME, SHAPE (2) or NAME, SHAPE, THW (3)
-    tokens_per_block: int | None = None  # None: from THW, t·h·w / merge_size²
+    num_metadata_slots: int  # NAME, SHAPE (2) or NAME, SHAPE, THW / FRAMES (3)
+    tokens_per_block: int | None = None  # None: from the third slot (THW: t·h·w / merge_size²)
     merge_size: int = 1
+    # Audio: the third slot is FRAMES, a 1-d ``(valid mel frames,)``, and this maps it to the
+    # block length (Qwen2-Audio: the encoder's output rows). None: the slot is an image's THW.
+    frames_to_tokens: Callable[[int], int] | None = None
+    # What the block holds: "image", "video" (a fourth slot, SPG: second_per_grid_t), "audio".
+    modality: str = "image"
 
     def __post_init__(self):
-        if self.num_metadata_slots not in (2, 3):
-            raise ValueError(f"num_metadata_slots must be 2 or 3, got {self.num_metadata_slots}")
-        if self.tokens_per_block is None and self.num_metadata_slots != 3:
+        if self.num_metadata_slots not in (2, 3, 4):
+            raise ValueError(f"num_metadata_slots must be 2, 3 or 4, got {self.num_metadata_slots}")
+        if self.num_metadata_slots == 4 and (self.modality != "video" or self.tokens_per_block is not None):
+            raise ValueError("4 metadata slots (NAME, SHAPE, THW, SPG) are a video block's, sized by its THW")
+        if self.tokens_per_block is None and self.num_metadata_slots < 3:
             raise ValueError("a block whose length comes from grid_thw needs the THW slot (3 metadata slots)")
         if self.tokens_per_block is not None and self.tokens_per_block < self.num_metadata_slots:
             raise ValueError(f"tokens_per_block {self.tokens_per_block} < {self.num_metadata_slots} metadata slots")
@@ -63,6 +71,8 @@ class MediaLayout:
     def block_length(self, grid_thw) -> int:
         if self.tokens_per_block is not None:
             return self.tokens_per_block
+        if self.frames_to_tokens is not None:
+            return self.frames_to_tokens(grid_thw[0])
         t, h, w = grid_thw
         return t * h * w // self.merge_size**2
 
@@ -74,6 +84,8 @@ class MediaBlock:
     length: int
     pixel_values: torch.Tensor
     grid_thw: tuple[int, int, int] | None = None
+    modality: str = "image"
+    second_per_grid_t: float | None = None  # a video's (its SPG slot)
 
 
 class MultimodalPrompt:
@@ -83,7 +95,18 @@ class MultimodalPrompt:
         self._features: list[torch.Tensor] | None = None
 
     @classmethod
-    def from_ids(cls, prompt_ids, layout: MediaLayout, *, expected_instance: str | Collection[str] | None = None) -> "MultimodalPrompt":
+    def from_ids(cls, prompt_ids, layout: MediaLayout | Sequence[MediaLayout], *,
+                 expected_instance: str | Collection[str] | None = None) -> "MultimodalPrompt":
+        """``layout``: the model's block layout, or its layouts (``media_layouts``: Qwen2-VL's image
+        and video blocks), told apart by their numbers of metadata slots: a block's kind is the
+        layout with as many slots as the run of ids < 0 that starts it (blocks never abut: a
+        family's template puts text, at least its start and end tokens, between them). With one
+        layout, blocks may abut: a Qwen2-Audio clip's 30 s windows follow each other directly, each
+        found by its NAME slot."""
+        layouts = (layout,) if isinstance(layout, MediaLayout) else tuple(layout)
+        by_slots = {item.num_metadata_slots: item for item in layouts}
+        if len(by_slots) != len(layouts):
+            raise ValueError(f"media layouts need distinct numbers of metadata slots, got {layouts}")
         ids = np.asarray(prompt_ids, dtype=np.int64)
         restored = ids.copy()
         blocks: list[MediaBlock] = []
@@ -91,11 +114,22 @@ class MultimodalPrompt:
         for first in np.flatnonzero(ids < 0):
             if first < position:
                 continue  # a metadata slot of the block just read
+            layout = layouts[0] if len(layouts) == 1 else cls._layout_of(ids, int(first), len(blocks), by_slots)
             block = cls._read_block(ids, int(first), len(blocks), layout, expected_instance)
             restored[block.start:block.start + layout.num_metadata_slots] = layout.placeholder_id
             blocks.append(block)
             position = block.start + block.length
         return cls(torch.from_numpy(restored), blocks)
+
+    @staticmethod
+    def _layout_of(ids: np.ndarray, start: int, index: int, by_slots: dict) -> MediaLayout:
+        longest = max(by_slots)
+        run = ids[start:start + longest + 1]
+        count = int(np.argmax(run >= 0)) if (run >= 0).any() else len(run)
+        if count not in by_slots:
+            raise MediaBlockError(f"media block {index} at position {start}: {count} metadata slots in a row; this "
+                                  f"model's blocks have {' or '.join(map(str, sorted(by_slots)))}")
+        return by_slots[count]
 
     @staticmethod
     def _read_block(ids: np.ndarray, start: int, index: int, layout: MediaLayout, expected_instance) -> MediaBlock:
@@ -104,15 +138,25 @@ class MultimodalPrompt:
         if len(meta) < layout.num_metadata_slots or (meta >= 0).any():
             raise MediaBlockError(
                 f"{where}: expected {layout.num_metadata_slots} metadata slots (NAME, SHAPE"
-                f"{', THW' if layout.num_metadata_slots == 3 else ''}), found ids {meta.tolist()}"
+                f"{', THW' if layout.num_metadata_slots >= 3 else ''}"
+                f"{', SPG' if layout.num_metadata_slots == 4 else ''}), found ids {meta.tolist()}"
             )
-        grid = None
-        if layout.num_metadata_slots == 3:
+        grid = seconds = None
+        if layout.num_metadata_slots == 4:
+            try:
+                seconds = decode_second_per_grid_t(int(meta[3]))
+            except ValueError as error:
+                raise MediaBlockError(f"{where}: bad SPG slot: {error}") from error
+        if layout.num_metadata_slots >= 3:
             try:
                 grid = tuple(shm.decode_shape_from_int64(int(meta[2])))
             except ValueError as error:
-                raise MediaBlockError(f"{where}: bad THW slot: {error}") from error
-            if len(grid) != 3 or min(grid) <= 0:
+                raise MediaBlockError(f"{where}: bad {'FRAMES' if layout.frames_to_tokens else 'THW'} slot: "
+                                      f"{error}") from error
+            if layout.frames_to_tokens is not None:
+                if len(grid) != 1 or grid[0] <= 0:
+                    raise MediaBlockError(f"{where}: FRAMES decodes to {list(grid)}, expected one positive dim")
+            elif len(grid) != 3 or min(grid) <= 0:
                 raise MediaBlockError(f"{where}: THW decodes to {list(grid)}, expected 3 positive dims")
         length = layout.block_length(grid)
         slots = ids[start + layout.num_metadata_slots:start + length]
@@ -128,7 +172,7 @@ class MultimodalPrompt:
             pixels = shm.read_array(int(meta[0]), int(meta[1]), expected_instance=expected_instance, writable=True)
         except shm.ShmHandleError as error:
             raise MediaBlockError(f"{where}: {error}") from error
-        return MediaBlock(index, start, length, torch.from_numpy(pixels), grid)
+        return MediaBlock(index, start, length, torch.from_numpy(pixels), grid, layout.modality, seconds)
 
     def features(self, model, cached_tokens: int = 0) -> list[torch.Tensor | None]:
         """Encoder output per block, computed once per prompt and checked against the block size.

@@ -29,8 +29,12 @@ from typing import Any
 
 import numpy as np
 
+from shm.codec import decode_shape_from_int64, encode_shape_to_int64
+
 __all__ = ["DEFAULT_WIRE_DTYPE", "LLAVA_BLOCK", "MediaBlockShape", "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD",
-           "PixelNormalization", "QWEN2_VL_BLOCK", "QWEN_VL_BLOCK", "WIRE_DTYPES", "check_wire_dtype"]
+           "PixelNormalization", "QWEN2_AUDIO_BLOCK", "QWEN2_VL_BLOCK", "QWEN2_VL_VIDEO_BLOCK",
+           "decode_second_per_grid_t", "encode_second_per_grid_t",
+           "qwen2_audio_tokens", "QWEN_VL_BLOCK", "WIRE_DTYPES", "check_wire_dtype"]
 
 WIRE_DTYPES = ("uint8", "float32")
 DEFAULT_WIRE_DTYPE = "uint8"
@@ -52,8 +56,8 @@ class MediaBlockShape:
     tokens_per_block: int | None = None
 
     def __post_init__(self):
-        if self.metadata_slots not in (2, 3):
-            raise ValueError(f"metadata_slots must be 2 or 3, got {self.metadata_slots}")
+        if self.metadata_slots not in (2, 3, 4):
+            raise ValueError(f"metadata_slots must be 2, 3 or 4, got {self.metadata_slots}")
         if self.tokens_per_block is not None and self.tokens_per_block < self.metadata_slots:
             raise ValueError(f"tokens_per_block {self.tokens_per_block} < {self.metadata_slots} metadata slots")
 
@@ -61,6 +65,40 @@ class MediaBlockShape:
 LLAVA_BLOCK = MediaBlockShape(metadata_slots=2)  # NAME, SHAPE; (image_size / patch_size)² (+1 "full") slots
 QWEN_VL_BLOCK = MediaBlockShape(metadata_slots=2, tokens_per_block=256)  # NAME, SHAPE; 256 resampler queries
 QWEN2_VL_BLOCK = MediaBlockShape(metadata_slots=3)  # NAME, SHAPE, THW; t·h·w / merge² slots (Qwen2.5-VL too)
+# A video: NAME, SHAPE, THW, SPG (second_per_grid_t: encode_second_per_grid_t); t·h·w / merge² slots
+QWEN2_VL_VIDEO_BLOCK = MediaBlockShape(metadata_slots=4)
+# NAME, SHAPE, FRAMES (valid mel frames F, as a 1-d shape); ((F - 1) // 2 + 1 - 2) // 2 + 1 slots per 30 s window
+QWEN2_AUDIO_BLOCK = MediaBlockShape(metadata_slots=3)
+
+
+def qwen2_audio_tokens(num_frames: int) -> int:
+    """Qwen2-Audio's block length for a window of ``num_frames`` valid mel frames: the encoder's
+    output rows (conv2 halves the frames, the average pooling halves again; transformers'
+    ``_get_feat_extract_output_lengths``, and what its processor expands ``<|AUDIO|>`` to)."""
+    after_conv = (num_frames - 1) // 2 + 1
+    return (after_conv - 2) // 2 + 1
+
+
+def encode_second_per_grid_t(seconds: float) -> int:
+    """A video block's SPG slot: ``second_per_grid_t`` rounded to float32 (what the model computes
+    with, as transformers does), its 32 bits as the two dims ``(high 16 bits, low 16 bits)`` of the
+    shape codec, so the slot is negative and checksummed like the others and the value exact."""
+    value = float(seconds)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"second_per_grid_t must be a positive number of seconds, got {seconds!r}")
+    bits = int(np.float32(value).view(np.uint32))
+    return encode_shape_to_int64((bits >> 16, bits & 0xFFFF))
+
+
+def decode_second_per_grid_t(value: int) -> float:
+    """The SPG slot back to seconds (a float32 value); ValueError when the slot is not one."""
+    dims = tuple(decode_shape_from_int64(value))
+    if len(dims) != 2 or dims[0] > 0xFFFF or dims[1] > 0xFFFF:
+        raise ValueError(f"an SPG slot holds two 16-bit halves of a float32, got dims {list(dims)}")
+    seconds = float(np.uint32((dims[0] << 16) | dims[1]).view(np.float32))
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"the SPG slot decodes to {seconds!r}, not a positive number of seconds")
+    return seconds
 
 
 def check_wire_dtype(value: Any, knob: str = "mm_wire_dtype") -> str:

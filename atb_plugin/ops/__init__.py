@@ -3,18 +3,20 @@
 - attention: ``write_kv_cache``, ``paged_attention`` (prefill / decode / chunked prefill over the
   paged cache), ``varlen_attention`` (vision encoders), ``AttentionMetadata``;
 - ``rms_norm``; rotary (``RotaryEmbedding`` with rope scalings and M-RoPE, ``apply_rotary``);
-- ``silu_and_mul``.
+- ``silu_and_mul``; ``fused_moe`` (router top-k + SwiGLU experts, ``ops/moe.py``).
 """
 
 from atb_plugin.ops.activation import silu_and_mul
 from atb_plugin.ops.attention import AttentionMetadata, paged_attention, varlen_attention, write_kv_cache
 from atb_plugin.ops.layernorm import rms_norm
+from atb_plugin.ops.moe import fused_moe
 from atb_plugin.ops.rotary import RotaryEmbedding, apply_rotary
 
 __all__ = [
     "AttentionMetadata",
     "RotaryEmbedding",
     "apply_rotary",
+    "fused_moe",
     "paged_attention",
     "rms_norm",
     "silu_and_mul",

@@ -11,8 +11,8 @@ the paged KV path on the aclnn ops vllm-ascend uses on Atlas A2/A3 with CANN 8.3
   ``actual_seq_lengths_kv`` (``seq_lens``), ``sparse_mode=3`` (causal triangle anchored at the
   bottom right: request r's j-th new token sees cached tokens ``0 .. seq_len - q_len + j``) with
   the fixed 2048x2048 compressed causal mask.
-- ``varlen_attention``, ``rms_norm``, ``apply_rotary``, ``silu_and_mul``: ``npu_kernels``'s
-  (ATB flash attention for vision towers, aclnn elementwise ops).
+- ``varlen_attention``, ``rms_norm``, ``apply_rotary``, ``silu_and_mul``, the MoE ops:
+  ``npu_kernels``'s (ATB flash attention for vision towers, aclnn elementwise and MoE ops).
 
 Block size: the op's PFA branch (any request with more than one new token) takes page-attention
 block sizes that are multiples of 128 in [128, 512] (torch_npu docs: "block_size最小为128, 最大为512,
@@ -39,6 +39,8 @@ varlen_attention = _atb.varlen_attention
 rms_norm = _atb.rms_norm
 apply_rotary = _atb.apply_rotary
 silu_and_mul = _atb.silu_and_mul
+moe_select_experts = _atb.moe_select_experts
+moe_experts = _atb.moe_experts
 
 # The torch_npu functions this set calls are listed in atb_plugin.platform.npu.KERNEL_SET_OPS (the
 # platform checks they exist at start-up). The vision towers' varlen attention is still ATB's

@@ -10,7 +10,10 @@ call time, never imported here.
 - ``varlen_attention`` (vision encoders): bidirectional ``_npu_flash_attention_unpad``, causal
   ``_npu_flash_attention``;
 - ``rms_norm``: ``npu_rms_norm``; ``apply_rotary``: ``npu_rotary_mul`` (BSND with B = 1,
-  ``rotary_mode="half"``); ``silu_and_mul``: ``npu_swiglu``.
+  ``rotary_mode="half"``); ``silu_and_mul``: ``npu_swiglu``;
+- ``moe_select_experts`` / ``moe_experts`` (``ops/moe.py``): ``npu_moe_gating_top_k_softmax``, then
+  ``npu_moe_init_routing`` -> ``npu_moe_compute_expert_tokens`` -> ``npu_grouped_matmul`` ->
+  ``npu_swiglu`` -> ``npu_grouped_matmul`` -> ``npu_moe_finalize_routing``.
 
 Our KV cache layout, ``(num_blocks, block_size, num_kv_heads, head_dim)`` ND, is the one ATB's
 ReshapeAndCache / PagedAttention take on Atlas A2/A3, so caches pass through unchanged (310P wants
@@ -317,3 +320,52 @@ def apply_rotary(x, cos, sin) -> torch.Tensor:
 
 def silu_and_mul(x) -> torch.Tensor:
     return torch_npu().npu_swiglu(x.contiguous(), dim=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# mixture of experts (ops/moe.py): vllm-ascend's fused_experts sequence
+# --------------------------------------------------------------------------------------------
+
+
+def moe_select_experts(router_logits, top_k: int, renormalize: bool):
+    """``npu_moe_gating_top_k_softmax`` on float32 logits (the op takes float32; the router's
+    softmax runs in float32 on every path, as transformers runs it), then the renormalisation."""
+    weights, ids, _ = torch_npu().npu_moe_gating_top_k_softmax(router_logits.float().contiguous(), None, k=top_k)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_experts(hidden, weights, ids, w13, w2, first_expert: int) -> torch.Tensor:
+    """Tokens sorted by expert (``npu_moe_init_routing``), each expert's rows counted
+    (``npu_moe_compute_expert_tokens``: cumulative ends, the ``group_list`` form 0), one
+    ``npu_grouped_matmul`` per projection over all local experts with ``npu_swiglu`` between,
+    and the k outputs of each token weighted and summed back into place
+    (``npu_moe_finalize_routing``).
+
+    Expert parallelism (``first_expert`` / fewer local experts than the router scores):
+    assignments to other ranks' experts get weight 0 and are sent to local expert 0, so the ops
+    see in-range ids and fixed shapes (no host sync for the count of local rows); their rows are
+    computed and dropped. That wastes the other ranks' share of the expert FLOPs on every rank:
+    the real fix is token dispatch / combine (``npu_moe_distribute_dispatch``), not simulated here."""
+    tokens, k = ids.shape
+    local = w13.shape[0]
+    if tokens == 0:
+        return torch.zeros_like(hidden)
+    npu = torch_npu()
+    local_ids = ids.to(torch.int32) - first_expert
+    outside = (local_ids < 0) | (local_ids >= local)
+    local_ids = local_ids.masked_fill(outside, 0)
+    weights = weights.masked_fill(outside, 0)
+    # Source row of slot j of token i, in the k-major order the routing ops use: j * tokens + i.
+    row_idx = torch.arange(tokens * k, dtype=torch.int32, device=hidden.device).view(k, tokens).t().contiguous()
+    expanded_x, expanded_row_idx, expanded_expert_idx = npu.npu_moe_init_routing(
+        hidden.contiguous(), row_idx, local_ids, active_num=tokens)
+    group_list = npu.npu_moe_compute_expert_tokens(expanded_expert_idx, local).to(torch.int64)
+    gate_up = npu.npu_grouped_matmul([expanded_x], [w13], group_list=group_list, split_item=2, group_type=0,
+                                     group_list_type=0)[0]
+    down = npu.npu_grouped_matmul([npu.npu_swiglu(gate_up, dim=-1)], [w2], group_list=group_list, split_item=2,
+                                  group_type=0, group_list_type=0)[0]
+    return npu.npu_moe_finalize_routing(
+        down, skip1=None, skip2=None, bias=None, scales=weights.to(down.dtype),
+        expanded_src_to_dst_row=expanded_row_idx, export_for_source_row=local_ids, drop_pad_mode=0, k=k)

@@ -238,3 +238,69 @@ def silu_and_mul(x) -> torch.Tensor:
         return cpu_native.silu_and_mul(library, x)
     half = x.shape[-1] // 2
     return F.silu(x[..., :half]) * x[..., half:]
+
+
+# --------------------------------------------------------------------------------------------
+# mixture of experts (ops/moe.py)
+# --------------------------------------------------------------------------------------------
+
+
+def top_k_lowest_index_first(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``top_k`` largest entries of each row, largest first, equal values in index order
+    (``torch.topk`` leaves that order open). A stable descending sort of ``E`` router scores per
+    token: negligible beside the experts' GEMMs."""
+    values, ids = probs.sort(dim=-1, descending=True, stable=True)
+    return values[:, :top_k], ids[:, :top_k]
+
+
+def moe_select_experts(router_logits, top_k: int, renormalize: bool):
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = top_k_lowest_index_first(probs, top_k)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """``x`` (M, K), rows sorted by group with ``counts[g]`` rows for group ``g``, times
+    ``weight[g]`` (G, K, N) for each group -> (M, N). On the CPU one ``torch._grouped_mm`` call
+    (its loop over groups runs in C++, empty groups cost nothing); it needs rows of a multiple of
+    16 bytes (every published MoE size is), so elsewhere, and for odd sizes, one GEMM per group
+    that has rows (reading the counts is a device sync off the CPU)."""
+    aligned = (x.shape[1] * x.element_size()) % 16 == 0 and (weight.shape[2] * weight.element_size()) % 16 == 0
+    if x.device.type == "cpu" and aligned:
+        return torch._grouped_mm(x.contiguous(), weight, offs=counts.cumsum(0).to(torch.int32))
+    out = x.new_empty(x.shape[0], weight.shape[2])
+    start = 0
+    for group, count in enumerate(counts.tolist()):
+        if count:
+            torch.mm(x[start:start + count], weight[group], out=out[start:start + count])
+            start += count
+    return out
+
+
+def moe_experts(hidden, weights, ids, w13, w2, first_expert: int) -> torch.Tensor:
+    """Each token's k (expert, weight) pairs: the (token, slot) assignments this rank's experts
+    own, sorted by expert, run as one grouped GEMM per projection over the active experts
+    (never a loop over experts per token), scaled, and added back to their tokens."""
+    k = ids.shape[1]
+    local = w13.shape[0]
+    out = torch.zeros_like(hidden)
+    if hidden.shape[0] == 0:
+        return out
+    flat = ids.reshape(-1) - first_expert  # local expert of every (token, slot), row-major
+    mine = (flat >= 0) & (flat < local)
+    assignments = None if bool(mine.all()) else mine.nonzero().squeeze(1)  # EP: only this rank's experts
+    if assignments is not None:
+        if assignments.numel() == 0:
+            return out
+        flat = flat[assignments]
+    order = torch.argsort(flat, stable=True)
+    assignments = order if assignments is None else assignments[order]
+    counts = torch.bincount(flat, minlength=local)
+    rows = assignments // k  # the token of each sorted assignment
+    x = hidden.index_select(0, rows)
+    gate_up = _grouped_matmul(x, w13, counts)
+    down = _grouped_matmul(silu_and_mul(gate_up), w2, counts)
+    down = down.to(hidden.dtype) * weights.reshape(-1).index_select(0, assignments).unsqueeze(1).to(hidden.dtype)
+    return out.index_add_(0, rows, down)

@@ -77,13 +77,15 @@ class Service:
 
     def __init__(self, config: ServerConfig):
         self.config = config
-        self.metrics = ServerMetrics(config.served_model_name, config.engine.max_model_len)
+        self.metrics = ServerMetrics(config.served_model_name, config.engine.max_model_len,
+                                     config.engine.data_parallel_size)
         settings = WorkerSettings(config.engine, config.media_config(), config.chat_template)
         self.llm = AsyncLLM(config.engine, settings, num_workers=config.tokenizer_workers,
                             shm_budget_bytes=config.shm_budget_bytes,
                             limits=InputLimits(config.max_input_tokens, config.max_parallel_samples),
                             metrics=self.metrics, max_queued_requests=config.max_queued_requests,
                             on_engine_death=self._on_engine_death,
+                            data_parallel_routing=config.data_parallel_routing,
                             shm_help=" (in Docker: run with --shm-size=1g or more)")
         self.tokenizer = self.llm.tokenizer
         # Every error message a client gets passes through it (errors.Redactor).
@@ -543,7 +545,7 @@ async def chat_completions(raw: Request):
     # A client that leaves while its request waits for a tokenizer worker drops it there.
     prompt = await until_answered(raw, generation.llm.chat_ids(
         generation.request_id, req.to_conversation(), add_generation_prompt=req.add_generation_prompt,
-        chat_template_kwargs=req.chat_template_kwargs, tools=options.tools))
+        chat_template_kwargs=req.chat_template_kwargs, tools=options.tools, mm_processor_kwargs=req.mm_processor_kwargs))
 
     def make_dialect(n: int) -> ChatDialect:
         return ChatDialect(generation.request_id, generation.model_name, generation.token_text, n, options)

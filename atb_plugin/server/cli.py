@@ -18,6 +18,7 @@ import sys
 import threading
 
 from atb_plugin.engine.config import DEFAULT_KV_CACHE_BYTES, DEVICES, DTYPES, EngineConfig
+from atb_plugin.engine.dp_client import ROUTINGS
 from atb_plugin.multimodal.wire import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 from atb_plugin.pooling.config import CONVERT_TYPES, RUNNER_TYPES
 from atb_plugin.server.config import ServerConfig, default_tokenizer_workers
@@ -37,6 +38,49 @@ def _size(text: str) -> int:
         return int(value)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (e.g. 1073741824, 512M, 2G)") from None
+
+
+class _MmLimit(int):
+    """``--limit-mm-per-prompt`` as given: ``N``, or vLLM's ``MODALITY=N`` (``audio=2``), an int
+    that remembers the modality it named (checked against the model's once it is known)."""
+
+    modality: str | None = None
+    videos: int | None = None  # a "video=N" entry (Qwen2-VL takes images and videos): MediaConfig's
+    unset: bool = False  # only "video=N" was given: the image (or audio) limit stays the model's
+
+
+def _mm_limit(text: str) -> int:
+    """``N``, ``MODALITY=N``, or comma-separated entries of which one may be ``video=N``
+    (``image=4,video=1``)."""
+    entries = [entry.strip() for entry in text.split(",") if entry.strip()]
+    videos = [entry for entry in entries if entry.partition("=")[0].strip().lower() == "video"]
+    others = [entry for entry in entries if entry not in videos]
+    if len(videos) > 1 or len(others) > 1 or not entries:
+        raise argparse.ArgumentTypeError(f"{text!r}: give N, MODALITY=N, or one image (or audio) entry and one "
+                                         "video entry (image=4,video=1)")
+    limit = _one_mm_limit(others[0]) if others else _MmLimit(0)
+    limit.unset = not others
+    if videos:
+        try:
+            limit.videos = int(videos[0].partition("=")[2])
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r}: video=N needs an integer N") from None
+    return limit
+
+
+def _one_mm_limit(text: str) -> "_MmLimit":
+    from atb_plugin.models.interfaces import MODALITIES
+
+    kind, _, count = text.strip().rpartition("=")
+    kind = kind.strip().lower() or None
+    if kind is not None and kind not in MODALITIES:
+        raise argparse.ArgumentTypeError(f"{text!r}: the modality must be one of {', '.join(MODALITIES)}")
+    try:
+        limit = _MmLimit(int(count))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not N or MODALITY=N (e.g. 4, audio=2)") from None
+    limit.modality = kind
+    return limit
 
 
 def _json_object(text: str) -> dict:
@@ -87,15 +131,26 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"bytes for the KV cache (512M, 2G); wins over --gpu-memory-utilization when given "
              f"(default: {DEFAULT_KV_CACHE_BYTES >> 30}G on the CPU, the memory profile's remainder on NPU / CUDA)")
     add("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    add("--limit-mm-per-prompt", type=int,
-        help="images per prompt (default: the family's limit, which it may not exceed); the start-up memory "
-             "profile sizes the KV cache for this many of the largest images")
+    add("--limit-mm-per-prompt", type=_mm_limit,
+        help="media items per prompt, N or MODALITY=N (image=4, audio=2: the model's own modality), plus "
+             "video=N for a model that takes video (image=4,video=1); default: "
+             "the family's limit, which it may not exceed; the start-up memory profile sizes the KV cache for "
+             "this many of the largest items")
     add("--num-threads", type=int, default=None,
         help="torch intra-op threads of the engine process (default: every core it may use, less one per "
              "tokenizer worker for a model that takes images); the tokenizer workers keep one each")
     add("--tensor-parallel-size", "-tp", type=int, default=1,
         help="shard the model over this many devices (ranks: one process each, torch.distributed with the "
              "platform's backend: hccl / nccl / gloo); on the CPU the engine's threads are split between the ranks")
+    add("--enable-expert-parallel", action="store_true",
+        help="MoE models under --tensor-parallel-size: each rank holds num_experts / TP whole experts "
+             "instead of a slice of every expert; the ranks' outputs are summed by the same all-reduce")
+    add("--data-parallel-size", "-dp", type=int, default=1,
+        help="engine cores behind this one server, each a whole copy of the model with its own "
+             "--tensor-parallel-size devices (on the CPU: its own share of the cores)")
+    add("--data-parallel-routing", choices=tuple(ROUTINGS), default="cache-aware",
+        help="which engine core takes a request: cache-aware (back to the engine holding the prompt's prefix "
+             "unless it is overloaded, else the least loaded; docs/architecture.md) or round-robin")
     add("--enforce-eager", action="store_true",
         help="always run the eager forward: no captured decode step (on the CPU with the native kernels "
              "decode-only steps otherwise replay one captured plan per step; same tokens, less host time)")
@@ -114,6 +169,18 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-request-pixels", type=int, default=None,
         help="decoded pixels of all images in one request together, checked from each image's header before "
              "it is decoded (default: 4 x --max-image-pixels)")
+    add("--max-video-bytes", type=_size, default=512 << 20, help="encoded bytes per video (data: URLs too)")
+    add("--max-video-seconds", type=float, default=1800.0,
+        help="duration per video, read from the container before any frame is decoded")
+    add("--max-video-frames", type=int, default=768,
+        help="frames sampled from one video (Qwen's rule: 2 per second, 4 to 768, even); a request's "
+             "mm_processor_kwargs may lower it")
+    add("--max-video-frame-pixels", type=int, default=4096 * 2160,
+        help="width x height of a video's frames, from its stream header (every kept frame is decoded at this "
+             "size before its resize)")
+    add("--max-audio-bytes", type=_size, default=25 << 20, help="encoded bytes per audio clip (base64 data too)")
+    add("--max-audio-seconds", type=float, default=240.0,
+        help="duration per audio clip (longer clips are cut into 30 s windows, one media block each)")
     add("--max-request-body-bytes", type=_size, default=64 << 20, help="HTTP request body limit (413 beyond)")
     add("--max-queued-requests", type=int, default=256, help="requests in flight before 429")
     add("--max-pooling-inputs", type=int, default=2048,
@@ -180,6 +247,41 @@ def _reasoning_parsers() -> list[str]:
     return sorted(REASONING_PARSERS)
 
 
+def _limit_value(limit) -> int | None:
+    if limit is None or (isinstance(limit, _MmLimit) and limit.unset):
+        return None
+    return int(limit)  # a plain int crosses to the engine process
+
+
+def _video_limit(parser, limit, engine) -> int | None:
+    """``video=N`` of ``--limit-mm-per-prompt``: at most the model's own limit (0 for a model
+    without video), checked here so that a wrong flag stops the start, not a tokenizer worker."""
+    videos = limit.videos if isinstance(limit, _MmLimit) else None
+    if videos is None:
+        return None
+    from atb_plugin.models.interfaces import supported_mm_limit
+    from atb_plugin.models.registry import import_model_class
+
+    takes = supported_mm_limit(import_model_class(engine.model_cls_path), "video")
+    if not 0 <= videos <= takes:
+        parser.error(f"--limit-mm-per-prompt video={videos}: this model takes "
+                     f"{f'0 to {takes} videos' if takes else 'no video'} per prompt")
+    return videos
+
+
+def _check_mm_modality(parser, limit, engine) -> None:
+    """``audio=2`` for an image model (or the reverse) is a mistake, not a limit to apply."""
+    kind = getattr(limit, "modality", None)
+    if kind is None or not int(limit):
+        return
+    from atb_plugin.models.interfaces import model_modality
+    from atb_plugin.models.registry import import_model_class
+
+    takes = model_modality(import_model_class(engine.model_cls_path))
+    if kind != takes:
+        parser.error(f"--limit-mm-per-prompt {kind}={int(limit)}: this model takes {takes} input, not {kind}")
+
+
 def parse_config(argv: list[str] | None = None) -> ServerConfig:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -220,24 +322,33 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                           max_num_batched_tokens=values["max_num_batched_tokens"],
                           enable_prefix_caching=values["enable_prefix_caching"],
                           gpu_memory_utilization=values["gpu_memory_utilization"],
-                          limit_mm_per_prompt=values["limit_mm_per_prompt"], mm_wire_dtype=values["mm_wire_dtype"],
+                          limit_mm_per_prompt=_limit_value(values["limit_mm_per_prompt"]),
+                          mm_wire_dtype=values["mm_wire_dtype"],
                           num_threads=values["num_threads"], enforce_eager=values["enforce_eager"],
-                          tensor_parallel_size=values["tensor_parallel_size"], runner=values["runner"],
+                          tensor_parallel_size=values["tensor_parallel_size"],
+                          enable_expert_parallel=values["enable_expert_parallel"],
+                          data_parallel_size=values["data_parallel_size"], runner=values["runner"],
                           convert=values["convert"], hf_overrides=values["hf_overrides"])
+    _check_mm_modality(parser, values["limit_mm_per_prompt"], engine)
     if values["num_threads"] is None and engine.limit_mm_per_prompt > 0:
         # Images keep the tokenizer workers busy: leave them their cores. An OpenMP pool sharing
         # a core with a busy process stalls at every barrier (docs/architecture.md "Threads";
         # benchmarks/RESULTS.md, bench_engine first round, the --busy-frontend table).
         workers = values["tokenizer_workers"] or default_tokenizer_workers()
-        engine = engine.replace(num_threads=max(1, available_cores() - workers))
+        engine = engine.replace(num_threads=max(1, (available_cores() - workers) // engine.data_parallel_size))
     return ServerConfig(
         engine=engine, served_model_name=values["served_model_name"], host=values["host"], port=values["port"],
         api_key=values["api_key"], tokenizer_workers=values["tokenizer_workers"],
+        data_parallel_routing=values["data_parallel_routing"],
         max_queued_requests=values["max_queued_requests"], max_pooling_inputs=values["max_pooling_inputs"],
         allowed_local_media_paths=tuple(values["allowed_local_media_path"]),
         allowed_media_domains=tuple(values["allowed_media_domains"]),
         max_image_bytes=values["max_image_bytes"], max_image_pixels=values["max_image_pixels"],
         max_request_pixels=values["max_request_pixels"], max_request_body_bytes=values["max_request_body_bytes"],
+        max_video_bytes=values["max_video_bytes"], max_video_seconds=values["max_video_seconds"],
+        max_video_frames=values["max_video_frames"], max_video_frame_pixels=values["max_video_frame_pixels"],
+        max_videos_per_prompt=_video_limit(parser, values["limit_mm_per_prompt"], engine),
+        max_audio_bytes=values["max_audio_bytes"], max_audio_seconds=values["max_audio_seconds"],
         max_input_tokens=values.get("max_input_tokens"), chat_template=values["chat_template"],
         shm_budget_bytes=values["shm_budget_bytes"], shutdown_timeout=values["shutdown_timeout"],
         log_level=values["log_level"], max_parallel_samples=values["max_parallel_samples"],

@@ -47,6 +47,8 @@ class ServerConfig:
     api_key: str | None = None
     tokenizer_workers: int = field(default_factory=default_tokenizer_workers)
     max_queued_requests: int = 256
+    # Which engine core takes a request under data parallelism (engine/dp_client.py).
+    data_parallel_routing: str = "cache-aware"
     # Inputs of one pooling request (/score, /rerank: pairs); OpenAI's limit for /v1/embeddings.
     max_pooling_inputs: int = 2048
     allowed_local_media_paths: tuple[str, ...] = ()
@@ -56,6 +58,17 @@ class ServerConfig:
     # All images of one request together; None: media.default_max_request_pixels (4 images' worth).
     max_request_pixels: int | None = None
     max_request_body_bytes: int = 64 * 1024 * 1024  # three 20 MiB images as base64 data URLs fit
+    # Video (input_builders.video; MediaConfig's defaults): encoded bytes (MindIE's 512 MB), seconds
+    # (from the container's header), sampled frames, source frame pixels, videos per prompt (None:
+    # the model's own limit; --limit-mm-per-prompt video=N).
+    max_video_bytes: int = 512 * 1024 * 1024
+    max_video_seconds: float = 1800.0
+    max_video_frames: int = 768
+    max_video_frame_pixels: int = 4096 * 2160
+    max_videos_per_prompt: int | None = None
+    # Audio (input_builders.audio; MediaConfig's defaults), per clip: encoded bytes, seconds.
+    max_audio_bytes: int = 25 * 1024 * 1024
+    max_audio_seconds: float = 240.0
     max_input_tokens: int | None = None  # MindIE's maxInputTokenLen
     chat_template: str | None = None  # a file path or the template text
     shm_budget_bytes: int | None = None
@@ -84,7 +97,8 @@ class ServerConfig:
             object.__setattr__(self, "max_request_pixels", default_max_request_pixels(self.max_image_pixels))
         for name, low in (("port", 0), ("tokenizer_workers", 1), ("max_queued_requests", 1), ("max_parallel_samples", 1),
                           ("max_pooling_inputs", 1), ("max_image_bytes", 1), ("max_image_pixels", 1),
-                          ("max_request_pixels", 1), ("max_request_body_bytes", 1)):
+                          ("max_request_pixels", 1), ("max_request_body_bytes", 1), ("max_video_bytes", 1),
+                          ("max_video_frames", 2), ("max_video_frame_pixels", 1), ("max_audio_bytes", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"--{name.replace('_', '-')} = {value!r}: must be an integer >= {low}")
@@ -95,6 +109,12 @@ class ServerConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"--{name.replace('_', '-')} = {value!r}: must be an integer >= 0")
         self._check_parsers()
+        if self.max_videos_per_prompt is not None and (isinstance(self.max_videos_per_prompt, bool) or not
+                isinstance(self.max_videos_per_prompt, int) or self.max_videos_per_prompt < 0):
+            raise ValueError(f"--limit-mm-per-prompt video={self.max_videos_per_prompt!r}: must be an integer >= 0")
+        if (isinstance(self.max_video_seconds, bool) or not isinstance(self.max_video_seconds, (int, float))
+                or not 0 < self.max_video_seconds < float("inf")):
+            raise ValueError(f"--max-video-seconds = {self.max_video_seconds!r}: must be a number of seconds > 0")
         for name in ("request_timeout", "token_timeout"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -135,7 +155,11 @@ class ServerConfig:
         return MediaConfig(allowed_local_media_paths=self.allowed_local_media_paths,
                            allowed_domains=self.allowed_media_domains,
                            max_image_bytes=self.max_image_bytes, max_image_pixels=self.max_image_pixels,
-                           max_request_pixels=self.max_request_pixels, api="server")
+                           max_request_pixels=self.max_request_pixels, max_video_bytes=self.max_video_bytes,
+                           max_video_seconds=self.max_video_seconds, max_video_frames=self.max_video_frames,
+                           max_video_frame_pixels=self.max_video_frame_pixels,
+                           max_videos_per_prompt=self.max_videos_per_prompt, max_audio_bytes=self.max_audio_bytes,
+                           max_audio_seconds=self.max_audio_seconds, api="server")
 
     def describe(self) -> str:
         lines = [f"{f.name} = {getattr(self, f.name)!r}" for f in dataclasses.fields(self)

@@ -53,11 +53,19 @@ class ServerMetrics:
     ``observe_time_to_first_token``, ``observe_inter_token_latencies``) or once per finished
     request through ``record_finished``'s arguments; a caller uses one way for each, not both."""
 
-    def __init__(self, model_name: str, max_model_len: int = 4096):
+    def __init__(self, model_name: str, max_model_len: int = 4096, engines: int = 1):
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=True)
         labels = ["model_name"]
         r = self.registry
+
+        def per_engine(kind, name, doc) -> list:
+            """One child per engine core: labelled ``engine`` (as vLLM's) under data parallelism;
+            one engine keeps the single-label series that dashboards already read."""
+            if engines == 1:
+                return [kind(name, doc, labels, registry=r).labels(model_name)]
+            metric = kind(name, doc, labels + ["engine"], registry=r)
+            return [metric.labels(model_name, str(i)) for i in range(engines)]
 
         def gauge(name, doc):
             return Gauge(name, doc, labels, registry=r).labels(model_name)
@@ -68,13 +76,15 @@ class ServerMetrics:
         def histogram(name, doc, buckets):
             return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
 
-        self.num_requests_running = gauge("vllm:num_requests_running", "Number of requests in model execution batches.")
-        self.num_requests_waiting = gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.")
-        self.kv_cache_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
-        self.prefix_cache_queries = counter(
-            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
-        self.prefix_cache_hits = counter(
-            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.num_requests_running = per_engine(Gauge, "vllm:num_requests_running",
+                                               "Number of requests in model execution batches.")
+        self.num_requests_waiting = per_engine(Gauge, "vllm:num_requests_waiting",
+                                               "Number of requests waiting to be processed.")
+        self.kv_cache_usage = per_engine(Gauge, "vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.")
+        self.prefix_cache_queries = per_engine(
+            Counter, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
+        self.prefix_cache_hits = per_engine(
+            Counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
@@ -111,18 +121,18 @@ class ServerMetrics:
 
     # -- engine state ------------------------------------------------------------------------------
 
-    def set_scheduler_stats(self, running: int, waiting: int, kv_usage: float) -> None:
+    def set_scheduler_stats(self, running: int, waiting: int, kv_usage: float, engine: int = 0) -> None:
         """``kv_usage``: the fraction of KV-cache blocks in use, in [0, 1]."""
-        self.num_requests_running.set(running)
-        self.num_requests_waiting.set(waiting)
-        self.kv_cache_usage.set(kv_usage)
+        self.num_requests_running[engine].set(running)
+        self.num_requests_waiting[engine].set(waiting)
+        self.kv_cache_usage[engine].set(kv_usage)
 
-    def add_prefix_cache(self, queries: int, hits: int) -> None:
-        """Tokens looked up in the prefix cache and tokens found, since the last call."""
+    def add_prefix_cache(self, queries: int, hits: int, engine: int = 0) -> None:
+        """Tokens looked up in engine ``engine``'s prefix cache and tokens found, since its last call."""
         if queries:
-            self.prefix_cache_queries.inc(queries)
+            self.prefix_cache_queries[engine].inc(queries)
         if hits:
-            self.prefix_cache_hits.inc(hits)
+            self.prefix_cache_hits[engine].inc(hits)
 
     def set_shm(self, segments: int, nbytes: int, leased_segments: int = 0) -> None:
         self.shm_live_segments.set(segments)

@@ -257,7 +257,6 @@ _NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "vllm_xargs": (_empty, "null"),
     "return_tokens_as_token_ids": (_falsy, "false"),
     "return_token_ids": (_falsy, "false"),
-    "mm_processor_kwargs": (_empty, "null"),
     # chat
     "functions": (_empty, "null (use tools)"),
     "function_call": (lambda v: v in (None, "none", "auto"), '"none" (use tool_choice)'),
@@ -537,7 +536,9 @@ class _GenerationRequest(OpenAIBaseModel):
 
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
-_UNSUPPORTED_PART_TYPES = ("video", "video_url", "audio", "audio_url", "input_audio", "file")
+_UNSUPPORTED_PART_TYPES = ("file",)
+_VIDEO_PART_TYPES = ("video_url", "video")  # shape checked by the input builder (conversation.py)
+_AUDIO_PART_TYPES = ("input_audio", "audio_url", "audio")  # shape checked by the input builder (conversation.py)
 _IMAGE_DETAILS = ("auto", "low", "high")
 
 
@@ -550,7 +551,8 @@ def _check_part(item, where: str):
         raise ValueError(f"{where}: a content part must be an object, got {type(item).__name__}")
     kind = item.get("type")
     if kind is None:  # MindIE's spelling: the key names the kind
-        kind = "text" if "text" in item else "image" if "image" in item else None
+        kind = "text" if "text" in item else "image" if "image" in item else "audio" if "audio" in item else \
+            "video" if "video" in item else None
         if kind is None:
             raise ValueError(f"{where}: unknown content part with keys {sorted(item)}; expected "
                              '{"type": "text" | "image_url", ...} or MindIE\'s {"text": ...} / {"image": ...}')
@@ -569,8 +571,11 @@ def _check_part(item, where: str):
         ref = item.get("image")
         if not isinstance(ref, str) or not ref:
             raise ValueError(f'{where}: an image part needs {{"image": "<path, URL or base64>"}}')
+    elif kind in _AUDIO_PART_TYPES or kind in _VIDEO_PART_TYPES:
+        pass  # input_builders.conversation checks it (parse_audio_part, parse_video_part), with the model's own
+        # refusal if it takes none
     elif kind in _UNSUPPORTED_PART_TYPES:
-        raise ValueError(f"{where}: content type {kind!r} is not supported; only text and images are")
+        raise ValueError(f"{where}: content type {kind!r} is not supported; only text, images, video and audio are")
     else:
         raise ValueError(f"{where}: unknown content type {_short_repr(kind)}; expected 'text' or 'image_url'")
     return item
@@ -664,7 +669,9 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template: Any = None
     documents: Any = None
     reasoning_effort: Any = None
-    mm_processor_kwargs: Any = None
+    # vLLM's per-request preprocessing overrides: the video sampling options (fps, nframes,
+    # min_frames, max_frames, min_pixels, max_pixels, total_pixels; input_builders.video), bounded there.
+    mm_processor_kwargs: dict[str, Any] | None = None
 
     @field_validator("messages")
     @classmethod
@@ -733,7 +740,14 @@ class CompletionRequest(_GenerationRequest):
     suffix: Any = None
     best_of: int | None = None
     prompt_embeds: Any = None
-    mm_processor_kwargs: Any = None
+    mm_processor_kwargs: Any = None  # a completion prompt has no media: only null or {} is accepted
+
+    @field_validator("mm_processor_kwargs")
+    @classmethod
+    def _no_media_options(cls, value):
+        if not _empty(value):
+            raise ValueError(f"mm_processor_kwargs={_short_repr(value)} is not supported yet; only null is accepted")
+        return value
 
     @field_validator("prompt", mode="before")
     @classmethod

@@ -16,7 +16,8 @@ Usage::
 Sources of the contracts (read, not copied): Ascend/op-plugin ``op_plugin/ops/atb/*.cpp`` (the
 schemas ``_npu_*`` are registered with), the CANN ATB operation docs (ReshapeAndCacheOperation,
 SelfAttentionOperation, PagedAttentionOperation and its mask types), the torch_npu API docs
-(``npu_rms_norm``, ``npu_rotary_mul``, ``npu_swiglu``), and vllm-ascend
+(``npu_rms_norm``, ``npu_rotary_mul``, ``npu_swiglu``; the MoE ops from the torch_npu wheel's
+``_op_plugin_docs.py`` and meta registrations), and vllm-ascend
 (``vllm_ascend/attention/attention_v1.py``, ``attention_mask.py``), the canonical caller.
 
 Device story. A simulated NPU has no device memory, so its tensors stay on the CPU: the module
@@ -463,6 +464,224 @@ def npu_swiglu(input, dim=-1):  # noqa: A002 - torch_npu's argument name
     return (F.silu(a) * b).to(input.dtype)
 
 
+# --------------------------------------------------------------------------------------------
+# aclnn MoE ops (torch_npu public API; schemas and docs from the 2.13 wheel:
+# npu_native_functions_by_codegen.yaml, _op_plugin_docs.py, op_plugin/meta/_meta_registrations.py)
+# --------------------------------------------------------------------------------------------
+
+_MAX_GATING_K = 1024  # npu_moe_gating_top_k_softmax: "k<=1024"
+_MAX_ROUTING_ELEMENTS = 1 << 24  # npu_moe_init_routing / compute_expert_tokens: "小于2^24"
+_MAX_EXPERTS = 2048  # npu_moe_compute_expert_tokens: num_expert in (0, 2048]
+_MAX_GROUPS = 1024  # npu_grouped_matmul, one 3-D weight: "group_list第1维最大支持1024"
+_GMM_INNER_LIMIT = 65536  # npu_grouped_matmul: every x / weight last dim < 65536 (A2)
+
+
+def _int32_matrix(op: str, name: str, t, shape=None) -> None:
+    _require(isinstance(t, torch.Tensor) and t.dtype == torch.int32, op, f"{name} must be an int32 tensor")
+    _require(t.dim() == 2, op, f"{name} must be 2-D (NUM_ROWS, K), got {tuple(t.shape)}")
+    if shape is not None:
+        _require(tuple(t.shape) == tuple(shape), op, f"{name} must be {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def npu_moe_gating_top_k_softmax(x, finished=None, k=1):
+    """``npu_moe_gating_top_k_softmax(Tensor x, Tensor? finished=None, int k=1) -> (Tensor, Tensor,
+    Tensor)``: softmax over the last dim of ``x`` (2-D or 3-D; float16 / bfloat16 / float32,
+    computed in float32), then its top ``k`` (``0 < k <= x.shape[-1]``, ``k <= 1024``). Returns
+    ``y`` (the k values, ``x``'s dtype), ``expert_idx`` (their indices, int32) and ``row_idx``
+    (int32, ``row_idx[..., i, j] = j * NUM_ROWS + i``: the k-major source-row numbering
+    ``npu_moe_init_routing`` takes). The docs leave the order of equal scores open; this fake
+    puts the lower expert index first (the CPU kernels' rule). ``finished`` (rows to skip) is
+    not simulated: a non-None one is refused rather than ignored."""
+    op = "npu_moe_gating_top_k_softmax"
+    _require(finished is None, op, "finished is not simulated by the fake (pass None)")
+    _require(isinstance(x, torch.Tensor) and x.dim() in (2, 3), op, "x must be a 2-D or 3-D tensor")
+    _require(x.dtype in _ELEMENTWISE_DTYPES, op, f"x dtype {x.dtype} not supported (float16 / bfloat16 / float32)")
+    _require(isinstance(k, int) and 0 < k <= x.shape[-1] and k <= _MAX_GATING_K, op,
+             f"k must satisfy 0 < k <= {x.shape[-1]} (x's last dim) and k <= {_MAX_GATING_K}, got {k}")
+    flat = x.reshape(-1, x.shape[-1]).float().softmax(dim=-1)
+    values, indices = flat.sort(dim=-1, descending=True, stable=True)
+    rows = flat.shape[0]
+    row_idx = (torch.arange(k, dtype=torch.int32)[None, :] * rows + torch.arange(rows, dtype=torch.int32)[:, None])
+    shape = (*x.shape[:-1], k)
+    return (values[:, :k].to(x.dtype).reshape(shape), indices[:, :k].to(torch.int32).reshape(shape),
+            row_idx.reshape(shape))
+
+
+def npu_moe_init_routing(x, row_idx, expert_idx, active_num):
+    """``npu_moe_init_routing(Tensor x, Tensor row_idx, Tensor expert_idx, int active_num) ->
+    (Tensor, Tensor, Tensor)``: ``x`` (NUM_ROWS, H) float16 / bfloat16 / float32; ``row_idx``,
+    ``expert_idx`` (NUM_ROWS, K) int32. The docs' formula::
+
+        expanded_expert_idx, sorted_row_idx = keyValueSort(expert_idx, row_idx)
+        expanded_row_idx[sorted_row_idx[i]] = i
+        expanded_x[i] = x[sorted_row_idx[i] % NUM_ROWS]
+
+    i.e. the (row, slot) pairs sorted by expert (equal experts by ``row_idx``); ``expanded_x``
+    keeps the first ``min(NUM_ROWS, active_num) * K`` rows. Returns ``(expanded_x,
+    expanded_row_idx (NUM_ROWS * K,) int32, expanded_expert_idx (NUM_ROWS * K,) int32)``."""
+    op = "npu_moe_init_routing"
+    _require(isinstance(x, torch.Tensor) and x.dim() == 2, op, "x must be 2-D (NUM_ROWS, H)")
+    _require(x.dtype in _ELEMENTWISE_DTYPES, op, f"x dtype {x.dtype} not supported (float16 / bfloat16 / float32)")
+    _require(x.numel() < _MAX_ROUTING_ELEMENTS, op, "x must hold fewer than 2^24 elements")
+    _int32_matrix(op, "expert_idx", expert_idx)
+    _require(expert_idx.shape[0] == x.shape[0], op, f"expert_idx has {expert_idx.shape[0]} rows, x {x.shape[0]}")
+    _int32_matrix(op, "row_idx", row_idx, expert_idx.shape)
+    _require(bool((expert_idx >= 0).all()), op, "expert_idx values must be >= 0")
+    rows, k = expert_idx.shape
+    _require(isinstance(active_num, int) and active_num >= 0, op, f"active_num must be an int >= 0, got {active_num!r}")
+    source = row_idx.reshape(-1).long()
+    _require(torch.equal(source.sort().values, torch.arange(rows * k)), op,
+             f"row_idx must number the {rows * k} source rows 0 .. NUM_ROWS * K - 1 once each")
+    keys = expert_idx.reshape(-1).long() * (rows * k) + source  # expert first, then row_idx
+    order = keys.argsort()
+    sorted_row_idx = source[order]
+    expanded_row_idx = torch.empty(rows * k, dtype=torch.int32)
+    expanded_row_idx[sorted_row_idx] = torch.arange(rows * k, dtype=torch.int32)
+    kept = min(rows, active_num) * k
+    expanded_x = x[sorted_row_idx[:kept] % rows]
+    return expanded_x, expanded_row_idx, expert_idx.reshape(-1)[order].to(torch.int32)
+
+
+def npu_moe_compute_expert_tokens(sorted_expert_for_source_row, num_expert):
+    """``npu_moe_compute_expert_tokens(Tensor sorted_expert_for_source_row, int num_expert) ->
+    Tensor``: for each expert i in [0, num_expert), the position after its last row in the sorted
+    expert ids (a binary search; an expert with no row repeats the previous end): the cumulative
+    counts ``npu_grouped_matmul`` takes as ``group_list_type=0``. Input 1-D int32, non-decreasing,
+    values in [0, num_expert - 1], fewer than 2^24 entries; ``num_expert`` in (0, 2048]. Output
+    (num_expert,) int32."""
+    op = "npu_moe_compute_expert_tokens"
+    t = sorted_expert_for_source_row
+    _require(isinstance(t, torch.Tensor) and t.dtype == torch.int32 and t.dim() == 1, op,
+             "sorted_expert_for_source_row must be a 1-D int32 tensor")
+    _require(t.numel() < _MAX_ROUTING_ELEMENTS, op, "sorted_expert_for_source_row must hold fewer than 2^24 entries")
+    _require(isinstance(num_expert, int) and 0 < num_expert <= _MAX_EXPERTS, op,
+             f"num_expert must be in (0, {_MAX_EXPERTS}], got {num_expert!r}")
+    _require(bool(((t >= 0) & (t < num_expert)).all()), op, f"expert ids must lie in [0, {num_expert - 1}]")
+    _require(bool((t[1:] >= t[:-1]).all()), op, "sorted_expert_for_source_row must be non-decreasing")
+    ends = torch.searchsorted(t.long(), torch.arange(num_expert), right=True)
+    return ends.to(torch.int32)
+
+
+def npu_grouped_matmul(x, weight, *, bias=None, scale=None, offset=None, antiquant_scale=None, antiquant_offset=None,
+                       per_token_scale=None, group_list=None, activation_input=None, activation_quant_scale=None,
+                       activation_quant_offset=None, split_item=0, group_type=None, group_list_type=0, act_type=0,
+                       tuning_config=None, output_dtype=None, x_dtype=None, weight_dtype=None, scale_dtype=None,
+                       per_token_scale_dtype=None):
+    """``npu_grouped_matmul(Tensor[] x, Tensor[] weight, *, ... Tensor? group_list=None, ...,
+    int? split_item=0, int? group_type=None, int? group_list_type=0, int? act_type=0, ...) ->
+    Tensor[]`` (full schema in npu_schemas.txt). Simulated: the non-quantised "单单单" case the
+    MoE kernels use, ``y[rows of group g] = x[rows of group g] @ weight[0][g]``: one 2-D ``x``
+    (M, K), one 3-D ``weight`` (G, K, N) (a transposed view of (G, N, K) is fine: the op
+    supports transposed weights), ``group_list`` an int64 1-D tensor of G entries (G <= 1024):
+    cumulative ends, non-decreasing, the last equal to M (``group_list_type=0``) or counts
+    summing to M (``group_list_type=1``); ``group_type=0`` (split M), ``split_item`` 2 or 3 (one
+    output tensor); x and weight share a dtype (float16 / bfloat16 / float32), computed in
+    float32, returned as ``[y]`` in that dtype (``output_dtype`` None). Every other argument
+    (bias, quantisation scales, activation, the other group / split modes) is refused as not
+    simulated."""
+    op = "npu_grouped_matmul"
+    unsimulated = dict(bias=bias, scale=scale, offset=offset, antiquant_scale=antiquant_scale,
+                       antiquant_offset=antiquant_offset, per_token_scale=per_token_scale,
+                       activation_input=activation_input, activation_quant_scale=activation_quant_scale,
+                       activation_quant_offset=activation_quant_offset, tuning_config=tuning_config,
+                       output_dtype=output_dtype, x_dtype=x_dtype, weight_dtype=weight_dtype, scale_dtype=scale_dtype,
+                       per_token_scale_dtype=per_token_scale_dtype)
+    given = [name for name, value in unsimulated.items() if value is not None]
+    _require(not given, op, f"{', '.join(given)} not simulated by the fake (the non-quantised case only)")
+    _require(act_type == 0, op, f"act_type {act_type} not simulated (0: no activation)")
+    _require(group_type == 0 and split_item in (2, 3), op,
+             f"only group_type=0 (split M) with split_item 2 or 3 (one output) is simulated, got group_type="
+             f"{group_type}, split_item={split_item}")
+    _require(isinstance(x, (list, tuple)) and len(x) == 1 and isinstance(weight, (list, tuple)) and len(weight) == 1,
+             op, "x and weight must be lists of one tensor each (one x, one 3-D weight)")
+    a, b = x[0], weight[0]
+    _require(a.dim() == 2 and b.dim() == 3, op, f"x must be 2-D (M, K) and weight 3-D (G, K, N), got "
+                                                f"{tuple(a.shape)} and {tuple(b.shape)}")
+    _require(a.dtype == b.dtype and a.dtype in _ELEMENTWISE_DTYPES, op,
+             f"x {a.dtype} and weight {b.dtype} must share float16 / bfloat16 / float32")
+    _require(a.shape[1] == b.shape[1], op, f"x has K={a.shape[1]}, weight K={b.shape[1]}")
+    _require(a.shape[1] < _GMM_INNER_LIMIT and b.shape[2] < _GMM_INNER_LIMIT, op,
+             f"the inner dims must be < {_GMM_INNER_LIMIT}")
+    _require(a.is_contiguous(), op, "x must not be transposed (contiguous)")
+    groups = b.shape[0]
+    _require(isinstance(group_list, torch.Tensor) and group_list.dtype == torch.int64 and group_list.dim() == 1, op,
+             "group_list must be a 1-D int64 tensor")
+    _require(group_list.numel() == groups and groups <= _MAX_GROUPS, op,
+             f"group_list has {group_list.numel()} entries for {groups} weight groups (at most {_MAX_GROUPS})")
+    _require(group_list_type in (0, 1), op, f"group_list_type must be 0 (cumsum) or 1 (counts), got {group_list_type}")
+    _require(bool((group_list >= 0).all()), op, "group_list must be non-negative")
+    if group_list_type == 0:
+        _require(bool((group_list[1:] >= group_list[:-1]).all()), op, "group_list (cumsum) must be non-decreasing")
+        ends = group_list
+    else:
+        ends = group_list.cumsum(0)
+    _require(int(ends[-1]) == a.shape[0], op, f"group_list covers {int(ends[-1])} rows, x has {a.shape[0]}")
+    out = torch.empty(a.shape[0], b.shape[2], dtype=a.dtype)
+    start = 0
+    for g, end in enumerate(ends.tolist()):
+        out[start:end] = (a[start:end].float() @ b[g].float()).to(a.dtype)
+        start = end
+    return [out]
+
+
+def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales, expanded_src_to_dst_row,
+                             export_for_source_row, drop_pad_mode=0, k=1):
+    """``npu_moe_finalize_routing(Tensor expanded_permuted_rows, Tensor? skip1, Tensor? skip2,
+    Tensor? bias, Tensor? scales, Tensor expanded_src_to_dst_row, Tensor? export_for_source_row,
+    int? drop_pad_mode=0, int? k=1) -> Tensor``. The docs' formula::
+
+        out[i, j] = skip1[i, j] + skip2[i, j]
+                    + sum_k scales[i, k] * (rows[expanded_src_to_dst_row[i + k * NUM_ROWS], j] + bias[e_ik, j])
+
+    with ``e_ik = export_for_source_row[i, k]``. ``expanded_permuted_rows`` (NUM_ROWS * K, H)
+    float16 / bfloat16 / float32; ``scales`` (NUM_ROWS, K), ``skip*`` (NUM_ROWS, H), ``bias``
+    (E, H) in its dtype; ``expanded_src_to_dst_row`` (NUM_ROWS * K,) int32 in [0, NUM_ROWS * K);
+    ``export_for_source_row`` (NUM_ROWS, K) int32 (needed with ``bias``); skip2 only with skip1;
+    ``drop_pad_mode`` 0 (dropless). Sums in float32, returns (NUM_ROWS, H) in the rows' dtype."""
+    op = "npu_moe_finalize_routing"
+    rows_t = expanded_permuted_rows
+    _require(isinstance(rows_t, torch.Tensor) and rows_t.dim() == 2 and rows_t.dtype in _ELEMENTWISE_DTYPES, op,
+             "expanded_permuted_rows must be a 2-D float16 / bfloat16 / float32 tensor (NUM_ROWS * K, H)")
+    _require(drop_pad_mode == 0, op, f"drop_pad_mode must be 0 (dropless), got {drop_pad_mode}")
+    if scales is not None:
+        _require(scales.dim() == 2 and scales.dtype == rows_t.dtype, op,
+                 f"scales must be 2-D (NUM_ROWS, K) in {rows_t.dtype}, got {tuple(scales.shape)} {scales.dtype}")
+        num_rows, top_k = scales.shape
+    else:
+        _require(isinstance(k, int) and k > 0, op, "k must be given (> 0) when scales is None")
+        top_k = k
+        num_rows = expanded_src_to_dst_row.shape[0] // top_k
+    _require(rows_t.shape[0] == num_rows * top_k, op,
+             f"expanded_permuted_rows has {rows_t.shape[0]} rows, NUM_ROWS * K = {num_rows * top_k}")
+    index = expanded_src_to_dst_row
+    _require(isinstance(index, torch.Tensor) and index.dtype == torch.int32 and index.dim() == 1
+             and index.numel() == num_rows * top_k, op,
+             f"expanded_src_to_dst_row must be a 1-D int32 tensor of NUM_ROWS * K = {num_rows * top_k}")
+    _require(bool(((index >= 0) & (index < num_rows * top_k)).all()), op,
+             f"expanded_src_to_dst_row values must lie in [0, {num_rows * top_k - 1}]")
+    _require(skip2 is None or skip1 is not None, op, "skip2 given without skip1")
+    hidden = rows_t.shape[1]
+    for name, skip in (("skip1", skip1), ("skip2", skip2)):
+        if skip is not None:
+            _require(tuple(skip.shape) == (num_rows, hidden) and skip.dtype == rows_t.dtype, op,
+                     f"{name} must be ({num_rows}, {hidden}) in {rows_t.dtype}")
+    if export_for_source_row is not None:
+        _int32_matrix(op, "export_for_source_row", export_for_source_row, (num_rows, top_k))
+    if bias is not None:
+        _require(bias.dim() == 2 and bias.shape[1] == hidden and bias.dtype == rows_t.dtype, op,
+                 f"bias must be (E, {hidden}) in {rows_t.dtype}")
+        _require(export_for_source_row is not None, op, "bias needs export_for_source_row (each row's experts)")
+    gathered = rows_t.float()[index.long()].view(top_k, num_rows, hidden)  # [slot k][row i]
+    if bias is not None:
+        gathered = gathered + bias.float()[export_for_source_row.long().t()]
+    weight = scales.float().t().unsqueeze(-1) if scales is not None else 1.0
+    out = (gathered * weight).sum(dim=0)
+    for skip in (skip1, skip2):
+        if skip is not None:
+            out = out + skip.float()
+    return out.to(rows_t.dtype)
+
+
 OPS = (
     _npu_reshape_and_cache,
     _npu_flash_attention,
@@ -472,6 +691,11 @@ OPS = (
     npu_rms_norm,
     npu_rotary_mul,
     npu_swiglu,
+    npu_moe_gating_top_k_softmax,
+    npu_moe_init_routing,
+    npu_moe_compute_expert_tokens,
+    npu_grouped_matmul,
+    npu_moe_finalize_routing,
 )
 
 

@@ -44,3 +44,35 @@ class SequenceRunner:
         hidden = self.model(input_ids, positions, self.kv_caches, self.metadata(num_new), inputs_embeds=inputs_embeds)
         self.num_computed += num_new
         return self.model.compute_logits(hidden)
+
+
+def chunked_logits(model, ids: torch.Tensor, chunk_ends=(20, 33), block_size: int = 16) -> torch.Tensor:
+    """``ids``' logits (float32) through ``model``'s paged path: prefill up to ``chunk_ends[0]``,
+    chunked-prefill steps up to each later end, then one token a step. Block size 16: ATB's rule."""
+    runner = SequenceRunner(model, max_len=len(ids) + 8, block_size=block_size)
+    bounds = (0, *chunk_ends)
+    steps = [runner.step(ids[start:end]) for start, end in zip(bounds, bounds[1:])]
+    steps += [runner.step(ids[i:i + 1]) for i in range(chunk_ends[-1], len(ids))]
+    return torch.cat(steps).float()
+
+
+def check_simulated_npu(model, ids: torch.Tensor, dtype: torch.dtype, rel_tol: float) -> dict:
+    """Run ``ids`` through ``model`` on the CPU and through a ``dtype`` copy of it on the simulated
+    NPU (``chunked_logits``: every attention path the NPU has), check that the logits agree within
+    ``rel_tol`` x the largest |logit| and that the greedy token agrees wherever the CPU's top two
+    are further apart than twice that; the fake torch_npu's op call counts."""
+    import copy
+
+    from atb_plugin.platform import use_platform
+    from atb_plugin.testing import fake_torch_npu
+
+    cpu = chunked_logits(model, ids)
+    with fake_torch_npu.install() as fake, use_platform("npu"):
+        npu = chunked_logits(copy.deepcopy(model).to(dtype), ids)
+        calls = dict(fake.module.calls)
+    tol = rel_tol * cpu.abs().max()
+    assert (npu - cpu).abs().max() <= tol, ((npu - cpu).abs().max(), tol)
+    top2 = cpu.topk(2, dim=-1).values
+    stable = (top2[:, 0] - top2[:, 1]) > 2 * tol
+    assert stable.any() and torch.equal(npu.argmax(-1)[stable], cpu.argmax(-1)[stable])
+    return calls

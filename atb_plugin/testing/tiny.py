@@ -66,7 +66,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-__all__ = ["FAMILIES", "make_tiny_checkpoint", "tiny_checkpoint", "qwen_vl_weight_shapes", "main"]
+__all__ = ["FAMILIES", "build_qwen2_moe", "build_qwen3_moe", "make_tiny_checkpoint", "tiny_checkpoint", "qwen_vl_weight_shapes", "main"]
 
 # The transformers version the files claim to come from (and that the project pins).
 _TRANSFORMERS_VERSION = "5.23.0"
@@ -308,6 +308,100 @@ QWEN2_5_CHAT_TEMPLATE = _TEXT_OF + r"""
 {%- endif -%}
 """
 
+# Qwen3's template (Qwen3-8B / Qwen3-30B-A3B, plus list content): Qwen2.5's tools and tool turns;
+# an assistant turn after the last user query keeps its reasoning as <think>...</think> (from
+# `reasoning_content`, or split off its content), earlier ones lose it; the thinking switch:
+# `enable_thinking=False` (a chat_template_kwargs variable) writes an empty think block after the
+# generation prompt, so the model answers without reasoning.
+QWEN3_CHAT_TEMPLATE = _TEXT_OF + r"""
+{%- if tools -%}
+    {{- '<|im_start|>system\n' -}}
+    {%- if messages[0].role == 'system' -%}
+        {{- text_of(messages[0].content) + '\n\n' -}}
+    {%- endif -%}
+    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" -}}
+    {%- for tool in tools -%}
+        {{- "\n" -}}
+        {{- tool | tojson -}}
+    {%- endfor -%}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" -}}
+{%- else -%}
+    {%- if messages[0].role == 'system' -%}
+        {{- '<|im_start|>system\n' + text_of(messages[0].content) + '<|im_end|>\n' -}}
+    {%- endif -%}
+{%- endif -%}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) -%}
+{%- for message in messages[::-1] -%}
+    {%- set index = (messages|length - 1) - loop.index0 -%}
+    {%- set text = text_of(message.content) -%}
+    {%- if ns.multi_step_tool and message.role == "user" and not(text.startswith('<tool_response>') and text.endswith('</tool_response>')) -%}
+        {%- set ns.multi_step_tool = false -%}
+        {%- set ns.last_query_index = index -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- for message in messages -%}
+    {%- set content = text_of(message.content) -%}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) -%}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' -}}
+    {%- elif message.role == "assistant" -%}
+        {%- set reasoning_content = '' -%}
+        {%- if message.reasoning_content is string -%}
+            {%- set reasoning_content = message.reasoning_content -%}
+        {%- else -%}
+            {%- if '</think>' in content -%}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') -%}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') -%}
+            {%- endif -%}
+        {%- endif -%}
+        {%- if loop.index0 > ns.last_query_index -%}
+            {%- if loop.last or (not loop.last and reasoning_content) -%}
+                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') -}}
+            {%- else -%}
+                {{- '<|im_start|>' + message.role + '\n' + content -}}
+            {%- endif -%}
+        {%- else -%}
+            {{- '<|im_start|>' + message.role + '\n' + content -}}
+        {%- endif -%}
+        {%- if message.tool_calls -%}
+            {%- for tool_call in message.tool_calls -%}
+                {%- if (loop.first and content) or (not loop.first) -%}
+                    {{- '\n' -}}
+                {%- endif -%}
+                {%- if tool_call.function -%}
+                    {%- set tool_call = tool_call.function -%}
+                {%- endif -%}
+                {{- '<tool_call>\n{"name": "' -}}
+                {{- tool_call.name -}}
+                {{- '", "arguments": ' -}}
+                {%- if tool_call.arguments is string -%}
+                    {{- tool_call.arguments -}}
+                {%- else -%}
+                    {{- tool_call.arguments | tojson -}}
+                {%- endif -%}
+                {{- '}\n</tool_call>' -}}
+            {%- endfor -%}
+        {%- endif -%}
+        {{- '<|im_end|>\n' -}}
+    {%- elif message.role == "tool" -%}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") -%}
+            {{- '<|im_start|>user' -}}
+        {%- endif -%}
+        {{- '\n<tool_response>\n' -}}
+        {{- content -}}
+        {{- '\n</tool_response>' -}}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") -%}
+            {{- '<|im_end|>\n' -}}
+        {%- endif -%}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\n' -}}
+    {%- if enable_thinking is defined and enable_thinking is false -%}
+        {{- '<think>\n\n</think>\n\n' -}}
+    {%- endif -%}
+{%- endif -%}
+"""
+
 # Qwen2-VL-Instruct's template (Qwen2.5-VL uses the same): an image part is
 # {"type": "image"}, {"type": "image_url", ...} or any dict with an "image" key.
 QWEN2_VL_CHAT_TEMPLATE = r"""
@@ -440,7 +534,9 @@ def _write_tokenizer(out: Path, tok: Tokenizer, config: dict, chat_template: str
 def _fill_(name: str, tensor: torch.Tensor, gen: torch.Generator) -> None:
     """Overwrite one tensor in place with seeded values whose scale suits its role (module docstring)."""
     noise = torch.randn(tensor.shape, generator=gen, dtype=torch.float32)
-    if tensor.ndim >= 2:
+    if tensor.ndim == 3 and ".experts." in name:  # stacked experts (E, out, in): fan-in is the last dim
+        value = noise * tensor.shape[-1] ** -0.5
+    elif tensor.ndim >= 2:
         value = noise * math.prod(tensor.shape[1:]) ** -0.5
     elif name.endswith("weight"):
         value = 1.0 + 0.1 * noise  # 1-D weights are norm scales in every family here
@@ -550,7 +646,8 @@ def _qwen_generation_config(endoftext: int, im_end: int, **sampling: float) -> d
 
 
 def _build_qwen2(out: Path, seed: int, architecture: str = "Qwen2ForCausalLM", *,
-                 chat_template: str = QWEN2_CHAT_TEMPLATE, plain_tokens: Sequence[str] = (), **extra: object) -> None:
+                 chat_template: str = QWEN2_CHAT_TEMPLATE, plain_tokens: Sequence[str] = (),
+                 sampling: dict | None = None, **extra: object) -> None:
     """Qwen2-Instruct like Qwen2-0.5B/1.5B: GQA, q/k/v biases, tied embeddings. ``architecture``
     and ``extra`` config keys make its pooling variants (same decoder, another head);
     ``chat_template`` and ``plain_tokens`` (added tokens that are not special, appended after the
@@ -574,10 +671,51 @@ def _build_qwen2(out: Path, seed: int, architecture: str = "Qwen2ForCausalLM", *
     _save_transformers_model(out, config, seed)
     _write_json(
         out / "generation_config.json",
-        _qwen_generation_config(endoftext, im_end, repetition_penalty=1.05, temperature=0.7, top_k=20, top_p=0.8),
+        _qwen_generation_config(endoftext, im_end, **(sampling or dict(repetition_penalty=1.05, temperature=0.7,
+                                                                         top_k=20, top_p=0.8))),
     )
     _write_tokenizer(out, tok, _qwen_tokenizer_config(), chat_template)
 
+
+# Qwen3's added tokens that are not special (tool calls, tool responses, reasoning), in the order of
+# the real vocabulary (151657 .. 151668, less the FIM / repo tokens between).
+_QWEN3_PLAIN_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
+# Qwen3-8B's decoder keys, tiny: no q/k/v bias, an explicit head_dim (4 x 32 query features against a
+# hidden size of 64, as the published 32 x 128 against 4096), untied head, no sliding window.
+_QWEN3_DECODER = dict(attention_bias=False, head_dim=32, tie_word_embeddings=False, sliding_window=None,
+                      rope_scaling=None)
+_QWEN3_SAMPLING = dict(temperature=0.6, top_k=20, top_p=0.95)  # Qwen3's generation_config.json
+
+
+def _build_qwen3(out: Path, seed: int) -> None:
+    """Qwen3-8B like: Qwen2's tokenizer layout with the think / tool tokens, per-head q/k RMSNorm."""
+    _build_qwen2(out, seed, "Qwen3ForCausalLM", chat_template=QWEN3_CHAT_TEMPLATE, plain_tokens=_QWEN3_PLAIN_TOKENS,
+                 sampling=_QWEN3_SAMPLING, model_type="qwen3", **_QWEN3_DECODER)
+
+
+def build_qwen3_moe(out: Path, seed: int, **config: object) -> None:
+    """Qwen3-30B-A3B like (published keys: ``num_experts``, ``num_experts_per_tok``,
+    ``moe_intermediate_size``, ``norm_topk_prob``, ``decoder_sparse_step``, ``mlp_only_layers``):
+    3 layers, 8 experts of 32, top-2, renormalised, layer 1 dense (``intermediate_size`` 128).
+    ``config`` overrides config.json keys (tests build variants: other expert counts, top-k,
+    ``norm_topk_prob`` off, ...); the weights follow the config."""
+    moe = dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+               norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], output_router_logits=False,
+               router_aux_loss_coef=0.001)
+    _build_qwen2(out, seed, "Qwen3MoeForCausalLM", chat_template=QWEN3_CHAT_TEMPLATE,
+                 plain_tokens=_QWEN3_PLAIN_TOKENS, sampling=_QWEN3_SAMPLING, model_type="qwen3_moe",
+                 **{**_QWEN3_DECODER, **moe, **config})
+
+
+
+def build_qwen2_moe(out: Path, seed: int, **config: object) -> None:
+    """Qwen1.5-MoE-A2.7B like: the Qwen2 decoder (q/k/v biases, ChatML) with sparse layers of 8
+    experts of 32, top-2, not renormalised, and a shared expert of 48 behind a sigmoid gate;
+    3 layers, layer 2 dense. ``config`` overrides config.json keys, as for ``build_qwen3_moe``."""
+    moe = dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+               shared_expert_intermediate_size=48, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[2],
+               output_router_logits=False, router_aux_loss_coef=0.001, tie_word_embeddings=False)
+    _build_qwen2(out, seed, "Qwen2MoeForCausalLM", model_type="qwen2_moe", **{**moe, **config})
 
 def _build_qwen2_seq_cls(out: Path, seed: int) -> None:
     """A Qwen2ForSequenceClassification checkpoint (3 labels): ``model.*`` + ``score.weight``."""
@@ -1205,6 +1343,95 @@ def _build_qwen_vl(out: Path, seed: int) -> None:
     )
 
 
+# Qwen2-Audio-7B-Instruct's chat template, as published: each audio part (a content item with an
+# "audio" or "audio_url" key) renders as "Audio N: <|audio_bos|><|AUDIO|><|audio_eos|>\n".
+QWEN2_AUDIO_CHAT_TEMPLATE = r"""
+{%- set audio_count = namespace(value=0) -%}
+{%- for message in messages -%}
+    {%- if loop.first and message['role'] != 'system' -%}
+        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' -}}
+    {%- endif -%}
+    {{- '<|im_start|>' + message['role'] + '\n' -}}
+    {%- if message['content'] is string -%}
+        {{- message['content'] + '<|im_end|>\n' -}}
+    {%- else -%}
+        {%- for content in message['content'] -%}
+            {%- if 'audio' in content or 'audio_url' in content -%}
+                {%- set audio_count.value = audio_count.value + 1 -%}
+                {{- 'Audio ' + audio_count.value|string + ': <|audio_bos|><|AUDIO|><|audio_eos|>\n' -}}
+            {%- elif 'text' in content -%}
+                {{- content['text'] -}}
+            {%- endif -%}
+        {%- endfor -%}
+        {{- '<|im_end|>\n' -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}
+    {{- '<|im_start|>assistant\n' -}}
+{%- endif -%}
+"""
+
+# ids 151646.. in the real vocabulary, after the ChatML tokens
+_QWEN2_AUDIO_SPECIALS = (*_QWEN_CHATML, "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>")
+
+
+def _build_qwen2_audio(out: Path, seed: int) -> None:
+    """Qwen2-Audio-7B-Instruct: Whisper-style encoder (128 mel bins, 1500 positions: the real
+    window, so the features are the real ones; 2 layers of width 32), linear projector, Qwen2 decoder."""
+    tok = _byte_level_tokenizer(_QWEN2_SPLIT, trailing=_QWEN2_AUDIO_SPECIALS, nfc=True)
+    endoftext, _, im_end, audio = _ids(tok, *_QWEN_CHATML, "<|AUDIO|>")
+    config = {  # the published nested layout: audio_config, text_config
+        "architectures": ["Qwen2AudioForConditionalGeneration"],
+        "model_type": "qwen2_audio",
+        "audio_token_index": audio,
+        "ignore_index": -100,
+        "audio_config": {
+            "model_type": "qwen2_audio_encoder",
+            "activation_function": "gelu",
+            "d_model": 32,
+            "encoder_attention_heads": 4,
+            "encoder_ffn_dim": 64,
+            "encoder_layers": 2,
+            "max_source_positions": 1500,
+            "num_mel_bins": 128,
+            "scale_embedding": False,
+        },
+        "text_config": {
+            **_QWEN2_DECODER,
+            "model_type": "qwen2",
+            "bos_token_id": endoftext,
+            "eos_token_id": im_end,
+            "tie_word_embeddings": False,
+            "vocab_size": tok.get_vocab_size(),
+        },
+        "torch_dtype": "float32",
+        "transformers_version": _TRANSFORMERS_VERSION,
+        "vocab_size": tok.get_vocab_size(),
+    }
+    _save_transformers_model(out, config, seed)
+    _write_json(out / "generation_config.json", _qwen_generation_config(endoftext, im_end, top_k=1))
+    _write_json(
+        out / "preprocessor_config.json",
+        {
+            "chunk_length": 30,
+            "dither": 0.0,
+            "feature_extractor_type": "WhisperFeatureExtractor",
+            "feature_size": 128,
+            "hop_length": 160,
+            "n_fft": 400,
+            "n_samples": 480000,
+            "nb_max_frames": 3000,
+            "padding_side": "right",
+            "padding_value": 0.0,
+            "processor_class": "Qwen2AudioProcessor",
+            "return_attention_mask": True,
+            "sampling_rate": 16000,
+        },
+    )
+    _write_tokenizer(out, tok, _qwen_tokenizer_config(processor_class="Qwen2AudioProcessor"),
+                     QWEN2_AUDIO_CHAT_TEMPLATE)
+
+
 # --------------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------------
@@ -1215,10 +1442,14 @@ FAMILIES: dict[str, Callable[[Path, int], None]] = {
     "qwen2_5": functools.partial(_build_qwen2, chat_template=QWEN2_5_CHAT_TEMPLATE,
                                  plain_tokens=("<tool_call>", "</tool_call>")),
     "llama": _build_llama,
+    "qwen3": _build_qwen3,
+    "qwen3_moe": build_qwen3_moe,
+    "qwen2_moe": build_qwen2_moe,
     "qwen_vl": _build_qwen_vl,
     "qwen2_vl": _build_qwen2_vl,
     "qwen2_5_vl": _build_qwen2_5_vl,
     "llava": _build_llava,
+    "qwen2_audio": _build_qwen2_audio,
     "bert": _build_bert,
     # Pooling variants (same tokenizers and decoders, other heads)
     "qwen2_seq_cls": _build_qwen2_seq_cls,
