@@ -38,8 +38,9 @@ at every row count (oneDNN: 13-69), so 32 x 128 through it would take most of an
 (benchmarks/RESULTS.md, this benchmark's section). ``--kernels auto --batch 0`` measures the
 captured path's single stream there.
 
-Then, in a separate spawn of 2 processes joined by ``init_tensor_parallel`` (gloo on
-127.0.0.1, GLOO_SOCKET_IFNAME=lo), each bound to its core as a rank binds itself
+Then, in a separate spawn of 2 processes joined by ``init_tensor_parallel`` (a gloo group on
+127.0.0.1, GLOO_SOCKET_IFNAME=lo; the collectives through the shared-memory exchange, as the
+ranks' are: ``shm/exchange.py``), each bound to its core as a rank binds itself
 (``worker._bind_cpu_threads``) and holding its shard (``worker.load_model``, packed as a rank
 packs it): the latency of the collectives one TP = 2 decode step makes (2 all-reduces of
 (rows, hidden) per layer + 1 for the vocab-parallel embedding, 1 all-gather of (rows,
