@@ -35,16 +35,19 @@ SIZES = ((448, 448), (1280, 720))
 QUESTIONS = ("What is in this picture?", "What colours are there?", "Describe it in one word.")
 
 
-async def chat_turns(base_url: str, image_url: str, turns: int = 3, every_turn: bool = False) -> list[float]:
+async def chat_turns(base_url: str, image_url: str, turns: int = 3, every_turn: bool = False,
+                     part: dict | None = None) -> list[float]:
     """TTFT (ms) of each turn. Every turn resends the whole history (the image in its first
     message, as OpenAI clients resend a conversation); with ``every_turn`` each new question
-    attaches the image again (a new block at a new position: it must be encoded and prefilled)."""
+    attaches the image again (a new block at a new position: it must be encoded and prefilled).
+    ``part``: another media content part instead of the image (bench_video.py sends a video)."""
+    media = part or {"type": "image_url", "image_url": {"url": image_url}}
     history, ttfts = [], []
     async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
         for turn, question in enumerate(QUESTIONS[:turns]):
             content = [{"type": "text", "text": question}]
             if turn == 0 or every_turn:
-                content.insert(0, {"type": "image_url", "image_url": {"url": image_url}})
+                content.insert(0, media)
             history.append({"role": "user", "content": content})
             body = {"model": "m", "messages": history, "max_tokens": 4, "temperature": 0, "stream": True,
                     "stream_options": {"include_usage": True}}

@@ -80,29 +80,11 @@ def resend_ttft(reps: int) -> None:
     import sys
     from pathlib import Path
 
-    import httpx
-
     sys.path.insert(0, str(Path(__file__).parent))
     import bench_serving as serving
+    from bench_multiturn_image import chat_turns
 
     from atb_plugin.testing.tiny import tiny_checkpoint
-
-    async def two_turns(base_url: str, url: str) -> list[float]:
-        history, ttfts = [], []
-        async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
-            for turn, question in enumerate(("What happens in this clip?", "And then?")):
-                content = [{"type": "text", "text": question}]
-                if turn == 0:
-                    content.insert(0, {"type": "video_url", "video_url": {"url": url}})
-                history.append({"role": "user", "content": content})
-                body = {"model": "m", "messages": history, "max_tokens": 4, "temperature": 0, "stream": True,
-                        "stream_options": {"include_usage": True}}
-                record = await serving.send_request(client, "/v1/chat/completions", body, 300, 0)
-                if not record.ok:
-                    raise RuntimeError(f"turn failed: {record.error} {record.error_detail}")
-                ttfts.append(record.ttft * 1000)
-                history.append({"role": "assistant", "content": "Something moves."})
-        return ttfts
 
     port = serving.free_port()
     command = [sys.executable, "-m", "atb_plugin.server", "--model", str(tiny_checkpoint("qwen2_5_vl")), "--port",
@@ -115,7 +97,8 @@ def resend_ttft(reps: int) -> None:
         for rep in range(reps):  # a new clip each repetition: nothing cached across them
             data = video_bytes(10 * FPS, FPS, SIZE, gop=GOP, seed=100 + rep)
             url = "data:video/mp4;base64," + base64.b64encode(data).decode()
-            turns.append(asyncio.run(two_turns(server.base_url, url)))
+            turns.append(asyncio.run(chat_turns(server.base_url, "", turns=2,
+                                                part={"type": "video_url", "video_url": {"url": url}})))
         first, second = (statistics.median(t[i] for t in turns) for i in (0, 1))
         print(f"\nresend TTFT (10 s clip, tiny Qwen2.5-VL, median of {reps}): turn 1 {first:.0f} ms, "
               f"turn 2 {second:.0f} ms, ratio {second / first:.2f}")

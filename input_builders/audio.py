@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from input_builders.media import (MediaConfig, MediaDecodeError, MediaError, MediaTooLargeError, _knob, pyav,
+from input_builders.media import (MediaConfig, MediaDecodeError, MediaError, MediaTooLargeError, knob, pyav,
                                   read_media_bytes)
 
 __all__ = ["AUDIO_FORMATS", "AudioRef", "LoadedAudio", "SAMPLE_RATE", "load_audio", "load_audios"]
@@ -171,7 +171,7 @@ def _too_long(source: str, seconds: float | None, config: MediaConfig) -> MediaT
     limit = config.max_audio_seconds
     length = f"{seconds:.1f} s long" if seconds is not None else f"longer than {limit:g} s"
     return MediaTooLargeError(f"audio ({source}) is {length}; the limit is {limit:g} s per clip "
-                              f"({_knob(config, 'max_audio_seconds')}); send a shorter clip or split it")
+                              f"({knob(config, 'max_audio_seconds')}); send a shorter clip or split it")
 
 
 class _DecodedAudio:

@@ -303,15 +303,15 @@ class PixelBudget:
     def charge(self, width: int, height: int, source: str) -> None:
         pixels = width * height
         if self.used + pixels > self.limit:
-            knob = _knob(self.config, "max_request_pixels")
+            flag = knob(self.config, "max_request_pixels")
             if not self.images:
                 raise MediaTooLargeError(
                     f"image ({source}) is {width}x{height} = {pixels} pixels; the limit for all images of one "
-                    f"request is {self.limit} ({knob}); send a smaller image")
+                    f"request is {self.limit} ({flag}); send a smaller image")
             raise MediaTooLargeError(
                 f"the request's images come to {self.used + pixels} pixels with image {self.images + 1} ({source}, "
                 f"{width}x{height} = {pixels} pixels); the limit for all images of one request is {self.limit} "
-                f"({knob}); send fewer or smaller images, or split them over several requests")
+                f"({flag}); send fewer or smaller images, or split them over several requests")
         self.used += pixels
         self.images += 1
 
@@ -584,12 +584,12 @@ def _check_bytes(size: int, what: str, config: MediaConfig, *, at_least: bool = 
         amount = f"more than {cap.limit}" if at_least else str(size)
         raise MediaTooLargeError(
             f"{cap.kind} ({what}) is {amount} bytes; the limit is {cap.limit} "
-            f"({_knob(config, cap.knob)}); "
+            f"({knob(config, cap.knob)}); "
             f"send a smaller {cap.kind}"
         )
 
 
-def _knob(config: MediaConfig, which: str, **names) -> str:
+def knob(config: MediaConfig, which: str, **names) -> str:
     knobs = _KNOBS[config.api]
     if which not in knobs:  # a limit without its own entry: the MediaConfig field / server flag by its name
         return f"--{which.replace('_', '-')}" if config.api == "server" else f"MediaConfig.{which}"
@@ -608,7 +608,7 @@ def _read_local(path: str, config: MediaConfig, cap: ByteCap | None = None) -> t
     if not dirs:
         raise MediaNotAllowedError(
             f"path {shown} refused: reading local files is disabled (no allowed media directories); "
-            f"{_knob(config, 'local')}, or send the {cap.kind} inline as a data: URL"
+            f"{knob(config, 'local')}, or send the {cap.kind} inline as a data: URL"
         )
     if "\0" in path:
         raise MediaNotAllowedError(f"path {shown!r} contains a NUL byte; send a plain file path")
@@ -618,7 +618,7 @@ def _read_local(path: str, config: MediaConfig, cap: ByteCap | None = None) -> t
     if not any(real == d or real.startswith(d.rstrip(os.sep) + os.sep) for d in dirs):
         raise MediaNotAllowedError(
             f"path {shown} is outside the allowed media directories [{', '.join(dirs)}] (symlinks and '..' "
-            f"are resolved first); put the {cap.kind} there, or allow its directory: {_knob(config, 'local')}"
+            f"are resolved first); put the {cap.kind} there, or allow its directory: {knob(config, 'local')}"
         )
     try:
         # O_NOFOLLOW: the resolved path must not have become a symlink since the check (a swap race);
@@ -718,14 +718,14 @@ def _allowed_host(url: str, config: MediaConfig, kind: str = "image") -> str:
     if not config.allowed_domains:
         raise MediaNotAllowedError(
             f"URL {shown} refused: fetching http(s) {kind}s is disabled (no allowed media domains); send the "
-            f"{kind} inline as a data: URL, or {_knob(config, 'domains', host='HOST')}"
+            f"{kind} inline as a data: URL, or {knob(config, 'domains', host='HOST')}"
         )
     if not host:
         raise MediaNotAllowedError(f"URL {shown} has no host; send a full http(s) URL")
     if not _host_allowed(host, config.allowed_domains):
         raise MediaNotAllowedError(
             f"host {host} is not in the allowed media domains [{', '.join(config.allowed_domains)}]; send the "
-            f"{kind} inline as a data: URL, or {_knob(config, 'domains', host=host)}"
+            f"{kind} inline as a data: URL, or {knob(config, 'domains', host=host)}"
         )
     return host
 
@@ -945,7 +945,7 @@ def _finish(image: Image.Image, source: str, config: MediaConfig, *, owned: bool
     if width * height > config.max_image_pixels:
         raise MediaTooLargeError(
             f"image ({source}) is {width}x{height} = {width * height} pixels; the limit is "
-            f"{config.max_image_pixels} ({_knob(config, 'max_image_pixels')}); send a smaller image"
+            f"{config.max_image_pixels} ({knob(config, 'max_image_pixels')}); send a smaller image"
         )
     if budget is not None:
         budget.charge(width, height, source)
@@ -969,7 +969,7 @@ def _pillow_errors(source: str, config: MediaConfig, hint: str = "") -> Iterator
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise MediaTooLargeError(
             f"image ({source}) is too large to decode safely ({exc}); the limit is "
-            f"{config.max_image_pixels} pixels ({_knob(config, 'max_image_pixels')}); send a smaller image"
+            f"{config.max_image_pixels} pixels ({knob(config, 'max_image_pixels')}); send a smaller image"
         ) from None
     except UnidentifiedImageError:
         raise MediaDecodeError(

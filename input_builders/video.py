@@ -51,7 +51,7 @@ from input_builders.media import (
     MediaDecodeError,
     MediaError,
     MediaTooLargeError,
-    _knob,
+    knob,
     pyav,
     read_media_bytes,
 )
@@ -168,10 +168,10 @@ class VideoSampling:
             value = getattr(changed, name)
             if value is not None and value > frames_cap:
                 raise VideoOptionError(f"video {name} = {value}: at most {frames_cap} frames per video "
-                                       f"({_knob(config, 'max_video_frames')})")
+                                       f"({knob(config, 'max_video_frames')})")
         if "max_frames" in options and changed.max_frames > frames_cap:
             raise VideoOptionError(f"video max_frames = {changed.max_frames}: at most {frames_cap} frames per video "
-                                   f"({_knob(config, 'max_video_frames')})")
+                                   f"({knob(config, 'max_video_frames')})")
         if changed.max_pixels > MAX_REQUEST_FRAME_PIXELS:
             raise VideoOptionError(f"video max_pixels = {changed.max_pixels}: at most {MAX_REQUEST_FRAME_PIXELS} "
                                    "pixels per frame")
@@ -291,7 +291,7 @@ def probe_video(data: bytes, source: str, config: MediaConfig) -> VideoStream:
         if width * height > config.max_video_frame_pixels:
             raise MediaTooLargeError(
                 f"video ({source}) has {width}x{height} = {width * height}-pixel frames; the limit is "
-                f"{config.max_video_frame_pixels} ({_knob(config, 'max_video_frame_pixels')}); send a smaller video")
+                f"{config.max_video_frame_pixels} ({knob(config, 'max_video_frame_pixels')}); send a smaller video")
         duration = _header_duration(container, stream)
         _check_duration(duration, source, config)
         pts, keys = [], []
@@ -335,7 +335,7 @@ def _check_duration(duration: float | None, source: str, config: MediaConfig) ->
     if duration is not None and duration > config.max_video_seconds:
         raise MediaTooLargeError(
             f"video ({source}) is {duration:.1f} s long; the limit is {config.max_video_seconds:g} s "
-            f"({_knob(config, 'max_video_seconds')}); send a shorter clip")
+            f"({knob(config, 'max_video_seconds')}); send a shorter clip")
 
 
 @dataclass(frozen=True, eq=False)

@@ -113,7 +113,6 @@ class DPClient:
         self.routing = ROUTINGS[routing](size, config.block_size)
         self._on_outputs = on_outputs
         self._owner: dict[str, int] = {}  # request id -> its engine, until it finishes or is aborted
-        self._in_flight = [0] * size
         self._kv_usage = [0.0] * size
 
     def _receiver(self, index: int) -> Callable[[EngineCoreOutputs], None]:
@@ -122,15 +121,10 @@ class DPClient:
                 self._kv_usage[index] = outputs.stats.kv_cache_usage
             for out in outputs.outputs:
                 if out.finished:
-                    self._forget(out.request_id)
+                    self._owner.pop(out.request_id, None)
             self._on_outputs(outputs, index)
 
         return receive
-
-    def _forget(self, request_id: str) -> None:
-        index = self._owner.pop(request_id, None)
-        if index is not None:
-            self._in_flight[index] -= 1
 
     async def start(self, timeout_s: float = 600.0) -> None:
         """Every engine, concurrently; the first failure is raised once all have finished starting
@@ -155,21 +149,23 @@ class DPClient:
 
     @property
     def in_flight(self) -> list[int]:
-        return list(self._in_flight)
+        """Requests each engine holds, as this client counts them (at most --max-queued-requests)."""
+        counts = [0] * len(self.engines)
+        for index in self._owner.values():
+            counts[index] += 1
+        return counts
 
     def add_request(self, request: EngineCoreRequest) -> None:
-        index = self.routing.choose(request, self._in_flight, self._kv_usage)
+        index = self.routing.choose(request, self.in_flight, self._kv_usage)
         self.engines[index].add_request(request)
         self._owner[request.request_id] = index
-        self._in_flight[index] += 1
 
     def abort(self, request_ids: list[str]) -> None:
         by_engine: dict[int, list[str]] = {}
         for request_id in request_ids:
-            index = self._owner.get(request_id)
+            index = self._owner.pop(request_id, None)
             if index is not None:
                 by_engine.setdefault(index, []).append(request_id)
-                self._forget(request_id)
         for index, ids in by_engine.items():
             self.engines[index].abort(ids)
 
