@@ -61,6 +61,10 @@ setup(
             # tests/test_deploy.py parses the Kubernetes manifests.
             "pyyaml==6.0.4",
         ],
+        # --distributed-executor-backend ray: ranks as Ray actors, across nodes (engine/ray_executor.py).
+        # Pinned: the executor uses Ray's placement-group and actor APIs, and every node of a
+        # cluster must run the same Ray version. scripts/bootstrap.sh installs it for the tests.
+        "ray": ["ray==2.60.0"],
         # benchmarks/profile_serving.py samples the service's processes with it (a binary wheel).
         "bench": ["py-spy==0.4.3"],
         # xgrammar with its declared dependencies (triton on Linux x86-64), for a GPU / NPU host.

@@ -9,7 +9,8 @@ Where each schema comes from:
 * aclnn ops (``npu_rms_norm``, ``npu_rotary_mul``, ``npu_swiglu``, ``npu_scatter_pa_kv_cache``,
   ``npu_fused_infer_attention_score``, the MoE ops ``npu_moe_gating_top_k_softmax``,
   ``npu_moe_init_routing``, ``npu_moe_compute_expert_tokens``, ``npu_grouped_matmul``,
-  ``npu_moe_finalize_routing``): the Python-binding signature strings compiled into
+  ``npu_moe_finalize_routing``, the quantised-linear ops ``npu_quant_matmul``, ``npu_dynamic_quant``,
+  ``npu_weight_quant_batchmatmul``, ``npu_quantize``): the Python-binding signature strings compiled into
   ``torch_npu/lib/libtorch_npu.so`` (these name the first tensor ``input`` where the yaml says
   ``self``: that is what Python callers bind to). When a binding string is not parseable as a
   schema (C++ types such as ``SymIntArrayRef``), the ``func:`` line of
@@ -49,6 +50,10 @@ ACLNN_OPS = (
     "npu_moe_compute_expert_tokens",
     "npu_grouped_matmul",
     "npu_moe_finalize_routing",
+    "npu_quant_matmul",
+    "npu_dynamic_quant",
+    "npu_weight_quant_batchmatmul",
+    "npu_quantize",
 )
 ATB_HEADER = "torch_npu/include/third_party/op-plugin/op_plugin/include/AtbOpsInterface.h"
 ATB_LIB = "torch_npu/lib/libop_plugin_atb.so"

@@ -84,3 +84,21 @@ def fake_npu(clean_platform):
         handle.uninstall()
         reset_current_platform()
     assert "torch_npu" not in sys.modules
+
+
+@pytest.fixture(scope="module")
+def models():
+    """Loaded tiny models by family, each loaded once per test module: ``models("qwen2_vl")``."""
+    from atb_plugin.engine.config import EngineConfig
+    from atb_plugin.models import registry
+    from atb_plugin.testing.tiny import tiny_checkpoint
+
+    loaded = {}
+
+    def get(family):
+        if family not in loaded:
+            config = EngineConfig(tiny_checkpoint(family), kv_cache_blocks=8, device="cpu")
+            loaded[family] = registry.import_model_class(config.model_cls_path).from_pretrained(config.model)
+        return loaded[family]
+
+    return get

@@ -92,6 +92,8 @@ def test_the_service_and_the_inference_pool_reach_the_server():
     labels = deployment["spec"]["template"]["metadata"]["labels"]
     named = {port["name"] for port in container["ports"]}
     for service in of_kind("Service"):
+        if service["metadata"]["name"] != deployment["metadata"]["name"]:
+            continue  # another workload's (the multi-node example's, checked below)
         assert service["spec"]["selector"].items() <= labels.items()
         assert all(port["targetPort"] in named or port["targetPort"] == config.port
                    for port in service["spec"]["ports"])
@@ -165,3 +167,51 @@ def test_the_readmes_docker_commands_match_the_dockerfiles():
         published = words[words.index("-p") + 1].split(":")
         assert int(published[1]) == exposed[0] == config.port
         assert any(word.startswith("--shm-size=") for word in words)
+
+
+# -- the multi-node example (LeaderWorkerSet: Ray head + workers) -----------------------------------
+
+def _shell_steps(container: dict) -> list[list[str]]:
+    """A ``bash -c`` container's script as its ``&&``-joined commands, each split into words."""
+    assert container["command"] == ["/bin/bash", "-c"]
+    words = shlex.split(container["args"][0])
+    steps, current = [], []
+    for word in words:
+        if word == "&&":
+            steps.append(current)
+            current = []
+        else:
+            current.append(word)
+    return steps + [current]
+
+
+def test_the_multinode_example_starts_ray_then_a_ray_executor_server_spanning_the_group():
+    (group,) = of_kind("LeaderWorkerSet")
+    template = group["spec"]["leaderWorkerTemplate"]
+    size = template["size"]
+    (leader,) = template["leaderTemplate"]["spec"]["containers"]
+    (worker,) = template["workerTemplate"]["spec"]["containers"]
+    leader_steps, worker_steps = _shell_steps(leader), _shell_steps(worker)
+    head = next(step for step in leader_steps if step[:3] == ["ray", "start", "--head"])
+    port = int(next(word for word in head if word.startswith("--port=")).split("=")[1])
+    assert {p["name"]: p["containerPort"] for p in leader["ports"]}["ray-gcs"] == port
+    assert ["exec", "ray", "start", f"--address=$(LWS_LEADER_ADDRESS):{port}", "--block"] == \
+        [w for w in worker_steps[-1] if not w.startswith("--num-cpus")]
+    server = leader_steps[-1]
+    assert server[:2] == ["exec", "ascend-entrypoint.sh"]
+    args = server[2:]
+    # The model and the group's size are the two things this machine cannot host: a tiny checkpoint
+    # at TP = 2 takes their place once the size is checked against the group's devices.
+    tp = int(args[args.index("--tensor-parallel-size") + 1])
+    devices = [c["resources"]["limits"]["huawei.com/Ascend910"] for c in (leader, worker)]
+    assert tp == devices[0] + (size - 1) * devices[1], "every NPU of the group holds one rank"
+    args[args.index("--tensor-parallel-size") + 1] = "2"
+    config = parsed(args)
+    assert config.engine.distributed_executor_backend == "ray"
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert leader[probe]["httpGet"]["path"] in GET_PATHS
+    assert "--port" in args and config.port == {p["name"]: p["containerPort"] for p in leader["ports"]}["http"]
+    service = next(s for s in of_kind("Service") if s["metadata"]["name"] == group["metadata"]["name"])
+    assert service["spec"]["selector"].items() <= template["leaderTemplate"]["metadata"]["labels"].items()
+    runs = " ".join(rest for kind, rest in instructions(DEPLOY / "Dockerfile.ascend") if kind == "RUN")
+    assert re.search(r"\.\[[^]]*\bray\b[^]]*\]", runs), "the image the group runs must install the [ray] extra"

@@ -40,20 +40,6 @@ MULTIMODAL = ["qwen2_vl", "qwen2_5_vl", "llava", "qwen_vl"]
 MiB = 1 << 20
 
 
-@pytest.fixture(scope="module")
-def models():
-    """Loaded tiny models by family (each loaded once for the module)."""
-    loaded = {}
-
-    def get(family):
-        if family not in loaded:
-            config = EngineConfig(tiny_checkpoint(family), kv_cache_blocks=8)
-            loaded[family] = registry.import_model_class(config.model_cls_path).from_pretrained(config.model)
-        return loaded[family]
-
-    return get
-
-
 # -- what each family declares -----------------------------------------------------------------
 
 

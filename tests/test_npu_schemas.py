@@ -159,7 +159,9 @@ def _fake_ops():
 CALLED_OPS = ["_npu_reshape_and_cache", "_npu_flash_attention", "_npu_flash_attention_unpad", "_npu_paged_attention",
               "_npu_paged_attention_splitfuse", "npu_rms_norm", "npu_rotary_mul", "npu_swiglu",
               "npu_moe_gating_top_k_softmax", "npu_moe_init_routing", "npu_moe_compute_expert_tokens",
-              "npu_grouped_matmul", "npu_moe_finalize_routing"]
+              "npu_grouped_matmul", "npu_moe_finalize_routing", "npu_quant_matmul", "npu_dynamic_quant",
+              "npu_weight_quant_batchmatmul", "npu_quantize"]
+QUANT_OPS = ["npu_quant_matmul", "npu_dynamic_quant", "npu_weight_quant_batchmatmul", "npu_quantize"]
 
 
 def test_fixture_parses_and_covers_the_ops_in_use():
@@ -200,6 +202,37 @@ def test_fake_signature_matches_schema(op):
     _, schemas = load_schemas()
     assert op in schemas, f"the fake implements {op}, which has no schema in the fixture"
     assert check_signature(schemas[op], inspect.signature(getattr(fake_torch_npu, op))) == []
+
+
+def test_quantised_linear_fakes_are_checked_against_the_fixture():
+    """The W8A8 / W8A16 ops the quantised linears call: each has a schema from the wheel, a fake in
+    ``OPS`` (so the parametrised signature check above covers it) and the same signature, and the
+    kernels call each of them (so the call-site check binds those calls too)."""
+    _, schemas = load_schemas()
+    faked = {fn.__name__ for fn in fake_torch_npu.OPS}
+    called = {node.func.attr for node in ast.walk(ast.parse(KERNEL_FILES[0].read_text()))
+              if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)}
+    for op in QUANT_OPS:
+        assert op in schemas and op in faked and op in called, op
+        assert check_signature(schemas[op], inspect.signature(getattr(fake_torch_npu, op))) == [], op
+
+
+def test_checker_reports_quant_signature_drift():
+    """A lost keyword-only marker or a renamed argument in the quantised ops is reported."""
+    _, schemas = load_schemas()
+
+    def positional_pertoken(x1, x2, scale, offset=None, pertoken_scale=None, bias=None, output_dtype=None,
+                            x1_dtype=None, x2_dtype=None, pertoken_scale_dtype=None, scale_dtype=None,
+                            group_sizes=None, y_scale=None):
+        pass
+
+    def zero_point_default(input, scales, zero_points=None, dtype=1, axis=1, div_mode=True):  # noqa: A002
+        pass
+
+    assert any("'pertoken_scale' must be keyword-only" in p for p in check_signature(
+        schemas["npu_quant_matmul"], inspect.signature(positional_pertoken)))
+    assert any("'zero_points' defaults to None" in p for p in check_signature(
+        schemas["npu_quantize"], inspect.signature(zero_point_default)))
 
 
 def test_other_fake_modules_match_schemas():

@@ -9,6 +9,7 @@ the checkpoint (model type, vocabulary size, declared context window) are read f
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -29,6 +30,18 @@ DTYPES = ("auto", *TORCH_DTYPES)
 DEVICES = ("auto", "cpu", "cuda", "npu")
 # When the checkpoint declares no context window (rare: tiny test checkpoints, some converts).
 FALLBACK_MAX_MODEL_LEN = 4096
+
+
+EXECUTOR_BACKENDS = ("mp", "ray")
+
+
+def check_executor_backend(backend: str) -> None:
+    if backend not in EXECUTOR_BACKENDS:
+        raise ValueError(f"EngineConfig.distributed_executor_backend = {backend!r} (--distributed-executor-backend): "
+                         f"expected one of {', '.join(EXECUTOR_BACKENDS)}")
+    if backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise ValueError("--distributed-executor-backend ray needs Ray, an optional dependency: "
+                         "pip install 'atb-plugin[ray]'")
 
 
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:
@@ -85,8 +98,8 @@ class EngineConfig:
     holds (``kv_cache_bytes`` when given; else on the CPU ``DEFAULT_KV_CACHE_BYTES``, on NPU / CUDA
     ``gpu_memory_utilization`` of the device memory less the start-up memory profile,
     ``atb_plugin.engine.memory_profile``), capped at what
-    ``max_num_seqs`` full-length requests need. ``limit_mm_per_prompt`` (images per prompt) is
-    resolved to the model's own limit when None and may not exceed it.
+    ``max_num_seqs`` full-length requests need. ``limit_mm_per_prompt`` (images per prompt) and
+    ``limit_videos_per_prompt`` are resolved to the model's own limits when None and may not exceed them.
     ``shm_instances``: if not empty, the only shared-memory instances the core accepts handles
     from, whatever a request registers (a deployment can pin its frontends).
 
@@ -114,6 +127,12 @@ class EngineConfig:
     shm_instances: tuple[str, ...] = ()
     gpu_memory_utilization: float = 0.9  # NPU / CUDA: the share of device memory this engine may use
     limit_mm_per_prompt: int | None = None  # images per prompt; None: the model's own limit
+    # Videos per prompt (--limit-mm-per-prompt video=N; None: the model's own limit, 0 for a model
+    # without video) and frames sampled per video at most (--max-video-frames): with max_model_len,
+    # what the start-up memory profile's worst-case videos are (docs/architecture.md, "Memory
+    # profiling and KV sizing"). The input builders enforce the same values per request.
+    limit_videos_per_prompt: int | None = None
+    max_video_frames: int = 768
     # torch intra-op threads of the engine (the process that runs the model); None: every core
     # this process may use. The frontend processes keep one each (docs/architecture.md, Threads).
     num_threads: int | None = None
@@ -145,6 +164,13 @@ class EngineConfig:
     # the CPU) cores (docs/architecture.md, "Data parallelism"); this engine's index among them.
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # How the ranks are started (atb_plugin/engine/executor.py): "mp", processes of this node;
+    # "ray", Ray actors in a placement group, on any node of the cluster (engine/ray_executor.py).
+    distributed_executor_backend: str = "mp"
+    # Low-precision linear layers (docs/quantization.md): None, "w8a16" or "w8a8". An msModelSlim
+    # checkpoint (quant_model_description*.json beside its weights) sets it; a float checkpoint
+    # is quantized on the fly at load. Resolved: the method the engine runs.
+    quantization: str | None = None
     # Resolved from config.json in __post_init__:
     architecture: str = field(init=False)
     tasks: tuple[str, ...] = field(init=False)  # what the model serves: ("generate",) or pooling tasks
@@ -182,6 +208,9 @@ class EngineConfig:
                              "must be a fraction in (0, 1]")
         if self.limit_mm_per_prompt is not None:
             _check_int("limit_mm_per_prompt", self.limit_mm_per_prompt, 0)
+        if self.limit_videos_per_prompt is not None:
+            _check_int("limit_videos_per_prompt", self.limit_videos_per_prompt, 0)
+        _check_int("max_video_frames", self.max_video_frames, 2)  # one temporal patch: 2 frames
         check_wire_dtype(self.mm_wire_dtype, "EngineConfig.mm_wire_dtype (--mm-wire-dtype)")
         _check_int("data_parallel_size", self.data_parallel_size, 1, 64)
         _check_int("data_parallel_rank", self.data_parallel_rank, 0, self.data_parallel_size - 1)
@@ -190,6 +219,7 @@ class EngineConfig:
         else:
             _check_int("num_threads", self.num_threads, 1)
         _check_int("tensor_parallel_size", self.tensor_parallel_size, 1, 64)
+        check_executor_backend(self.distributed_executor_backend)
         if self.data_parallel_size > 1 and self.device_ids is not None:
             raise ValueError("EngineConfig.device_ids with data_parallel_size > 1: each engine takes the next "
                              "tensor_parallel_size devices; choose the devices with ASCEND_RT_VISIBLE_DEVICES "
@@ -211,6 +241,12 @@ class EngineConfig:
         set_(self, "runner", choice.runner)
         set_(self, "convert", choice.convert)
         set_(self, "tasks", choice.tasks)
+        from atb_plugin.quantization import resolve_quantization  # reads the checkpoint's description
+
+        set_(self, "quantization", resolve_quantization(self.model, self.quantization)[0])
+        if self.quantization is not None and self.runner == "pooling":
+            raise ValueError(f"EngineConfig.quantization = {self.quantization!r}: quantized layers serve generative "
+                             "models only (the pooling runner keeps float weights)")
         # An unsupported model_type fails here, naming the choices.
         set_(self, "model_cls_path", registry.model_class_path(hf_config, self.runner))
         set_(self, "model_type", registry.registry_key(hf_config))
@@ -244,8 +280,9 @@ class EngineConfig:
         if self.kv_cache_blocks is not None and (self.kv_cache_blocks - 1) * self.block_size < 2:
             raise ValueError(f"EngineConfig.kv_cache_blocks = {self.kv_cache_blocks} holds too few tokens")
         # The model class (imported, not loaded: the core loads weights) declares its image limit.
-        set_(self, "limit_mm_per_prompt",
-             resolve_mm_limit(registry.import_model_class(self.model_cls_path), self.limit_mm_per_prompt))
+        model_cls = registry.import_model_class(self.model_cls_path)
+        set_(self, "limit_mm_per_prompt", resolve_mm_limit(model_cls, self.limit_mm_per_prompt))
+        set_(self, "limit_videos_per_prompt", resolve_mm_limit(model_cls, self.limit_videos_per_prompt, "video"))
         if self.runner == "pooling":
             # Pooling needs each prompt's hidden states in one step (no chunked prefill) and all of
             # them (a cached prefix would be skipped): raise the budget, turn prefix caching off.

@@ -65,6 +65,10 @@ class Executor(Protocol):
 
 
 def make_executor(config: EngineConfig) -> Executor:
+    if config.distributed_executor_backend == "ray":
+        from atb_plugin.engine.ray_executor import RayExecutor  # Ray is an optional dependency
+
+        return RayExecutor(config)
     return UniprocExecutor(config) if config.tensor_parallel_size == 1 else MultiprocExecutor(config)
 
 

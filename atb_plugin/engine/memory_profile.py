@@ -2,19 +2,27 @@
 
 The engine core's (``Worker._blocks_for_budget``, per rank), for text and multimodal models alike; what a
 multimodal family declares for it (its limit, its largest item) is
-``atb_plugin.models.interfaces.MultimodalProcessingInfo``.
+``atb_plugin.models.interfaces.MultimodalProcessingInfo``, and a family that takes video
+(``SupportsVideo``) its largest video too.
 
 Before the KV cache exists, the engine core runs the most memory-hungry step it will ever run, on
 inputs made here, and measures what it takes; the KV cache gets what is left::
 
     worst-case prompt   min(the model's limit, limit_mm_per_prompt) images, each of the size that
-                        gives the most feature tokens (the model's MultimodalProcessingInfo); pixel
-                        tensors made here in the encoder's layout (no preprocessing, no shared memory)
-    encoder             get_multimodal_embeddings per image, as the model runner calls it, every
-                        image's rows kept (the runner keeps them until the prefill ends)
+                        gives the most feature tokens (the model's MultimodalProcessingInfo), then
+                        min(the model's limit, limit_videos_per_prompt) videos, each the one with
+                        the most feature tokens that Qwen's sampling budgets (VIDEO_MAX_PIXELS a
+                        frame, VIDEO_TOTAL_PIXELS all frames) give from at most max_video_frames
+                        frames within max_model_len, and no more videos than fit in max_model_len
+                        together (get_video_processing_info); pixel tensors made here in the
+                        encoder's layout, in the wire dtype (uint8 images [H, W, 3] and frames
+                        [t, 3, H, W], or float32 values; no preprocessing, no shared memory)
+    encoder             encode_pixels per image, then per video, as the model runner calls it,
+                        every item's rows kept (the runner keeps them until the prefill ends)
     language model      one forward over min(max_num_batched_tokens, max_model_len) tokens (the
-                        most one step runs) with the image rows merged, through a temporary KV
-                        cache just large enough, then logits for min(max_num_seqs, tokens) rows
+                        most one step runs) with the image and video rows merged, through a
+                        temporary KV cache just large enough, then logits for min(max_num_seqs,
+                        tokens) rows
 
     KV budget   kv_cache_bytes (--kv-cache-memory) when given: an explicit budget wins everywhere
                 NPU / CUDA: gpu_memory_utilization x total device memory
@@ -28,6 +36,9 @@ memory (VmHWM, reset first: a lower bound where the allocator reuses pages it fr
 which is fine, the CPU numbers are only logged). Not counted: several requests' image rows held at once (each request
 keeps its own from its first step to the end of its prefill), and device memory outside torch's
 allocator (runtime workspaces, other processes): ``gpu_memory_utilization`` leaves room for those.
+Counted more than one prompt can hold: the images' rows (not bounded by max_model_len) stay held
+while the videos are encoded, which errs on the safe side and runs every encoder the model has
+(docs/architecture.md, "Memory profiling and KV sizing").
 """
 
 from __future__ import annotations
@@ -38,7 +49,13 @@ from dataclasses import dataclass
 
 import torch
 
-from atb_plugin.models.interfaces import GridTHW, SupportsMedia, SupportsMRoPE
+from atb_plugin.models.interfaces import (
+    GridTHW,
+    MultimodalProcessingInfo,
+    SupportsMedia,
+    SupportsMRoPE,
+    SupportsVideo,
+)
 from atb_plugin.multimodal.prompt import encode_pixels
 from atb_plugin.ops import AttentionMetadata
 from atb_plugin.utils import cdiv
@@ -57,8 +74,8 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 @dataclass(frozen=True)
 class DummyItem:
     """The worst-case item as the model runner reads it: pixels as the block's shm segment holds
-    them in the configured wire dtype (a uint8 image or float32 pixel values), on the model's
-    device (where the runner moves them before ``encoder_input``)."""
+    them in the configured wire dtype (a uint8 image or video frames, or float32 pixel values), on
+    the model's device (where the runner moves them before ``encoder_input``)."""
 
     pixel_values: torch.Tensor
     grid_thw: GridTHW | None
@@ -67,17 +84,29 @@ class DummyItem:
 
 @dataclass(frozen=True)
 class DummyInputs:
-    """The worst-case prompt: ``num_items`` copies of ``item`` (None for a text-only model) and
-    the ids of the language model's forward, the first ``min(num_tokens, feature_tokens)`` of them
-    image placeholders."""
+    """The worst-case prompt: ``num_items`` copies of ``item`` (the model's own modality: images,
+    or audio clips; None for a text-only model), ``num_videos`` copies of ``video`` (None where
+    the model takes none or the limit is 0) and the ids of the language model's forward: the
+    first ``min(num_tokens, feature_tokens)`` of them image placeholders, video placeholders
+    after them as far as the forward reaches."""
 
     item: DummyItem | None
     num_items: int
     input_ids: torch.Tensor
+    video: DummyItem | None = None
+    num_videos: int = 0
+    video_frames: int = 0  # frames of each video (the uint8 wire form's first dim)
+    video_frame_size: tuple[int, int] | None = None  # (height, width) in pixels
 
     @property
     def feature_tokens(self) -> int:
+        """The images' (or audio clips') feature tokens."""
         return self.num_items * self.item.num_tokens if self.item is not None else 0
+
+    @property
+    def video_tokens(self) -> int:
+        """The videos' feature tokens, all of them together."""
+        return self.num_videos * self.video.num_tokens if self.video is not None else 0
 
     @property
     def num_tokens(self) -> int:
@@ -86,25 +115,55 @@ class DummyInputs:
 
 def dummy_inputs(model, config) -> DummyInputs:
     """The worst-case prompt of ``config`` (an ``EngineConfig``) for ``model``: the model's largest
-    item, ``min(model's limit, config.limit_mm_per_prompt)`` times, built directly as tensors (no
-    preprocessing, no shared memory), and a forward of ``min(max_num_batched_tokens,
-    max_model_len)`` tokens: the scheduler never runs more in one step (a prefill longer than the
-    budget runs in chunks, cutting image blocks anywhere), as vLLM's profile run does."""
+    item, ``min(model's limit, config.limit_mm_per_prompt)`` times, then its largest video
+    (``_dummy_video``), built directly as tensors (no preprocessing, no shared memory), and a
+    forward of ``min(max_num_batched_tokens, max_model_len)`` tokens: the scheduler never runs more
+    in one step (a prefill longer than the budget runs in chunks, cutting media blocks anywhere),
+    as vLLM's profile run does."""
     weight = next(model.parameters())
     num_tokens = min(config.max_num_batched_tokens, config.max_model_len)
     input_ids = torch.zeros(num_tokens, dtype=torch.long, device=weight.device)  # 0: any text token
-    if not isinstance(model, SupportsMedia) or config.limit_mm_per_prompt <= 0:
+    if not isinstance(model, SupportsMedia):
         return DummyInputs(None, 0, input_ids)
-    info = model.get_processing_info(config.model)
-    # Zeros: the values do not change the memory a step takes, and zeros are cheap to make.
-    if config.mm_wire_dtype == "uint8" and info.modality == "image":  # audio crosses as float32 features only
-        pixels = torch.zeros((*info.max_item_size, 3), dtype=torch.uint8, device=weight.device)
+    item, num_items = None, 0
+    if config.limit_mm_per_prompt > 0:
+        info = model.get_processing_info(config.model)
+        # Zeros: the values do not change the memory a step takes, and zeros are cheap to make.
+        if config.mm_wire_dtype == "uint8" and info.modality == "image":  # audio crosses as float32 features only
+            pixels = torch.zeros((*info.max_item_size, 3), dtype=torch.uint8, device=weight.device)
+        else:
+            pixels = torch.zeros(info.pixel_shape, dtype=torch.float32, device=weight.device)
+        item = DummyItem(pixels, info.grid_thw, info.max_tokens_per_item)
+        num_items = min(config.limit_mm_per_prompt, info.max_items_per_prompt)
+        input_ids[:min(num_tokens, num_items * item.num_tokens)] = model.media_layout.placeholder_id
+    inputs = DummyInputs(item, num_items, input_ids)
+    video, num_videos, info = _dummy_video(model, config, weight.device)
+    if video is not None:
+        start = min(num_tokens, inputs.feature_tokens)
+        video_id = next(layout.placeholder_id for layout in model.media_layouts if layout.modality == "video")
+        input_ids[start:min(num_tokens, start + num_videos * video.num_tokens)] = video_id
+        inputs = DummyInputs(item, num_items, input_ids, video, num_videos, info.frames, info.max_item_size)
+    return inputs
+
+
+def _dummy_video(model, config, device) -> tuple[DummyItem | None, int, MultimodalProcessingInfo | None]:
+    """``(the worst-case video, how many, its info)`` of ``config``, or ``(None, 0, None)``. Its
+    feature tokens are bounded by ``max_model_len`` (no prompt holds more; it also keeps a tiny
+    test engine's video tiny) and its frames by ``max_video_frames``; as many copies as the limit
+    allows and fit in ``max_model_len`` together, at least one, so that the video encoder runs."""
+    limit = config.limit_videos_per_prompt
+    if not limit or not isinstance(model, SupportsVideo):
+        return None, 0, None
+    info = model.get_video_processing_info(config.model, config.max_model_len, config.max_video_frames)
+    if info is None:  # not one temporal patch of the smallest frame fits max_model_len: no video can
+        logger.info("memory profile: no video fits max_model_len %d; profiling without one", config.max_model_len)
+        return None, 0, None
+    if config.mm_wire_dtype == "uint8":  # the frames as the builder writes them, patchified on the device
+        pixels = torch.zeros((info.frames, 3, *info.max_item_size), dtype=torch.uint8, device=device)
     else:
-        pixels = torch.zeros(info.pixel_shape, dtype=torch.float32, device=weight.device)
-    item = DummyItem(pixels, info.grid_thw, info.max_tokens_per_item)
-    num_items = min(config.limit_mm_per_prompt, info.max_items_per_prompt)
-    input_ids[:min(num_tokens, num_items * item.num_tokens)] = model.media_layout.placeholder_id
-    return DummyInputs(item, num_items, input_ids)
+        pixels = torch.zeros(info.pixel_shape, dtype=torch.float32, device=device)
+    count = min(limit, info.max_items_per_prompt, max(1, config.max_model_len // info.max_tokens_per_item))
+    return DummyItem(pixels, info.grid_thw, info.max_tokens_per_item), count, info
 
 
 def _prefill_metadata(num_tokens: int, block_size: int, device) -> AttentionMetadata:
@@ -149,6 +208,13 @@ class MemoryProfile:
     baseline_bytes: int
     peak_bytes: int
     seconds: float
+    # The worst-case videos: how many, their feature tokens together, each one's frames,
+    # frame size (height, width) and patch grid.
+    num_videos: int = 0
+    video_tokens: int = 0
+    video_frames: int = 0
+    video_frame_size: tuple[int, int] | None = None
+    video_grid_thw: GridTHW | None = None
 
     @property
     def activation_bytes(self) -> int:
@@ -156,21 +222,27 @@ class MemoryProfile:
         return max(0, self.peak_bytes - self.baseline_bytes)
 
     def describe(self) -> str:
-        return (f"{self.num_items} image(s) = {self.feature_tokens} feature tokens, LM forward over "
+        videos = ""
+        if self.num_videos:
+            height, width = self.video_frame_size
+            videos = (f", {self.num_videos} video(s) of {self.video_frames} frames {width}x{height} (grid_thw "
+                      f"{tuple(self.video_grid_thw)}) = {self.video_tokens} feature tokens")
+        return (f"{self.num_items} image(s) = {self.feature_tokens} feature tokens{videos}, LM forward over "
                 f"{self.num_tokens} tokens: peak {self.peak_bytes / MiB:.1f} MiB in use "
                 f"({self.baseline_bytes / MiB:.1f} MiB before, +{self.activation_bytes / MiB:.1f} MiB), "
                 f"{self.seconds * 1000:.0f} ms")
 
 
-def _encode_all(model, inputs: DummyInputs) -> list[torch.Tensor]:
-    """The rows of every item, as ``MultimodalPrompt.features`` leaves them: encoded one by one, all
-    kept. The items are identical, so the peak is the last one's encoding while the others' rows
-    are held: encode once (for the rows' size), hold copies, encode once more. Two encoder runs
-    measure what ``num_items`` runs would (16 images would cost 16)."""
-    item = inputs.item
-    features = [encode_pixels(model, item.pixel_values, item.grid_thw)]
-    features += [features[0].clone() for _ in range(inputs.num_items - 2)]
-    if inputs.num_items > 1:
+def _encode_all(model, item: DummyItem, count: int, features: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Append the rows of ``count`` copies of ``item`` to ``features`` (the rows already held), as
+    ``MultimodalPrompt.features`` leaves them: encoded one by one, all kept. The copies are
+    identical, so the peak is the last one's encoding while the others' rows are held: encode once
+    (for the rows' size), hold copies, encode once more. Two encoder runs measure what ``count``
+    runs would (16 images would cost 16)."""
+    first = encode_pixels(model, item.pixel_values, item.grid_thw)
+    features.append(first)
+    features += [first.clone() for _ in range(count - 2)]
+    if count > 1:
         features.append(encode_pixels(model, item.pixel_values, item.grid_thw))
     return features
 
@@ -186,7 +258,11 @@ def profile_run(model, config, platform) -> MemoryProfile:
     device, num_tokens = inputs.input_ids.device, inputs.num_tokens
     # Made first, so it is in use at the peak wherever that falls, and left out of it exactly.
     kv_caches = model.make_kv_caches(1 + cdiv(num_tokens, config.block_size), config.block_size)
-    features = _encode_all(model, inputs) if inputs.item is not None else []
+    features: list[torch.Tensor] = []
+    if inputs.item is not None:
+        _encode_all(model, inputs.item, inputs.num_items, features)
+    if inputs.video is not None:  # after the images, whose rows stay held (module docstring)
+        _encode_all(model, inputs.video, inputs.num_videos, features)
     inputs_embeds = None
     if features:
         inputs_embeds = model.get_input_embeddings(inputs.input_ids)
@@ -204,9 +280,13 @@ def profile_run(model, config, platform) -> MemoryProfile:
     if config.runner != "pooling":  # the sampler's logits: at most one row per request in a step
         model.compute_logits(hidden[-min(config.max_num_seqs, num_tokens):])
     peak = platform.peak_memory() - _kv_bytes(kv_caches)  # the temporary KV cache is not activation memory
+    video = inputs.video
     return MemoryProfile(num_items=inputs.num_items, feature_tokens=inputs.feature_tokens, num_tokens=num_tokens,
                          baseline_bytes=baseline, peak_bytes=max(peak, baseline),
-                         seconds=time.perf_counter() - started)
+                         seconds=time.perf_counter() - started, num_videos=inputs.num_videos,
+                         video_tokens=inputs.video_tokens, video_frames=inputs.video_frames,
+                         video_frame_size=inputs.video_frame_size,
+                         video_grid_thw=video.grid_thw if video is not None else None)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ from atb_plugin.distributed import tp_size
 from atb_plugin.models.interfaces import SupportsMedia, SupportsMRoPE, SupportsTokenTypes
 from atb_plugin.models.poolers import DispatchPooler, PoolingBatch
 from atb_plugin.multimodal import MediaBlockError, MultimodalPrompt
+from atb_plugin.multimodal.shipped import MediaReader, read_shared_memory, shipped_reader
 from atb_plugin.platform import platform_for
 
 logger = logging.getLogger(__name__)
@@ -53,6 +54,13 @@ class RunnerOutput:
 _PROMPT_LOGITS_ROWS = 256
 
 
+def readable_instances(config: EngineConfig, request: Request) -> tuple[str, ...]:
+    """The shm instances ``request`` may read: those its frontend registered, narrowed to the
+    config's pinned set when there is one. Empty: no segment is acceptable."""
+    pinned = config.shm_instances
+    return tuple(i for i in request.shm_instances if not pinned or i in pinned)
+
+
 @dataclass
 class _RequestState:
     request: Request
@@ -70,8 +78,12 @@ class ModelRunner:
     (``SchedulerOutput.grammar_bitmask``, made by the core, which also advances the grammar with
     the sampled token)."""
 
-    def __init__(self, model, config: EngineConfig, num_blocks: int, pooler: DispatchPooler | None = None):
+    def __init__(self, model, config: EngineConfig, num_blocks: int, pooler: DispatchPooler | None = None,
+                 remote_media: bool = False):
         self.model = model
+        # A rank on another node than the engine core reads media blocks from the step
+        # (SchedulerOutput.shipped_media), not from this node's shared memory (multimodal/shipped.py).
+        self.remote_media = remote_media
         self.config = config
         self.device = next(model.parameters()).device
         self.block_size = config.block_size
@@ -106,11 +118,12 @@ class ModelRunner:
 
     # -- batch bookkeeping -----------------------------------------------------------------------
 
-    def _add(self, request: Request, block_ids: list[int]) -> None:
+    def _add(self, request: Request, block_ids: list[int], read: MediaReader) -> None:
         state = _RequestState(request)
         prompt = request.prompt_token_ids
         if self.layout is not None and min(prompt) < 0:
-            state.media = MultimodalPrompt.from_ids(prompt, self.layout, expected_instance=self._instances(request))
+            state.media = MultimodalPrompt.from_ids(prompt, self.layout, expected_instance=readable_instances(
+                self.config, request), read=read)
             # The encoder runs once, now (a bad block fails here), on the blocks the prefix cache
             # does not already hold: a resent image costs no second encoder pass.
             state.media.features(self.model, cached_tokens=request.num_computed_tokens)
@@ -132,22 +145,17 @@ class ModelRunner:
         if self.states.pop(request_id, None) is not None:
             self.input_batch.remove_request(request_id)
 
-    def _instances(self, request: Request) -> tuple[str, ...]:
-        """The shm instances this request may read: those its frontend registered, narrowed to
-        the config's pinned set when there is one. Empty: no segment is acceptable."""
-        pinned = self.config.shm_instances
-        return tuple(i for i in request.shm_instances if not pinned or i in pinned)
-
     def _update_batch(self, output: SchedulerOutput, result: RunnerOutput) -> None:
         for request_id in output.finished_request_ids:
             self.generators.pop(request_id, None)
         for request_id in output.finished_request_ids + output.preempted_request_ids:
             self._remove(request_id)
         new_ids = set()
+        read = shipped_reader(output.shipped_media) if self.remote_media else read_shared_memory
         for request in output.new_requests:
             self._remove(request.request_id)  # a preempted request comes back with fresh state
             try:
-                self._add(request, output.new_block_ids[request.request_id])
+                self._add(request, output.new_block_ids[request.request_id], read)
             except MediaBlockError as error:
                 result.failed[request.request_id] = str(error)
             new_ids.add(request.request_id)

@@ -52,6 +52,9 @@ class SchedulerOutput:
     # The grammar masks of this step's structured requests that sample (the core fills it:
     # structured_output.GrammarBitmask); None when there are none.
     grammar_bitmask: object | None = None
+    # The media of this step's new requests, read from the core's shared memory for ranks on
+    # other nodes (filled by the Ray executor when it has such ranks: multimodal/shipped.py).
+    shipped_media: dict | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:

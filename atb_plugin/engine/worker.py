@@ -51,7 +51,8 @@ def load_model(config: EngineConfig, device):
     hf_config = config.checkpoint_config() if pooling else {}
     if pooling:
         model_cls = as_pooling_model(model_cls, config.convert, hf_config)
-    model = model_cls.from_pretrained(config.model, dtype=_TORCH_DTYPES[config.dtype], device=device)
+    model = model_cls.from_pretrained(config.model, dtype=_TORCH_DTYPES[config.dtype], device=device,
+                                      quantization=config.quantization)
     if not pooling:
         model.get_language_model().share_tied_lm_head()  # a swapped-in head (packing) is the tied one too
     # Before the pooler is built: it must hold the modules the platform swapped in.
@@ -74,10 +75,12 @@ class Worker:
     runner (the core picks ``num_blocks``: the smallest that every rank can hold),
     ``execute(step)`` runs one step."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0):
+    def __init__(self, config: EngineConfig, rank: int = 0, device_index: int | None = None,
+                 remote_media: bool = False):
         self.config = config
         self.platform = platform_for(config.device)
-        self.device = self.platform.device(config.rank_device(rank))
+        self.device = self.platform.device(config.rank_device(rank) if device_index is None else device_index)
+        self.remote_media = remote_media
         self.model = self.pooler = self.runner = None
 
     def load(self) -> WorkerInfo:
@@ -86,7 +89,7 @@ class Worker:
 
     def initialize(self, num_blocks: int) -> str:
         """Allocate the KV cache and the runner; returns how decode steps run (``decode_capture``)."""
-        self.runner = ModelRunner(self.model, self.config, num_blocks, self.pooler)
+        self.runner = ModelRunner(self.model, self.config, num_blocks, self.pooler, remote_media=self.remote_media)
         return self.runner.decode_capture
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
@@ -174,13 +177,72 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, name="engine-core-watch", daemon=True).start()
 
 
-def _bind_cpu_threads(config: EngineConfig, rank: int) -> None:
-    """CPU: each rank takes its own slice of the cores (``num_threads`` / TP threads, at least one)."""
+@dataclass(frozen=True)
+class RankPlacement:
+    """Where a rank runs, as its executor placed it. ``local_rank`` / ``local_size``: its index
+    among the engine's ranks on its node, and how many there are (its slice of the node's cores);
+    ``same_node``: every rank of the group shares one node (the shared-memory exchange for
+    collectives); ``remote_media``: not on the engine core's node, so media blocks come with the
+    step (multimodal/shipped.py); ``device_index``: None for ``config.rank_device(rank)``, else
+    the index within what the placement made visible (Ray narrows each actor's devices to its own)."""
+
+    rank: int
+    local_rank: int
+    local_size: int
+    same_node: bool = True
+    remote_media: bool = False
+    device_index: int | None = None
+
+    @classmethod
+    def on_one_node(cls, rank: int, size: int) -> "RankPlacement":
+        return cls(rank, rank, size)
+
+
+def _bind_cpu_threads(config: EngineConfig, placement: RankPlacement) -> None:
+    """CPU: each rank takes its own slice of its node's cores (``num_threads`` / TP threads, at
+    least one)."""
     per_rank = max(1, config.num_threads // config.tensor_parallel_size)
     torch.set_num_threads(per_rank)
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    if len(cores) >= per_rank * config.tensor_parallel_size:
-        os.sched_setaffinity(0, cores[rank * per_rank:(rank + 1) * per_rank])
+    if len(cores) >= per_rank * placement.local_size:
+        os.sched_setaffinity(0, cores[placement.local_rank * per_rank:(placement.local_rank + 1) * per_rank])
+
+
+class Rank:
+    """One tensor-parallel rank from joining its group to leaving it, whatever process hosts it:
+    the ``mp`` rank process (``run_rank``) and the Ray actor (``ray_executor``) both drive one.
+    ``load`` / ``initialize`` are the executor's two start-up stages; ``step`` runs one step on
+    this rank's mirror of the running requests."""
+
+    def __init__(self, config: EngineConfig, placement: RankPlacement, init_method: str, timeout_s: float):
+        platform = platform_for(config.device)
+        if platform.name == "cpu":
+            _bind_cpu_threads(config, placement)
+        else:
+            torch.set_num_threads(max(1, available_cores() // placement.local_size))
+        device = config.rank_device(placement.rank) if placement.device_index is None else placement.device_index
+        platform.bind_device(device)
+        init_tensor_parallel(placement.rank, config.tensor_parallel_size, platform.dist_backend, init_method,
+                             timeout_s, same_node=placement.same_node, expert_parallel=config.enable_expert_parallel)
+        torch.manual_seed(_GLOBAL_SEED)
+        self.rank = placement.rank
+        self.worker = Worker(config, placement.rank, device, remote_media=placement.remote_media)
+        self.mirror = RequestMirror()
+
+    def load(self) -> WorkerInfo:
+        return self.worker.load()
+
+    def initialize(self, num_blocks: int) -> str:
+        return self.worker.initialize(num_blocks)
+
+    def step(self, output: SchedulerOutput) -> RunnerOutput:
+        self.mirror.before(output)
+        result = self.worker.execute(output)
+        self.mirror.after(output, result)
+        return result
+
+    def close(self) -> None:
+        destroy_tensor_parallel()
 
 
 def run_rank(fd: int, rank: int) -> None:
@@ -195,31 +257,19 @@ def run_rank(fd: int, rank: int) -> None:
     config, init_method, timeout_s, log_level = conn.recv()
     logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [rank {rank}] %(message)s")
     try:
-        platform = platform_for(config.device)
-        if platform.name == "cpu":
-            _bind_cpu_threads(config, rank)
-        else:
-            torch.set_num_threads(max(1, available_cores() // config.tensor_parallel_size))
-        platform.bind_device(config.rank_device(rank))
-        init_tensor_parallel(rank, config.tensor_parallel_size, platform.dist_backend, init_method, timeout_s,
-                             expert_parallel=config.enable_expert_parallel)
-        torch.manual_seed(_GLOBAL_SEED)
-        worker = Worker(config, rank)
-        conn.send(("READY", worker.load()))
+        session = Rank(config, RankPlacement.on_one_node(rank, config.tensor_parallel_size), init_method, timeout_s)
+        conn.send(("READY", session.load()))
         kind, num_blocks = conn.recv()
-        conn.send(("INITIALIZED", worker.initialize(num_blocks)))
+        conn.send(("INITIALIZED", session.initialize(num_blocks)))
     except BaseException:
         conn.send(("FAILED", traceback.format_exc()))
         raise
-    mirror = RequestMirror()
     try:
         while True:
             output = conn.recv()
             if output is None:  # stop
                 break
-            mirror.before(output)
-            result = worker.execute(output)
-            mirror.after(output, result)
+            result = session.step(output)
             if rank == 0:
                 conn.send(result)
     except EOFError:
@@ -228,7 +278,7 @@ def run_rank(fd: int, rank: int) -> None:
         logger.exception("rank %d failed", rank)
         sys.exit(1)
     finally:
-        destroy_tensor_parallel()
+        session.close()
 
 
 if __name__ == "__main__":

@@ -121,10 +121,20 @@ def generation_defaults_from_config(config: Mapping[str, Any] | None) -> tuple[d
 
 def load_router(config: EngineConfig, shm_store=None, media_config=None, chat_template: str | None = None):
     """The family's router for ``config``: its builders enforce the engine's image limit and
-    write the engine's wire dtype; ``chat_template`` replaces the checkpoint's (--chat-template)."""
+    write the engine's wire dtype; ``chat_template`` replaces the checkpoint's (--chat-template).
+    Videos per prompt and frames per video are the tighter of the engine's and ``media_config``'s:
+    the engine's start-up memory profile sized the KV cache for its own, so the builders may never
+    accept more (an offline ``LLM(limit_videos_per_prompt=1)`` without a media config included)."""
+    from input_builders.media import MediaConfig
     from routers import get_router
 
-    router = get_router(config.model, shm_store=shm_store, media_config=media_config,
+    media = media_config or MediaConfig()
+    videos = config.limit_videos_per_prompt
+    if media.max_videos_per_prompt is not None and videos is not None:
+        videos = min(videos, media.max_videos_per_prompt)
+    media = dataclasses.replace(media, max_videos_per_prompt=videos if videos is not None else media.max_videos_per_prompt,
+                                max_video_frames=min(media.max_video_frames, config.max_video_frames))
+    router = get_router(config.model, shm_store=shm_store, media_config=media,
                         max_images_per_prompt=config.limit_mm_per_prompt, mm_wire_dtype=config.mm_wire_dtype)
     if chat_template is not None:
         router.tokenizer.chat_template = chat_template

@@ -10,8 +10,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from atb_plugin.models.weights import FusedWeights, load_checkpoint
+from atb_plugin.models.weights import IGNORE, FusedWeights, load_checkpoint
 from atb_plugin.multimodal.wire import PixelNormalization
+from atb_plugin.quantization.layers import QUANT_KINDS
 
 
 class PretrainedModel(nn.Module):
@@ -29,29 +30,50 @@ class PretrainedModel(nn.Module):
     def _fused(self) -> FusedWeights:
         return FusedWeights(self, self.stacked_params)
 
+    def checkpoint_own_name(self, name: str) -> str | None:
+        """``_own_name``, extended to a quantized layer's tensors (``weight_scale``, ...:
+        docs/quantization.md): they are renamed as that layer's weight is, whatever suffixes the
+        family's own rules spell out."""
+        layer, _, kind = name.rpartition(".")
+        if kind not in QUANT_KINDS:
+            return self._own_name(name)
+        own = self._own_name(f"{layer}.weight")
+        return own if own in (None, IGNORE) else f"{own.rpartition('.')[0]}.{kind}"
+
     def accepts_weight(self, name: str) -> bool:
-        return self._fused.accepts(self._own_name(name))
+        return self._fused.accepts(self.checkpoint_own_name(name))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Fill parameters from ``(checkpoint name, tensor)`` pairs; returns the names filled."""
-        return self._fused.load(weights, self._own_name)
+        return self._fused.load(weights, self.checkpoint_own_name)
 
     @classmethod
     def config_from_hf(cls, config: dict):
         raise NotImplementedError
 
     @classmethod
-    def from_pretrained(cls, model_dir, dtype: torch.dtype = torch.float32, device=None) -> "PretrainedModel":
+    def from_pretrained(cls, model_dir, dtype: torch.dtype = torch.float32, device=None,
+                        quantization: str | None = None) -> "PretrainedModel":
+        """``quantization`` (docs/quantization.md): an msModelSlim checkpoint's quantized layers
+        are built before its weights load (the flag may be None or must agree); a float
+        checkpoint's language-model projections are quantized after they load (w8a16 / w8a8)."""
+        from atb_plugin.quantization import quantize, resolve_quantization  # loaded on use
+
         raw = json.loads((Path(model_dir) / "config.json").read_text())
         device = torch.device(device or "cpu")
+        method, described = resolve_quantization(model_dir, quantization)
         # Built on the meta device: no time spent initialising weights the checkpoint overwrites
         # (load_checkpoint refuses to leave any parameter unfilled).
         with torch.device("meta"):
             model = cls(cls.config_from_hf(raw))
+        if described is not None:
+            quantize.prepare_checkpoint_layers(model, described, model_dir)
         model = model.to_empty(device=device).to(dtype)
         model.init_non_persistent(device)
         load_checkpoint(model, model_dir, dtype)
         model.read_checkpoint_files(Path(model_dir))
+        if method is not None and described is None:
+            quantize.quantize_model(model, method)
         return model.eval()
 
     def init_non_persistent(self, device) -> None:

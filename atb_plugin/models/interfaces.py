@@ -10,7 +10,7 @@ Which family has what::
 
     Qwen2, Llama                   none of them
     LLaVA, Qwen-VL                 SupportsMedia
-    Qwen2-VL, Qwen2.5-VL           SupportsMedia, SupportsMRoPE
+    Qwen2-VL, Qwen2.5-VL           SupportsMedia, SupportsMRoPE, SupportsVideo
     pooling models                 SupportsPooling (BERT also SupportsTokenTypes): native ones
                                    (BERT, Qwen2ForRewardModel) and generative classes adapted
                                    by ``atb_plugin.models.pooling_adapters``
@@ -21,8 +21,9 @@ effects.
 
 A multimodal family also declares its per-prompt limit and its largest item
 (``MultimodalProcessingInfo``, ``supported_mm_limit``, ``resolve_mm_limit``): the input builders,
-``EngineConfig.limit_mm_per_prompt`` and the start-up memory profile
-(``atb_plugin.engine.memory_profile``) read them. This module imports no torch.
+``EngineConfig.limit_mm_per_prompt`` / ``limit_videos_per_prompt`` and the start-up memory profile
+(``atb_plugin.engine.memory_profile``) read them; a family that takes video also declares its
+largest video (``SupportsVideo``). This module imports no torch.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ GridTHW = tuple[int, int, int]  # an image's patch grid (temporal, height, width
 MODALITIES = ("image", "audio", "video")
 
 __all__ = ["GridTHW", "MODALITIES", "MultimodalProcessingInfo", "SupportsMRoPE", "SupportsMedia", "SupportsPooling",
-           "SupportsTokenTypes", "model_modality", "resolve_mm_limit", "supported_mm_limit"]
+           "SupportsTokenTypes", "SupportsVideo", "model_modality", "resolve_mm_limit", "supported_mm_limit"]
 
 
 @runtime_checkable
@@ -86,6 +87,22 @@ class SupportsMedia(Protocol):
     def get_input_embeddings(self, input_ids: torch.Tensor, mm_embeds: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def get_processing_info(self, model_dir) -> MultimodalProcessingInfo: ...
+
+
+@runtime_checkable
+class SupportsVideo(Protocol):
+    """A ``SupportsMedia`` model that also takes videos (its ``media_layouts`` has a video block).
+
+    - ``get_video_processing_info(model_dir, max_tokens, max_frames)``: the video with the most
+      feature tokens the family's sampling rules can produce from at most ``max_frames`` sampled
+      frames, within ``max_tokens`` (a ``MultimodalProcessingInfo`` of modality "video", its
+      ``frames`` set), or None when no video fits or the checkpoint reads none. The start-up
+      memory profile runs it ``EngineConfig.limit_videos_per_prompt`` times at most.
+
+    A method only, so ``issubclass(cls, SupportsVideo)`` works on classes too."""
+
+    def get_video_processing_info(self, model_dir, max_tokens: int,
+                                  max_frames: int) -> MultimodalProcessingInfo | None: ...
 
 
 @runtime_checkable
@@ -150,9 +167,10 @@ class MultimodalProcessingInfo:
 
     ``max_tokens_per_item``: the media block of the largest item, i.e. the encoder's feature rows
     for it; ``max_item_size``: ``(height, width)`` in pixels, after preprocessing, of that item
-    (its uint8 wire form is ``[height, width, 3]``); ``pixel_shape`` / ``grid_thw``: that item as
-    the encoder takes it (the float32 wire form and the block's THW slot, None for layouts
-    without one)."""
+    (its uint8 wire form is ``[height, width, 3]``; a video's is one frame's, its uint8 wire form
+    ``[frames, 3, height, width]``); ``pixel_shape`` / ``grid_thw``: that item as the encoder
+    takes it (the float32 wire form and the block's THW slot, None for layouts without one);
+    ``frames``: a video's sampled frames (``grid_thw[0]`` temporal patches), None otherwise."""
 
     modality: str
     max_items_per_prompt: int
@@ -160,6 +178,7 @@ class MultimodalProcessingInfo:
     max_item_size: tuple[int, int]
     pixel_shape: tuple[int, ...]
     grid_thw: GridTHW | None = None
+    frames: int | None = None
 
     def __post_init__(self):
         if self.modality not in MODALITIES:
@@ -175,10 +194,20 @@ class MultimodalProcessingInfo:
             object.__setattr__(self, name, value)
         if len(self.max_item_size) != 2:
             raise ValueError(f"MultimodalProcessingInfo.max_item_size = {self.max_item_size}: expected (height, width)")
-        if self.modality == "image" and self.grid_thw is not None and (
+        if self.modality in ("image", "video") and self.grid_thw is not None and (
                 len(self.grid_thw) != 3 or math.prod(self.grid_thw) != self.pixel_shape[0]):
             raise ValueError(f"MultimodalProcessingInfo: grid_thw {self.grid_thw} does not match the "
                              f"{self.pixel_shape[0]} patch rows of pixel_shape {self.pixel_shape}")
+        if (self.modality == "video") != (self.frames is not None):
+            raise ValueError(f"MultimodalProcessingInfo.frames = {self.frames!r}: a video's sampled frames, "
+                             f"and only a video's (modality {self.modality!r})")
+        if self.frames is not None:
+            frames = self.frames
+            if (isinstance(frames, bool) or not isinstance(frames, int) or self.grid_thw is None
+                    or frames < 1 or frames % self.grid_thw[0]):
+                raise ValueError(f"MultimodalProcessingInfo.frames = {frames!r}: must be a positive multiple of "
+                                 f"the video's {self.grid_thw[0] if self.grid_thw else None} temporal patches "
+                                 "(grid_thw is required for a video)")
 
 
 def supported_mm_limit(model_cls: type, modality: str | None = None) -> int:
@@ -196,13 +225,21 @@ def model_modality(model_cls: type) -> str:
     return next(iter(getattr(model_cls, "supported_mm_limits", {})), "image")
 
 
-def resolve_mm_limit(model_cls: type, requested: int | None) -> int:
-    """``limit_mm_per_prompt``: the model's own limit when None, else ``requested``, which may not
+def resolve_mm_limit(model_cls: type, requested: int | None, modality: str | None = None) -> int:
+    """``limit_mm_per_prompt`` (``modality`` None: the model's own) or ``limit_videos_per_prompt``
+    (``modality="video"``): the model's own limit when None, else ``requested``, which may not
     exceed it (ValueError naming both: a limit silently lowered would refuse requests the operator
-    believes allowed; vLLM refuses it at start-up too)."""
-    supported = supported_mm_limit(model_cls)
+    believes allowed; vLLM refuses it at start-up too). One rule for the engine's config and the
+    server's flags (the CLI turns the error into a usage error)."""
+    supported = supported_mm_limit(model_cls, modality)
     if requested is None:
         return supported
+    if modality == "video":
+        if requested > supported:
+            what = f"0 to {supported} videos per prompt" if supported else "no video"
+            raise ValueError(f"EngineConfig.limit_videos_per_prompt = {requested} (--limit-mm-per-prompt "
+                             f"video={requested}): {model_cls.__name__} takes {what}")
+        return requested
     if requested > supported:
         items = "images" if model_modality(model_cls) == "image" else "audio clips"
         what = f"at most {supported} {items} per prompt" if supported else f"no {items}"

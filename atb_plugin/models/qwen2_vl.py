@@ -60,6 +60,14 @@ GridTHW = tuple[int, int, int]
 # nothing; tests/test_memory_profiling.py checks the two agree.
 DEFAULT_MAX_PIXELS = 28 * 28 * 1280
 MAX_ASPECT_RATIO = 200  # smart_resize refuses longer images (input_builders.preprocess)
+# qwen-vl-utils' video budgets, which the input builder's sampling (input_builders.video) applies
+# to every video: each frame between VIDEO_MIN_PIXELS and VIDEO_MAX_PIXELS, and all n frames
+# sharing VIDEO_TOTAL_PIXELS (a frame at most VIDEO_TOTAL_PIXELS x 2 / n). The start-up memory
+# profile's largest video follows them (get_video_processing_info; docs/architecture.md, "Memory
+# profiling and KV sizing"); the tests check the two modules agree.
+VIDEO_MIN_PIXELS = 128 * 28 * 28
+VIDEO_MAX_PIXELS = 768 * 28 * 28
+VIDEO_TOTAL_PIXELS = int(128000 * 28 * 28 * 0.9)
 
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),
@@ -411,6 +419,13 @@ def decode_positions(num_computed: int, num_new: int, rope_delta: int) -> torch.
 # the model
 
 
+def largest_window_grid(windows: int) -> tuple[int, int]:
+    """``(rows, cols)`` of merge windows: the most windows, at most ``windows``, in a shape
+    smart_resize leaves alone (aspect ratio at most MAX_ASPECT_RATIO), squarest first."""
+    return max(((a, windows // a) for a in range(1, math.isqrt(windows) + 1) if windows // a <= MAX_ASPECT_RATIO * a),
+               key=lambda rc: (rc[0] * rc[1], rc[0]))
+
+
 def max_pixels(model_dir) -> int:
     """``max_pixels`` of the checkpoint's image processor: top-level ``max_pixels``, else
     ``size.longest_edge`` (a pixel count for this family), else ``size.max_pixels`` (transformers'
@@ -495,14 +510,49 @@ class Qwen2VLForConditionalGeneration(MultimodalModel):
         if windows < 1:
             raise ValueError(f"{model_dir}/preprocessor_config.json: max_pixels is smaller than one "
                              f"{factor}x{factor} merge window")
-        rows, cols = max(((a, windows // a) for a in range(1, math.isqrt(windows) + 1)
-                          if windows // a <= MAX_ASPECT_RATIO * a), key=lambda rc: (rc[0] * rc[1], rc[0]))
+        rows, cols = largest_window_grid(windows)
         merge = vision.spatial_merge_size
         grid = (1, rows * merge, cols * merge)
         return MultimodalProcessingInfo(
             modality="image", max_items_per_prompt=self.supported_mm_limits["image"],
             max_tokens_per_item=rows * cols, max_item_size=(rows * factor, cols * factor),
             pixel_shape=(math.prod(grid), vision.patch_dim), grid_thw=grid)
+
+    def get_video_processing_info(self, model_dir, max_tokens: int,
+                                  max_frames: int) -> MultimodalProcessingInfo | None:
+        """The video with the most feature tokens, at most ``max_tokens``, that Qwen's sampling
+        (input_builders.video, with its default budgets) gives from at most ``max_frames`` frames:
+        for every frame count ``n`` (whole temporal patches), frames of the most merge windows
+        within ``min(VIDEO_MAX_PIXELS, max(VIDEO_TOTAL_PIXELS x T / n, 1.05 x VIDEO_MIN_PIXELS))``
+        (``T``: frames per temporal patch) and within ``max_tokens / (n / T)``; of equal token
+        counts the larger frames win (longer attention segments: the tower attends per frame).
+        None: the checkpoint has no video token, or not one temporal patch of the smallest frame
+        fits ``max_tokens``. ``model_dir`` is unused: the budgets are the sampler's constants,
+        not the checkpoint's (only the patch and merge sizes come from it)."""
+        if self.config.video_token_id is None:
+            return None
+        vision = self.config.vision
+        factor, per_patch = vision.patch_size * vision.spatial_merge_size, vision.temporal_patch_size
+        min_windows = cdiv(VIDEO_MIN_PIXELS, factor**2)  # smart_resize scales smaller frames up to it
+        best = None  # ((tokens, windows per frame), t, rows, cols)
+        for t in range(1, max_frames // per_patch + 1):
+            if max_tokens // t < min_windows:
+                break  # more temporal patches only leave less per frame
+            frame_cap = min(VIDEO_MAX_PIXELS, max(VIDEO_TOTAL_PIXELS / (t * per_patch) * per_patch,
+                                                  int(VIDEO_MIN_PIXELS * 1.05)))
+            rows, cols = largest_window_grid(min(int(frame_cap) // factor**2, max_tokens // t))
+            key = (t * rows * cols, rows * cols)
+            if rows * cols >= min_windows and (best is None or key > best[0]):
+                best = (key, t, rows, cols)
+        if best is None:
+            return None
+        (tokens, _), t, rows, cols = best
+        merge = vision.spatial_merge_size
+        grid = (t, rows * merge, cols * merge)
+        return MultimodalProcessingInfo(
+            modality="video", max_items_per_prompt=self.supported_mm_limits["video"], max_tokens_per_item=tokens,
+            max_item_size=(rows * factor, cols * factor), pixel_shape=(math.prod(grid), vision.patch_dim),
+            grid_thw=grid, frames=t * per_patch)
 
     @property
     def media_layout(self) -> MediaLayout:

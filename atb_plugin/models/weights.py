@@ -26,6 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 from atb_plugin.distributed import TPShard, tp_size
+from atb_plugin.quantization.layers import FLOAT32_KINDS, PER_TENSOR_KINDS, QUANT_KINDS, quant_tp_shard
 
 IGNORE = ""  # what a rename function returns for a known checkpoint tensor the model does not use
 OLD_ROTARY_BUFFER = re.compile(r".*rotary_emb\.inv_freq$")  # some old checkpoints still carry it
@@ -76,7 +77,10 @@ class CheckpointTensor:
         self.shape = torch.Size(source.get_shape())
 
     def _cast(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.to(self._dtype) if self._dtype is not None and tensor.is_floating_point() else tensor
+        # Quantization scales keep their precision (float32 parameters: docs/quantization.md).
+        if self._dtype is None or not tensor.is_floating_point() or self.name.rpartition(".")[2] in FLOAT32_KINDS:
+            return tensor
+        return tensor.to(self._dtype)
 
     def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
         index = tuple([slice(None)] * dim + [slice(start, start + length)])
@@ -155,7 +159,8 @@ class FusedWeights:
         self.names = {name for name, _ in model.named_parameters()}  # stable across to_empty()
         self.stacked = stacked
         leaves = "|".join(re.escape(leaf) for leaf in stacked)
-        self.pattern = re.compile(rf"(.*)\.({leaves})\.(weight|bias)$") if stacked else None
+        kinds = "|".join(("weight", "bias", *QUANT_KINDS))  # quantized layers' tensors: docs/quantization.md
+        self.pattern = re.compile(rf"(.*)\.({leaves})\.({kinds})$") if stacked else None
 
     def target(self, name: str) -> tuple[str, str | None, int] | None:
         """``(parameter name, module prefix or None, shard index)`` that ``name`` fills, or None."""
@@ -197,26 +202,41 @@ class FusedWeights:
                 # A fused projection stored whole (Qwen-VL's c_attn): this rank's part of each piece.
                 sizes, offset = owner.checkpoint_shard_sizes(leaf), 0
                 for index, size in enumerate(sizes):
-                    self._copy_piece(params[target], modules[owner_name], leaf, leaf_kind, index,
-                                     tensor.narrow(0, offset, size), owner, name)
+                    piece = tensor if leaf_kind in PER_TENSOR_KINDS else tensor.narrow(0, offset, size)
+                    self._copy_piece(params[target], modules[owner_name], leaf, leaf_kind, index, piece, owner, name,
+                                     first=index == 0)
                     offset += size
                 loaded.add(target)
             elif prefix is None:
-                copy_param(params[target], tensor, name, owner.tp_shard(leaf, leaf_kind, None) if owner else None)
+                copy_param(params[target], tensor, name,
+                           quant_tp_shard(owner.tp_shard, leaf, leaf_kind, None) if owner else None)
                 loaded.add(target)
             else:
-                self._copy_piece(params[target], modules[prefix], leaf, leaf_kind, shard, tensor, owner, name)
+                self._copy_piece(params[target], modules[prefix], leaf, leaf_kind, shard, tensor, owner, name,
+                                 first=not shards_seen.get(target))
                 shards_seen.setdefault(target, set()).add(shard)
                 if len(shards_seen[target]) == len(modules[prefix].shard_sizes(leaf)):  # once every shard came
                     loaded.add(target)
         return loaded
 
     @staticmethod
-    def _copy_piece(param, module, leaf: str, kind: str, index: int, tensor, owner, name: str) -> None:
-        """Fill piece ``index`` of fused parameter ``param`` (rows ``shard_sizes`` of this rank)."""
+    def _copy_piece(param, module, leaf: str, kind: str, index: int, tensor, owner, name: str,
+                    first: bool = True) -> None:
+        """Fill piece ``index`` of fused parameter ``param`` (rows ``shard_sizes`` of this rank).
+        A per-tensor quantization scale is one value for the fused layer: the first piece to come
+        sets it, the others must hold the same (docs/quantization.md)."""
+        if kind in PER_TENSOR_KINDS:
+            value = materialize(tensor)
+            if first:
+                copy_param(param, value, name)
+            elif not torch.equal(param.detach().cpu(), value.reshape(param.shape).to(param.dtype).cpu()):
+                raise WeightLoadingError(f"{name} = {value.flatten().tolist()} differs from the other pieces of the "
+                                         f"fused {leaf} ({param.flatten().tolist()}): static W8A8 needs one "
+                                         "input scale and offset per fused layer")
+            return
         sizes = module.shard_sizes(leaf)
         piece = param.narrow(0, sum(sizes[:index]), sizes[index])
-        copy_param(piece, tensor, name, owner.tp_shard(leaf, kind, index) if owner is not None else None)
+        copy_param(piece, tensor, name, quant_tp_shard(owner.tp_shard, leaf, kind, index) if owner is not None else None)
 
 
 def load_checkpoint(model: torch.nn.Module, model_dir, dtype: torch.dtype | None = None) -> None:

@@ -27,6 +27,7 @@ import torch
 
 import shm
 from atb_plugin.multimodal.pixels import PixelFormatError
+from atb_plugin.multimodal.shipped import MediaReader, read_shared_memory
 from atb_plugin.multimodal.wire import decode_second_per_grid_t
 
 
@@ -96,13 +97,15 @@ class MultimodalPrompt:
 
     @classmethod
     def from_ids(cls, prompt_ids, layout: MediaLayout | Sequence[MediaLayout], *,
-                 expected_instance: str | Collection[str] | None = None) -> "MultimodalPrompt":
+                 expected_instance: str | Collection[str] | None = None,
+                 read: MediaReader = read_shared_memory) -> "MultimodalPrompt":
         """``layout``: the model's block layout, or its layouts (``media_layouts``: Qwen2-VL's image
         and video blocks), told apart by their numbers of metadata slots: a block's kind is the
         layout with as many slots as the run of ids < 0 that starts it (blocks never abut: a
         family's template puts text, at least its start and end tokens, between them). With one
         layout, blocks may abut: a Qwen2-Audio clip's 30 s windows follow each other directly, each
-        found by its NAME slot."""
+        found by its NAME slot. ``read`` reloads a block's pixels: from this node's shared memory,
+        or (a rank on another node) from what the engine core shipped with the step (shipped.py)."""
         layouts = (layout,) if isinstance(layout, MediaLayout) else tuple(layout)
         by_slots = {item.num_metadata_slots: item for item in layouts}
         if len(by_slots) != len(layouts):
@@ -115,7 +118,7 @@ class MultimodalPrompt:
             if first < position:
                 continue  # a metadata slot of the block just read
             layout = layouts[0] if len(layouts) == 1 else cls._layout_of(ids, int(first), len(blocks), by_slots)
-            block = cls._read_block(ids, int(first), len(blocks), layout, expected_instance)
+            block = cls._read_block(ids, int(first), len(blocks), layout, expected_instance, read)
             restored[block.start:block.start + layout.num_metadata_slots] = layout.placeholder_id
             blocks.append(block)
             position = block.start + block.length
@@ -132,7 +135,8 @@ class MultimodalPrompt:
         return by_slots[count]
 
     @staticmethod
-    def _read_block(ids: np.ndarray, start: int, index: int, layout: MediaLayout, expected_instance) -> MediaBlock:
+    def _read_block(ids: np.ndarray, start: int, index: int, layout: MediaLayout, expected_instance,
+                    read: MediaReader) -> MediaBlock:
         where = f"media block {index} at position {start}"
         meta = ids[start:start + layout.num_metadata_slots]
         if len(meta) < layout.num_metadata_slots or (meta >= 0).any():
@@ -168,8 +172,7 @@ class MultimodalPrompt:
                 f"placeholders {layout.placeholder_id}), found {placeholders} placeholders"
             )
         try:
-            # Copy-on-write view: zero-copy, and the model may not write into shared pages.
-            pixels = shm.read_array(int(meta[0]), int(meta[1]), expected_instance=expected_instance, writable=True)
+            pixels = read(int(meta[0]), int(meta[1]), expected_instance)
         except shm.ShmHandleError as error:
             raise MediaBlockError(f"{where}: {error}") from error
         return MediaBlock(index, start, length, torch.from_numpy(pixels), grid, layout.modality, seconds)

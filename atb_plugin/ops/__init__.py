@@ -3,13 +3,15 @@
 - attention: ``write_kv_cache``, ``paged_attention`` (prefill / decode / chunked prefill over the
   paged cache), ``varlen_attention`` (vision encoders), ``AttentionMetadata``;
 - ``rms_norm``; rotary (``RotaryEmbedding`` with rope scalings and M-RoPE, ``apply_rotary``);
-- ``silu_and_mul``; ``fused_moe`` (router top-k + SwiGLU experts, ``ops/moe.py``).
+- ``silu_and_mul``; ``fused_moe`` (router top-k + SwiGLU experts, ``ops/moe.py``);
+- quantized linears ``w8a16_linear``, ``w8a8_dynamic_linear``, ``w8a8_static_linear`` (``ops/quant.py``).
 """
 
 from atb_plugin.ops.activation import silu_and_mul
 from atb_plugin.ops.attention import AttentionMetadata, paged_attention, varlen_attention, write_kv_cache
 from atb_plugin.ops.layernorm import rms_norm
 from atb_plugin.ops.moe import fused_moe
+from atb_plugin.ops.quant import w8a8_dynamic_linear, w8a8_static_linear, w8a16_linear
 from atb_plugin.ops.rotary import RotaryEmbedding, apply_rotary
 
 __all__ = [
@@ -21,5 +23,8 @@ __all__ = [
     "rms_norm",
     "silu_and_mul",
     "varlen_attention",
+    "w8a16_linear",
+    "w8a8_dynamic_linear",
+    "w8a8_static_linear",
     "write_kv_cache",
 ]

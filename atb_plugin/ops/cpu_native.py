@@ -9,19 +9,35 @@ reads it again. The library has one call for each of: decode attention over the 
 (``PanelLinear`` in ``packed_linear.py``), whose reads of the next panel overlap the arithmetic
 on the current one. Measured in ``benchmarks/RESULTS.md`` (bench_engine, "Third round").
 
-How it is built: the machine's C compiler (``$CC``, else ``cc``) with ``-O3 -march=native
--fopenmp``; the shared library is cached under ``${XDG_CACHE_HOME:-~/.cache}/atb-plugin/kernels``
-under a name hashed from the source, the flags, the compiler's version and this CPU's
-instruction-set flags (a library built for one CPU is never loaded on another), written under a
-temporary name and renamed, so processes that build at once never load half a file. OpenMP
+How it is built: first a small probe (``csrc/cpu_probe.c``) runs, which tries each instruction
+set that matters here (AVX2, AVX-512, AVX-512 BF16 and VNNI, AVX-VNNI, AMX) in a forked child, so
+that a set the CPUID flags claim but this VM or process may not execute (an XCR0 state left
+disabled, AMX without its arch_prctl permission) is reported missing instead of killing the
+process with SIGILL. The library is then built by the machine's C compiler (``$CC``, else ``cc``)
+with ``-O3 -fopenmp``, the probed base sets as explicit flags (``-mavx2 -mfma -mf16c``, plus
+``-mavx512f -mavx512bw -mavx512dq -mavx512vl`` where AVX-512 executes) and ``-mtune=native``.
+Not ``-march=native`` on x86-64: it enables whatever CPUID lists, which is exactly what the probe
+cannot trust (a library built with it where the probe says AVX-512 is off could execute AVX-512
+anywhere the compiler chose to). Kernels for the sets above the base (the VNNI int8 dot products)
+are compiled with ``__attribute__((target(...)))`` and chosen per call from the probe's answer
+(``cpu_set_features``), so one library serves every CPU with that base. Other architectures keep
+``-march=native``. The shared library is cached under
+``${XDG_CACHE_HOME:-~/.cache}/atb-plugin/kernels`` under a name hashed from the source, the flags
+(so the probe's answer), the compiler's version and this CPU's CPUID flags (a library built for
+one CPU is never loaded on another), with the probe's answer beside them (``kernels-probe/``), written
+under a temporary name and renamed, so processes that build at once never load half a file. OpenMP
 resolves to the ``libgomp.so.1`` torch has already loaded: one thread pool, the caller's
 ``torch.get_num_threads()`` threads.
 
-Which path runs: ``ATB_PLUGIN_CPU_KERNELS`` = ``auto`` (default: the library where it builds,
-else the torch ops after one warning naming why), ``native`` (the library, or an error),
-``torch``. The library takes float32 only: other dtypes and CUDA tensors always take the torch
-ops. Each kernel is checked against the torch path and a float64 reference in
-tests/test_cpu_native.py and tests/test_platform_and_ops.py.
+Which path runs: ``ATB_PLUGIN_CPU_KERNELS`` = ``auto`` (default: the library where it builds, else
+the torch ops after one warning naming why), ``native`` (the library, or an error), ``torch``. The
+library's elementwise and attention kernels take float32 only: other dtypes and CUDA tensors always
+take the torch ops (``library_for``). The linear kernels also take bfloat16 weights
+(``linear_bf16``) and int8 weights (``w8a16_linear``, ``w8a8_dynamic_linear``), reached through
+``linear_library`` (tests/test_cpu_native_lowp.py checks them). Each kernel is checked against the
+torch path and a float64 reference in tests/test_cpu_native.py and tests/test_platform_and_ops.py.
+``ATB_PLUGIN_CPU_ISA`` (a comma-separated subset of ``FEATURES``, or ``none``) limits the
+instruction sets to fewer than the probe found.
 """
 
 from __future__ import annotations
@@ -43,10 +59,19 @@ logger = logging.getLogger(__name__)
 KERNELS_ENV = "ATB_PLUGIN_CPU_KERNELS"
 CHOICES = ("auto", "native", "torch")
 SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
+PROBE_SOURCE = SOURCE.with_name("cpu_probe.c")
 # No -ffast-math: linked into a shared library it would switch the whole process to flushing
 # denormals. These let the compiler reorder the float sums (vectorised dot products) and no more.
-CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
-          "-fassociative-math", "-fno-signed-zeros")
+# The instruction-set flags come from the probe (_isa_flags). -Wno-psabi: the 64-byte vector type
+# of the attention kernels warns where AVX-512 is off; it never crosses the library's interface.
+CFLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+          "-fassociative-math", "-fno-signed-zeros", "-Wno-psabi")
+# What cpu_probe.c tries, in the order of the library's FEATURE_* bits (csrc/cpu_kernels.c).
+FEATURES = ("avx2", "avx512", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
+# Limits the features the library is built for and its kernels use (a comma-separated subset of
+# FEATURES, or "none": baseline x86-64), as if the probe had found no more: to take a slower
+# variant on purpose, e.g. to compare them, or to steer clear of a set.
+ISA_ENV = "ATB_PLUGIN_CPU_ISA"
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}  # "library" -> the bound ctypes library, or "error" -> why it is unavailable
@@ -77,13 +102,40 @@ def library_for(dtype: torch.dtype, device: torch.device):
     return library
 
 
+def linear_library(device: torch.device):
+    """The bound library for the linear kernels of every weight format (float32 / bfloat16
+    panels, int8 rows) on ``device`` when the choice allows it, else None; as ``library_for``."""
+    return library_for(torch.float32, device)
+
+
+def features() -> dict[str, bool]:
+    """What the probe found this process may execute (empty before the library loads or where it
+    did not build), limited by ``ATB_PLUGIN_CPU_ISA``."""
+    _load()
+    return dict(_loaded.get("features", {}))
+
+
+def set_features(library, names) -> int:
+    """Let the kernels use only ``names`` (of FEATURES, each one the probe found): returns the
+    mask set. For tests and benchmarks comparing the variants; ``features()`` is the default."""
+    probed = _loaded.get("features", {})
+    missing = [n for n in names if not probed.get(n)]
+    if missing:
+        raise ValueError(f"{missing} did not execute in the probe ({probed})")
+    return library.cpu_set_features(sum(1 << FEATURES.index(n) for n in names))
+
+
 def _load():
     if _loaded:  # the hot path (every op of every step): no lock once decided
         return _loaded.get("library"), _loaded.get("error")
     with _lock:
         if not _loaded:
             try:
-                _loaded["library"] = _bind(ctypes.CDLL(str(_build())))
+                probed = _limit(_probe())
+                library = _bind(ctypes.CDLL(str(_build(probed))))
+                library.cpu_set_features(sum(1 << FEATURES.index(n) for n, ok in probed.items() if ok))
+                _loaded["features"] = probed
+                _loaded["library"] = library
             except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
                 _loaded["error"] = str(exc)
                 logger.warning("native CPU kernels unavailable (%s); using the slower torch ops. Set %s=torch "
@@ -101,6 +153,12 @@ _SIGNATURES = {  # name: (restype, argtypes), as in csrc/cpu_kernels.c
     "linear_f32": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT]),
     "decode_scratch_floats": (_I64, [_PTR, _I64]),
     "decode_step_f32": (_INT, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _INT]),
+    "linear_bf16w": (_INT, [_PTR, _INT, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT, _I64, _INT]),
+    "cpu_set_features": (_INT, [_INT]),
+    "w8a8_variant": (_INT, []),
+    "w8a16_linear_f32": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _INT]),
+    "quantize_rows_s8": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR]),
+    "w8a8_dynamic_linear_f32": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT]),
 }
 
 
@@ -121,32 +179,100 @@ def _cpu_flags() -> str:
     return os.uname().machine
 
 
-def _build() -> Path:
+def _compiler() -> tuple[list[str], str]:
     compiler = shlex.split(os.environ.get("CC") or "cc")
     try:
         version = subprocess.run([*compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     except FileNotFoundError as exc:
         raise RuntimeError(f"no C compiler ({' '.join(compiler)}): install gcc or set CC") from exc
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(b"\0".join([source, " ".join(CFLAGS).encode(), version.encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    target = base / "atb-plugin" / "kernels" / f"cpu_kernels-{key}.so"
-    if target.exists():
-        return target
+    return compiler, version
+
+
+def _compile(compiler: list[str], flags: list[str], source: Path, target: Path) -> None:
+    """``source`` compiled into ``target``, written under a temporary name and renamed."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
     os.close(fd)
     try:
-        done = subprocess.run([*compiler, *CFLAGS, str(SOURCE), "-o", partial, "-lm"], capture_output=True,
+        done = subprocess.run([*compiler, *flags, str(source), "-o", partial, "-lm"], capture_output=True,
                               text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{' '.join(compiler)} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        os.chmod(partial, 0o755)
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
-    logger.info("built the native CPU kernels: %s", target)
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "atb-plugin" / "kernels"
+
+
+def _probe_dir() -> Path:
+    """The probe program and each library's probed features (beside, not in, the libraries' folder)."""
+    return _cache_dir().with_name("kernels-probe")
+
+
+def _probe() -> dict[str, bool]:
+    """Each of FEATURES: whether its instructions ran in a child process (csrc/cpu_probe.c). The
+    probe program is built once (cached like the library) and run at every load: a few
+    milliseconds, and the answer is this process's, not one a migrated VM once had."""
+    if os.uname().machine not in ("x86_64", "amd64"):
+        return {}
+    compiler, version = _compiler()
+    key = hashlib.sha256(b"\0".join([PROBE_SOURCE.read_bytes(), version.encode()])).hexdigest()[:16]
+    program = _probe_dir() / f"cpu_probe-{key}"
+    try:
+        if not program.exists():
+            _compile(compiler, ["-O1"], PROBE_SOURCE, program)
+        done = subprocess.run([str(program)], capture_output=True, text=True, timeout=60)
+        if done.returncode != 0:
+            raise RuntimeError(f"exit status {done.returncode}: {done.stderr.strip()[-500:]}")
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        # Without an answer, nothing beyond the baseline is assumed: slower kernels, never SIGILL.
+        logger.warning("the CPU feature probe failed (%s); building the native kernels for baseline x86-64", exc)
+        return {name: False for name in FEATURES}
+    found = dict(line.split() for line in done.stdout.splitlines() if line.strip())
+    return {name: found.get(name) == "1" for name in FEATURES}
+
+
+def _limit(probed: dict[str, bool]) -> dict[str, bool]:
+    """``probed`` less what ``ATB_PLUGIN_CPU_ISA`` leaves out (unset: all of it)."""
+    wanted = os.environ.get(ISA_ENV, "").strip().lower()
+    if not wanted:
+        return probed
+    names = set() if wanted == "none" else {n.strip() for n in wanted.split(",") if n.strip()}
+    unknown = names - set(FEATURES)
+    if unknown:
+        raise ValueError(f"{ISA_ENV}={wanted!r}: unknown {sorted(unknown)}; expected a subset of {', '.join(FEATURES)}")
+    return {name: ok and name in names for name, ok in probed.items()}
+
+
+def _isa_flags(probed: dict[str, bool]) -> list[str]:
+    """The compiler's instruction-set flags for the library's base: on x86-64 only what the probe
+    saw execute (module docstring: why not -march=native there)."""
+    if os.uname().machine not in ("x86_64", "amd64"):
+        return ["-march=native"]
+    flags = ["-mtune=native"]
+    if probed.get("avx2"):
+        flags += ["-mavx2", "-mfma", "-mf16c"]
+        if probed.get("avx512"):
+            flags += ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
+    return flags
+
+
+def _build(probed: dict[str, bool]) -> Path:
+    compiler, version = _compiler()
+    flags = [*CFLAGS, *_isa_flags(probed)]
+    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(),
+                                     _cpu_flags().encode()])).hexdigest()[:16]
+    target = _cache_dir() / f"cpu_kernels-{key}.so"
+    if not target.exists():
+        _compile(compiler, flags, SOURCE, target)
+        _probe_dir().mkdir(parents=True, exist_ok=True)
+        (_probe_dir() / f"{target.stem}.features").write_text("".join(f"{n} {int(ok)}\n" for n, ok in probed.items()))
+        logger.info("built the native CPU kernels: %s (%s)", target, " ".join(flags))
     return target
 
 
@@ -228,6 +354,115 @@ def linear(library, x: torch.Tensor, panels: torch.Tensor, out_features: int,
                        None if bias is None else bias.data_ptr(), out.data_ptr(), out_features,
                        torch.get_num_threads())
     return out
+
+
+def weight_panels_bf16(weight: torch.Tensor) -> torch.Tensor:
+    """An ``(N, K)`` weight (any float dtype; rounded to bfloat16 as ``.to(torch.bfloat16)`` does)
+    as ``(ceil(N / PANEL), ceil(K / 2), PANEL, 2)`` bfloat16 panels, contiguous:
+    ``panels[p][k // 2][j][k % 2] = weight[p * PANEL + j][k]``, zeros past N and past K. Half the
+    bytes of ``weight_panels``; ``linear_bf16`` reads them (csrc/cpu_kernels.c draws the layout)."""
+    out_features, in_features = weight.shape
+    padded = -(-out_features // PANEL) * PANEL
+    steps = -(-in_features // 2)
+    full = torch.zeros((padded, 2 * steps), dtype=torch.bfloat16)
+    full[:out_features, :in_features] = weight
+    return full.view(padded // PANEL, PANEL, steps, 2).transpose(1, 2).contiguous()
+
+
+def check_panels_bf16(panels: torch.Tensor, in_features: int, out_features: int, bias: torch.Tensor | None) -> None:
+    """``check_panels`` for ``weight_panels_bf16``."""
+    if (panels.dtype != torch.bfloat16 or panels.dim() != 4 or panels.shape[2:] != (PANEL, 2)
+            or not panels.is_contiguous() or panels.shape[1] != -(-in_features // 2)
+            or not (panels.shape[0] - 1) * PANEL < out_features <= panels.shape[0] * PANEL):
+        raise ValueError(f"bfloat16 panels {tuple(panels.shape)} {panels.dtype} cannot hold ({out_features}, "
+                         f"{in_features})")
+    if bias is not None and (bias.dtype != torch.float32 or bias.numel() != panels.shape[0] * PANEL
+                             or not bias.is_contiguous()):
+        raise ValueError(f"a bias of {bias.numel()} ({bias.dtype}) for {panels.shape[0]} panels")
+
+
+def linear_bf16(library, x: torch.Tensor, panels: torch.Tensor, in_features: int, out_features: int,
+                bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T + b`` for ``x`` ``(..., K)`` float32 or bfloat16 (the result has ``x``'s dtype),
+    W as ``weight_panels_bf16`` made it, the bias as ``padded_bias`` made it (or None), checked
+    beforehand by ``check_panels_bf16``. Products and sums in float32; a bfloat16 result is rounded
+    once at the end, to nearest even."""
+    if x.dtype not in (torch.float32, torch.bfloat16) or x.shape[-1] != in_features:
+        raise ValueError(f"linear_bf16: x {tuple(x.shape)} {x.dtype} for float32 / bfloat16 rows of {in_features}")
+    rows, stride = _rows(x)
+    out = torch.empty((*x.shape[:-1], out_features), dtype=x.dtype)
+    half = x.dtype == torch.bfloat16
+    failed = library.linear_bf16w(rows.data_ptr(), int(half), rows.shape[0], in_features, stride, panels.data_ptr(),
+                                  out_features, None if bias is None else bias.data_ptr(), out.data_ptr(), int(half),
+                                  out_features, torch.get_num_threads())
+    if failed:
+        raise MemoryError("the bfloat16 linear kernel could not allocate its scratch buffer")
+    return out
+
+
+def _int8_operands(op: str, x: torch.Tensor, weight: torch.Tensor, per_channel: dict):
+    """``x`` as float32 rows with unit stride (and its row stride), after checking the int8
+    kernels' operands: int8 contiguous ``(out, in)`` weight, float32 contiguous ``(out,)`` vectors."""
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.device.type != "cpu":
+        raise ValueError(f"{op}: x must be float32 / bfloat16 / float16 on the CPU, got {x.dtype} {x.device}")
+    if weight.dtype != torch.int8 or weight.dim() != 2 or not weight.is_contiguous():
+        raise ValueError(f"{op}: weight must be contiguous int8 (out, in), got {weight.dtype} {tuple(weight.shape)}")
+    if x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"{op}: x {tuple(x.shape)} does not fit weight {tuple(weight.shape)}")
+    for name, tensor in per_channel.items():
+        if tensor is not None and (tensor.dtype != torch.float32 or tuple(tensor.shape) != (weight.shape[0],)
+                                   or not tensor.is_contiguous()):
+            raise ValueError(f"{op}: {name} must be contiguous float32 ({weight.shape[0]},), got {tensor.dtype} "
+                             f"{tuple(tensor.shape)}")
+    return _rows(x.to(torch.float32))
+
+
+def w8a16_linear(library, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ ((weight + offset[:, None]) * scale[:, None]).T + bias`` for ``x`` ``(..., in)`` float32
+    (bfloat16 / float16 are widened first; the result has ``x``'s dtype), ``weight`` int8
+    ``(out, in)`` as the checkpoint holds it, ``scale`` / ``offset`` / ``bias`` float32 ``(out,)``
+    (offset, bias optional). The int8 weights are widened to float32 in registers; float32 sums,
+    computed as ``scale * (x . w + offset * sum(x)) + bias``."""
+    rows, stride = _int8_operands("w8a16_linear", x, weight, {"scale": scale, "offset": offset, "bias": bias})
+    out = torch.empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
+    failed = library.w8a16_linear_f32(rows.data_ptr(), rows.shape[0], weight.shape[1], stride, weight.data_ptr(),
+                                      weight.shape[0], scale.data_ptr(), None if offset is None else offset.data_ptr(),
+                                      None if bias is None else bias.data_ptr(), out.data_ptr(), weight.shape[0],
+                                      torch.get_num_threads())
+    if failed:
+        raise MemoryError("the W8A16 kernel could not allocate its scratch buffer")
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def quantize_per_token(library, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``(rows, in)`` float32 -> ``(q int8 (rows, in), s float32 (rows,))`` as
+    ``w8a8_dynamic_linear`` quantizes its input: ``s = max|row| / 127``, ``q = clamp(round(row /
+    s), -128, 127)`` rounding half to even (a row of zeros: s = 0, q = 0)."""
+    rows, stride = _rows(x.to(torch.float32))
+    q = torch.empty(rows.shape, dtype=torch.int8)
+    s = torch.empty(rows.shape[0], dtype=torch.float32)
+    library.quantize_rows_s8(rows.data_ptr(), rows.shape[0], rows.shape[1], stride, q.data_ptr(), rows.shape[1],
+                             s.data_ptr())
+    return q, s
+
+
+def w8a8_dynamic_linear(library, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
+                        bias: torch.Tensor | None) -> torch.Tensor:
+    """``(q @ weight.T) * s[:, None] * weight_scale[None, :] + bias`` with ``q, s`` each row of ``x``
+    quantized as ``quantize_per_token`` does and the int8 product summed exactly in int32
+    (AVX2 maddubs without saturation, or VNNI where the probe allows: ``features()``). ``x``
+    ``(..., in)`` float32 (bfloat16 / float16 widened first; the result has ``x``'s dtype),
+    ``weight`` int8 ``(out, in)``, ``weight_scale`` / ``bias`` float32 ``(out,)``."""
+    rows, stride = _int8_operands("w8a8_dynamic_linear", x, weight, {"weight_scale": weight_scale, "bias": bias})
+    out = torch.empty((rows.shape[0], weight.shape[0]), dtype=torch.float32)
+    failed = library.w8a8_dynamic_linear_f32(rows.data_ptr(), rows.shape[0], weight.shape[1], stride,
+                                             weight.data_ptr(), weight.shape[0], weight_scale.data_ptr(),
+                                             None if bias is None else bias.data_ptr(), out.data_ptr(),
+                                             weight.shape[0], torch.get_num_threads())
+    if failed:
+        raise MemoryError("the W8A8 kernel could not allocate its scratch buffer")
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
 
 
 def _rows(x: torch.Tensor) -> tuple[torch.Tensor, int]:

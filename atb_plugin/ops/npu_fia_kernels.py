@@ -41,6 +41,9 @@ apply_rotary = _atb.apply_rotary
 silu_and_mul = _atb.silu_and_mul
 moe_select_experts = _atb.moe_select_experts
 moe_experts = _atb.moe_experts
+w8a16_linear = _atb.w8a16_linear
+w8a8_dynamic_linear = _atb.w8a8_dynamic_linear
+w8a8_static_linear = _atb.w8a8_static_linear
 
 # The torch_npu functions this set calls are listed in atb_plugin.platform.npu.KERNEL_SET_OPS (the
 # platform checks they exist at start-up). The vision towers' varlen attention is still ATB's

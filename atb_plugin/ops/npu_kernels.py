@@ -13,7 +13,10 @@ call time, never imported here.
   ``rotary_mode="half"``); ``silu_and_mul``: ``npu_swiglu``;
 - ``moe_select_experts`` / ``moe_experts`` (``ops/moe.py``): ``npu_moe_gating_top_k_softmax``, then
   ``npu_moe_init_routing`` -> ``npu_moe_compute_expert_tokens`` -> ``npu_grouped_matmul`` ->
-  ``npu_swiglu`` -> ``npu_grouped_matmul`` -> ``npu_moe_finalize_routing``.
+  ``npu_swiglu`` -> ``npu_grouped_matmul`` -> ``npu_moe_finalize_routing``;
+- quantised linears (docs/quantization.md): ``w8a16_linear`` ``npu_weight_quant_batchmatmul``;
+  ``w8a8_dynamic_linear`` ``npu_dynamic_quant`` -> ``npu_quant_matmul``; ``w8a8_static_linear``
+  ``npu_quantize`` -> ``npu_quant_matmul`` (int8 weights passed as ``weight.t()`` views).
 
 Our KV cache layout, ``(num_blocks, block_size, num_kv_heads, head_dim)`` ND, is the one ATB's
 ReshapeAndCache / PagedAttention take on Atlas A2/A3, so caches pass through unchanged (310P wants
@@ -369,3 +372,123 @@ def moe_experts(hidden, weights, ids, w13, w2, first_expert: int) -> torch.Tenso
     return npu.npu_moe_finalize_routing(
         down, skip1=None, skip2=None, bias=None, scales=weights.to(down.dtype),
         expanded_src_to_dst_row=expanded_row_idx, export_for_source_row=local_ids, drop_pad_mode=0, k=k)
+
+
+# --------------------------------------------------------------------------------------------
+# quantised linears (docs/quantization.md): vllm-ascend's W8A16 / W8A8_DYNAMIC / W8A8 sequences
+# --------------------------------------------------------------------------------------------
+#
+# Weight layout: the checkpoint's int8 weight is (out, in); the ops want (in, out) = (k, n). Both
+# npu_weight_quant_batchmatmul and npu_quant_matmul take a transposed ND view (``weight.t()``) as
+# that layout (it reaches aclnn as transposeX2; the W8A16 op even recommends the transposed weight
+# per channel), so the kernels pass ``weight.t()``: no load-time copy, no second int8 weight in
+# memory, and the module keeps the checkpoint layout the CPU path reads. (vllm-ascend copies the
+# transpose at load because it then casts to the FRACTAL_NZ format, which is not done here.)
+# What the ops need in another dtype or shape than the module stores (scales, bias, the repeated
+# activation scale) is derived once per parameter and cached on it (``_derived_once``), like
+# ``_host_copy_once``: a step pays no per-layer conversion after the first.
+
+_DERIVED_ATTR = "_atb_plugin_npu_derived"
+
+
+def _derived_once(t: torch.Tensor, key, derive):
+    """``derive(t)`` computed once per (tensor version, ``key``) and kept on ``t``. Inference
+    tensors have no version counter (they cannot be modified in place outside inference mode)."""
+    try:
+        counter = t._version
+    except RuntimeError:
+        counter = None
+    version = (counter, t.data_ptr(), tuple(t.shape), t.dtype)
+    cache = getattr(t, _DERIVED_ATTR, None)
+    if cache is None or cache[0] != version:
+        cache = (version, {})
+        setattr(t, _DERIVED_ATTR, cache)
+    if key not in cache[1]:
+        cache[1][key] = derive(t)
+    return cache[1][key]
+
+
+def _as_dtype(t, dtype):
+    """``t`` (a parameter) in ``dtype``, converted once; None stays None."""
+    if t is None or t.dtype == dtype:
+        return t
+    return _derived_once(t, ("dtype", dtype), lambda v: v.to(dtype).contiguous())
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (..., in) as the (tokens, in) matrix the quantised ops take (x1 / x of them is 2-D
+    here, so pertoken_scale is the 1-D (m,) the op wants)."""
+    return x.reshape(-1, x.shape[-1]).contiguous()
+
+
+def w8a16_linear(x, weight, scale, offset, bias) -> torch.Tensor:
+    """``y = x @ ((weight + offset[:, None]) * scale[:, None]).T + bias`` on
+    ``npu_weight_quant_batchmatmul`` (per channel; ``antiquant_offset`` is added before scaling).
+    The op wants ``antiquant_scale`` / ``antiquant_offset`` in x's dtype and the bias in float32
+    for bfloat16 x, float16 for float16 x: converted once per parameter."""
+    out_features = weight.shape[0]
+    rows = _rows(x)
+    if rows.shape[0] == 0:
+        return x.new_zeros(*x.shape[:-1], out_features)
+    y = torch_npu().npu_weight_quant_batchmatmul(
+        rows, weight.t(), _as_dtype(scale, x.dtype),
+        antiquant_offset=_as_dtype(offset, x.dtype),
+        bias=_as_dtype(bias, torch.float32 if x.dtype == torch.bfloat16 else x.dtype))
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def w8a8_dynamic_linear(x, weight, weight_scale, bias) -> torch.Tensor:
+    """Per-token symmetric dynamic int8 (``npu_dynamic_quant``), then ``npu_quant_matmul(q,
+    weight.t(), weight_scale, pertoken_scale=..., bias=..., output_dtype=x.dtype)``:
+    ``y = (q @ weight.T) * weight_scale * token_scale + bias``. The scale goes in float32 (what
+    float16 output with a per-token scale requires, and bfloat16 output accepts); the bias in
+    float32 unless it is already in x's dtype (both allowed with a per-token scale)."""
+    out_features = weight.shape[0]
+    rows = _rows(x)
+    if rows.shape[0] == 0:
+        return x.new_zeros(*x.shape[:-1], out_features)
+    npu = torch_npu()
+    q, token_scale = npu.npu_dynamic_quant(rows)
+    if bias is not None and bias.dtype != x.dtype:
+        bias = _as_dtype(bias, torch.float32)
+    y = npu.npu_quant_matmul(q, weight.t(), _as_dtype(weight_scale, torch.float32), pertoken_scale=token_scale,
+                             bias=bias, output_dtype=x.dtype)
+    return y.reshape(*x.shape[:-1], out_features)
+
+
+def _static_quant_params(input_scale, input_offset, in_features):
+    """``npu_quantize``'s multiplier and zero point for the msModelSlim per-tensor activation
+    quantisation, as vllm-ascend builds them (1 / input_scale and input_offset repeated over the
+    in-features, div_mode=False), kept in float32 rather than the model dtype."""
+    reciprocal = _derived_once(input_scale, ("reciprocal", in_features),
+                               lambda s: (1.0 / s.float().reshape(-1)).repeat(in_features // s.numel()).contiguous())
+    zero = _derived_once(input_offset, ("zero", in_features),
+                         lambda o: o.float().reshape(-1).repeat(in_features // o.numel()).contiguous())
+    return reciprocal, zero
+
+
+def _deq_scale_float(deq_scale: torch.Tensor) -> torch.Tensor:
+    """``deq_scale`` as float32: msModelSlim stores it int64 (float32 bits) for float16 models
+    and float32 for bfloat16 ones; npu_quant_matmul takes float32 for either output dtype."""
+    if deq_scale.dtype != torch.int64:
+        return _as_dtype(deq_scale, torch.float32)
+    return _derived_once(deq_scale, "float32",
+                         lambda d: (d & 0xFFFFFFFF).to(torch.int32).view(torch.float32).contiguous())
+
+
+def w8a8_static_linear(x, weight, input_scale, input_offset, deq_scale, quant_bias) -> torch.Tensor:
+    """msModelSlim W8A8 as vllm-ascend's AscendW8A8LinearMethod runs it:
+    ``q = clamp(round(x * (1 / input_scale) + input_offset), -128, 127)`` (``npu_quantize``,
+    torch.qint8, axis -1, div_mode=False), then ``y = (q @ weight.T + quant_bias) * deq_scale``
+    (``npu_quant_matmul``, int32 ``quant_bias``, output in x's dtype). ``quant_bias`` may be None
+    (tensor-parallel ranks other than 0 pass none, as vllm-ascend does)."""
+    out_features, in_features = weight.shape
+    rows = _rows(x)
+    if rows.shape[0] == 0:
+        return x.new_zeros(*x.shape[:-1], out_features)
+    npu = torch_npu()
+    reciprocal, zero = _static_quant_params(input_scale, input_offset, in_features)
+    q = npu.npu_quantize(rows, reciprocal, zero, torch.qint8, -1, False)
+    y = npu.npu_quant_matmul(q, weight.t(), _deq_scale_float(deq_scale), bias=_as_dtype(quant_bias, torch.int32),
+                             output_dtype=x.dtype)
+    return y.reshape(*x.shape[:-1], out_features)

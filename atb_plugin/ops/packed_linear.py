@@ -17,7 +17,14 @@ Where the native CPU kernels load (``atb_plugin.ops.cpu_native``, float32), a li
 its weight in their column panels instead (``PanelLinear``): the kernel reads the next panel
 from DRAM while it computes on the current one, which makes it faster than oneDNN up to 32 rows
 and a little slower at prefill sizes (benchmarks/RESULTS.md, bench_engine "Fourth round",
-bench_linear.py). oneDNN packing remains for bfloat16 and wherever the library is unavailable.
+bench_linear.py). A bfloat16 weight is held in bfloat16 panels (half the bytes; widened to float32
+in registers, float32 sums: ``cpu_native.linear_bf16``) unless this CPU executes bfloat16 dot
+products (AVX-512 BF16 or AMX-BF16, by the kernels' probe) and oneDNN packs bfloat16: there
+oneDNN's kernels use those instructions and the native ones do not (yet), so oneDNN keeps
+bfloat16 (an ISA rule, not a measurement at load: ``native_bf16_preferred``). Where neither
+holds (AVX2 alone: oneDNN does not pack bfloat16 there) a bfloat16 linear used to stay dense,
+slower than float32 (benchmarks/RESULTS.md, "Low precision"). oneDNN packing remains wherever
+the library is unavailable.
 
 The dense weight is dropped once packed (no memory grows) unless another module still reads it:
 a tied LM head shares the input embedding's weight, so it gets a packed copy and the embedding
@@ -67,33 +74,65 @@ class PackedLinear(nn.Module):
 
 
 class PanelLinear(nn.Module):
-    """``y = x W^T + b`` with ``W`` held only as the native kernels' column panels
-    (``cpu_native.weight_panels``), float32. Takes any leading dimensions, like ``nn.Linear``.
-    When the native kernels are switched off after load (``ATB_PLUGIN_CPU_KERNELS=torch``) it
-    runs the same product as one batched torch matmul over the panels."""
+    """``y = x W^T + b`` with ``W`` held only as the native kernels' column panels: float32
+    (``cpu_native.weight_panels``) for a float32 weight, bfloat16 (``cpu_native.weight_panels_bf16``)
+    for a bfloat16 one. Takes any leading dimensions, like ``nn.Linear``; bfloat16 panels take
+    float32 or bfloat16 ``x`` and answer in ``x``'s dtype. When the native kernels are switched off
+    after load (``ATB_PLUGIN_CPU_KERNELS=torch``) it runs the same product as one batched torch
+    matmul over the panels (float32 sums either way)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight_panels", cpu_native.weight_panels(weight.detach()), persistent=False)
+        self.bf16 = weight.dtype == torch.bfloat16
+        panels = (cpu_native.weight_panels_bf16 if self.bf16 else cpu_native.weight_panels)(weight.detach())
+        self.register_buffer("weight_panels", panels, persistent=False)
         # the only copy of the bias: zeros past out_features, sliced off with the padded columns
         self.register_buffer("padded_bias", cpu_native.padded_bias(None if bias is None else bias.detach(),
                                                                    self.weight_panels), persistent=False)
-        cpu_native.check_panels(self.weight_panels, self.out_features, self.padded_bias)
+        if self.bf16:
+            cpu_native.check_panels_bf16(self.weight_panels, self.in_features, self.out_features, self.padded_bias)
+        else:
+            cpu_native.check_panels(self.weight_panels, self.out_features, self.padded_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        library = cpu_native.library_for(x.dtype, x.device)
-        if library is not None:
-            return cpu_native.linear(library, x, self.weight_panels, self.out_features, self.padded_bias)
+        if self.bf16:
+            if x.dtype in (torch.float32, torch.bfloat16):
+                library = cpu_native.linear_library(x.device)
+                if library is not None:
+                    return cpu_native.linear_bf16(library, x, self.weight_panels, self.in_features,
+                                                  self.out_features, self.padded_bias)
+        else:
+            library = cpu_native.library_for(x.dtype, x.device)
+            if library is not None:
+                return cpu_native.linear(library, x, self.weight_panels, self.out_features, self.padded_bias)
+        return self._torch_forward(x)
+
+    def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.float32)
-        out = torch.matmul(rows, self.weight_panels).transpose(0, 1).reshape(rows.shape[0], -1)
+        panels = self.weight_panels
+        if self.bf16:  # (P, K/2, 64, 2) -> (P, K, 64), float32
+            panels = panels.transpose(2, 3).reshape(panels.shape[0], -1, cpu_native.PANEL)[:, :self.in_features]
+            panels = panels.to(torch.float32)
+        out = torch.matmul(rows, panels).transpose(0, 1).reshape(rows.shape[0], -1)
         if self.padded_bias is not None:
             out = out + self.padded_bias
         return out[:, :self.out_features].reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.padded_bias is not None}")
+                f"bias={self.padded_bias is not None}, dtype={'bfloat16' if self.bf16 else 'float32'}")
+
+
+def native_bf16_preferred() -> bool:
+    """Whether a bfloat16 linear layer goes to the native bfloat16 panels rather than oneDNN
+    (module docstring: oneDNN where the CPU runs bfloat16 dot products and oneDNN packs bfloat16;
+    the native panels everywhere else the library loads)."""
+    if cpu_native.linear_library(torch.device("cpu")) is None:
+        return False
+    found = cpu_native.features()
+    dot_products = found.get("avx512_bf16") or found.get("amx_bf16")
+    return not (dot_products and torch.bfloat16 in packable_dtypes())
 
 
 @dataclass
@@ -106,11 +145,12 @@ class PackingSummary:
 
 def pack_linear_layers(model: nn.Module) -> PackingSummary:
     """Replace every CPU ``nn.Linear`` of ``model``: a float32 one by a ``PanelLinear`` where the
-    native kernels load, else, if oneDNN packs its dtype on this CPU, by a ``PackedLinear``. A
-    weight that some other module also holds (a tied embedding) is packed as a copy and stays
-    where it is."""
+    native kernels load, a bfloat16 one too where ``native_bf16_preferred``, else, if oneDNN
+    packs its dtype on this CPU, by a ``PackedLinear``. A weight that some other module also holds
+    (a tied embedding) is packed as a copy and stays where it is."""
     dtypes = packable_dtypes()
     native = cpu_native.library_for(torch.float32, torch.device("cpu")) is not None
+    native_dtypes = ((torch.float32, torch.bfloat16) if native_bf16_preferred() else (torch.float32,)) if native else ()
     holders: dict[int, int] = {}  # id(weight) -> how many modules hold it as a parameter
     for module in model.modules():
         for parameter in module.parameters(recurse=False):
@@ -120,7 +160,7 @@ def pack_linear_layers(model: nn.Module) -> PackingSummary:
         for name, child in list(parent.named_children()):
             if type(child) is not nn.Linear or child.weight.device.type != "cpu":
                 continue
-            if native and child.weight.dtype == torch.float32:
+            if child.weight.dtype in native_dtypes:
                 setattr(parent, name, PanelLinear(child.weight, child.bias))
                 summary.native += 1
             elif child.weight.dtype in dtypes:

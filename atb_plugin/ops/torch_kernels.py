@@ -304,3 +304,103 @@ def moe_experts(hidden, weights, ids, w13, w2, first_expert: int) -> torch.Tenso
     down = _grouped_matmul(silu_and_mul(gate_up), w2, counts)
     down = down.to(hidden.dtype) * weights.reshape(-1).index_select(0, assignments).unsqueeze(1).to(hidden.dtype)
     return out.index_add_(0, rows, down)
+
+
+# --------------------------------------------------------------------------------------------
+# quantized linears (ops/quant.py; formulas in docs/quantization.md)
+# --------------------------------------------------------------------------------------------
+
+# float32 holds every integer up to 2^24: a dot product of int8 x int8 terms (each |p| <= 2^14)
+# over at most 2^10 of them is exact in float32, whatever the summation order.
+_EXACT_F32_DEPTH = 1024
+
+
+def _native_int8(x: torch.Tensor, weight: torch.Tensor):
+    """The native library for an int8 linear on the CPU (its operands as the kernels take them),
+    or None: the torch formulas below, which are also the kernels' reference."""
+    if x.device.type != "cpu" or not weight.is_contiguous():
+        return None
+    return cpu_native.linear_library(x.device)
+
+
+def _f32(tensor: torch.Tensor | None) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(torch.float32).contiguous()
+
+
+def int8_matmul(q: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``q (M, K) int8 @ weight (N, K) int8 .T`` -> ``(M, N)`` int32, exact. The one place the
+    W8A8 products multiply: the CPU's native int8 kernels plug in here.
+
+    CUDA: ``torch._int_mm`` where its shape rules hold (M > 16, K and N multiples of 8), else the
+    float path. CPU: ``torch._int_mm`` is exact there too but ~20-30x slower, so the float path:
+    float32 GEMMs over slices of ``_EXACT_F32_DEPTH`` columns (each exact), converted to int32 and
+    summed; as fast as one float32 GEMM, twice as fast as an exact float64 one (docs/quantization.md,
+    "What each platform runs", has the measurement)."""
+    rows, depth = q.shape
+    if (q.device.type == "cuda" and rows > 16 and depth % 8 == 0 and weight.shape[0] % 8 == 0):
+        return torch._int_mm(q, weight.t())
+    out = None
+    for start in range(0, depth, _EXACT_F32_DEPTH):
+        part = torch.matmul(q[:, start:start + _EXACT_F32_DEPTH].to(torch.float32),
+                            weight[:, start:start + _EXACT_F32_DEPTH].to(torch.float32).t()).to(torch.int32)
+        out = part if out is None else out.add_(part)
+    return out
+
+
+def w8a16_linear(x, weight, scale, offset, bias) -> torch.Tensor:
+    """``x @ ((weight + offset[:, None]) * scale[:, None]).T + bias``, float32 accumulation,
+    returned in ``x.dtype``. Computed as ``(x @ weight.T + sum(x) * offset) * scale``: the scale
+    and offset apply to the ``(M, out)`` output, so the weight is read (and converted) once.
+    On the CPU the native kernel widens the int8 weights in registers instead (cpu_native)."""
+    library = _native_int8(x, weight)
+    if library is not None:
+        return cpu_native.w8a16_linear(library, x, weight, _f32(scale), _f32(offset), _f32(bias))
+    rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
+    out = torch.matmul(rows, weight.to(torch.float32).t())
+    if offset is not None:
+        out = out + rows.sum(dim=-1, keepdim=True) * offset.to(torch.float32)[None, :]
+    out = out * scale.to(torch.float32)[None, :]
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def dynamic_quant_per_token(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows (M, K)`` -> ``(q int8 (M, K), s float32 (M,))``, ``s = max|row| / 127`` (1 for an
+    all-zero row, whose codes are then all zero), ``q = clamp(round(row / s), -128, 127)``
+    (round half to even)."""
+    rows = rows.to(torch.float32)
+    scale = rows.abs().amax(dim=-1) / 127.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.clamp(torch.round(rows / scale[:, None]), -128, 127).to(torch.int8)
+    return q, scale
+
+
+def w8a8_dynamic_linear(x, weight, weight_scale, bias) -> torch.Tensor:
+    """Per-token dynamic int8 activations: ``(q @ weight.T) * s_t[:, None] * weight_scale[None, :]
+    + bias`` with the integer product exact (``int8_matmul``), in ``x.dtype``. On the CPU the
+    native kernel quantizes and multiplies in one call (exact int32 sums: cpu_native)."""
+    library = _native_int8(x, weight)
+    if library is not None:
+        return cpu_native.w8a8_dynamic_linear(library, x, weight, _f32(weight_scale), _f32(bias))
+    q, token_scale = dynamic_quant_per_token(x.reshape(-1, x.shape[-1]))
+    out = int8_matmul(q, weight).to(torch.float32) * token_scale[:, None] * weight_scale.to(torch.float32)[None, :]
+    if bias is not None:
+        out = out + bias.to(torch.float32)
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def w8a8_static_linear(x, weight, input_scale, input_offset, deq_scale, quant_bias) -> torch.Tensor:
+    """msModelSlim's static W8A8 as vllm-ascend runs it (``npu_quantize`` with the reciprocal
+    scale, then ``npu_quant_matmul(scale=deq_scale, bias=quant_bias)``)::
+
+        q = clamp(round(x * (1 / input_scale) + input_offset), -128, 127)      int8, per tensor
+        y = (q @ weight.T + quant_bias) * deq_scale                            int32 sum, float32 scale
+
+    in float32, returned in ``x.dtype``."""
+    rows = x.reshape(-1, x.shape[-1]).to(torch.float32)
+    reciprocal = 1.0 / input_scale.to(torch.float32).reshape(1)
+    q = torch.clamp(torch.round(rows * reciprocal + input_offset.to(torch.float32).reshape(1)), -128, 127)
+    acc = int8_matmul(q.to(torch.int8), weight) + quant_bias.to(torch.int32)[None, :]
+    out = acc.to(torch.float32) * deq_scale.to(torch.float32)[None, :]
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

@@ -17,10 +17,11 @@ import signal
 import sys
 import threading
 
-from atb_plugin.engine.config import DEFAULT_KV_CACHE_BYTES, DEVICES, DTYPES, EngineConfig
+from atb_plugin.engine.config import DEFAULT_KV_CACHE_BYTES, DEVICES, DTYPES, EXECUTOR_BACKENDS, EngineConfig
 from atb_plugin.engine.dp_client import ROUTINGS
 from atb_plugin.multimodal.wire import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 from atb_plugin.pooling.config import CONVERT_TYPES, RUNNER_TYPES
+from atb_plugin.quantization.config import METHODS as QUANTIZATION_METHODS
 from atb_plugin.server.config import ServerConfig, default_tokenizer_workers
 from atb_plugin.server.tls import CERT_REQS, TLSSettings
 from atb_plugin.utils import available_cores
@@ -121,6 +122,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--dtype", default="auto", choices=DTYPES,
         help="auto: the platform's choice (CPU float32; CUDA bfloat16 where supported, else float16; NPU "
              "bfloat16 on Atlas A2/A3, float16 on chips without bfloat16; float32 is refused on NPU)")
+    add("--quantization", choices=QUANTIZATION_METHODS, default=None,
+        help="int8 linear layers (docs/quantization.md): w8a16 (int8 weights) or w8a8 (int8 weights and "
+             "activations), applied on the fly to a float checkpoint; an msModelSlim checkpoint "
+             "(quant_model_description.json) is detected without it, and must agree with it when given")
     add("--max-model-len", type=int, help="prompt + output tokens per request (default: the checkpoint's)")
     add("--max-num-seqs", type=int, default=64, help="requests running at once")
     add("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step (chunked prefill)")
@@ -142,6 +147,10 @@ def build_parser() -> argparse.ArgumentParser:
     add("--tensor-parallel-size", "-tp", type=int, default=1,
         help="shard the model over this many devices (ranks: one process each, torch.distributed with the "
              "platform's backend: hccl / nccl / gloo); on the CPU the engine's threads are split between the ranks")
+    add("--distributed-executor-backend", choices=EXECUTOR_BACKENDS, default="mp",
+        help="how the tensor-parallel ranks start: mp = processes on this node; ray = Ray actors placed by a "
+             "placement group on the Ray cluster RAY_ADDRESS names (else a local one), across nodes "
+             "(pip install 'atb-plugin[ray]'; README, \"Scaling out\")")
     add("--enable-expert-parallel", action="store_true",
         help="MoE models under --tensor-parallel-size: each rank holds num_experts / TP whole experts "
              "instead of a slice of every expert; the ranks' outputs are summed by the same all-reduce")
@@ -174,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="duration per video, read from the container before any frame is decoded")
     add("--max-video-frames", type=int, default=768,
         help="frames sampled from one video (Qwen's rule: 2 per second, 4 to 768, even); a request's "
-             "mm_processor_kwargs may lower it")
+             "mm_processor_kwargs may lower it; with --max-model-len it bounds the start-up memory profile's "
+             "worst-case video")
     add("--max-video-frame-pixels", type=int, default=4096 * 2160,
         help="width x height of a video's frames, from its stream header (every kept frame is decoded at this "
              "size before its resize)")
@@ -255,18 +265,20 @@ def _limit_value(limit) -> int | None:
 
 def _video_limit(parser, limit, engine) -> int | None:
     """``video=N`` of ``--limit-mm-per-prompt``: at most the model's own limit (0 for a model
-    without video), checked here so that a wrong flag stops the start, not a tokenizer worker."""
+    without video; ``interfaces.resolve_mm_limit``, the rule ``EngineConfig`` applies too), checked
+    here so that a wrong flag is a usage error that stops the start, not a tokenizer worker."""
     videos = limit.videos if isinstance(limit, _MmLimit) else None
     if videos is None:
         return None
-    from atb_plugin.models.interfaces import supported_mm_limit
+    from atb_plugin.models.interfaces import resolve_mm_limit
     from atb_plugin.models.registry import import_model_class
 
-    takes = supported_mm_limit(import_model_class(engine.model_cls_path), "video")
-    if not 0 <= videos <= takes:
-        parser.error(f"--limit-mm-per-prompt video={videos}: this model takes "
-                     f"{f'0 to {takes} videos' if takes else 'no video'} per prompt")
-    return videos
+    try:
+        if videos < 0:
+            raise ValueError(f"--limit-mm-per-prompt video={videos}: must be an integer >= 0")
+        return resolve_mm_limit(import_model_class(engine.model_cls_path), videos, "video")
+    except ValueError as error:
+        parser.error(str(error))
 
 
 def _check_mm_modality(parser, limit, engine) -> None:
@@ -317,19 +329,25 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
 
             values["served_model_name"] = EMBEDDING_MODEL_NAME
     engine = EngineConfig(model=values["model"], dtype=values["dtype"], device=values["device"],
+                          quantization=values["quantization"],
                           max_model_len=values["max_model_len"], block_size=values["block_size"],
                           kv_cache_bytes=values["kv_cache_memory"], max_num_seqs=values["max_num_seqs"],
                           max_num_batched_tokens=values["max_num_batched_tokens"],
                           enable_prefix_caching=values["enable_prefix_caching"],
                           gpu_memory_utilization=values["gpu_memory_utilization"],
                           limit_mm_per_prompt=_limit_value(values["limit_mm_per_prompt"]),
+                          max_video_frames=values["max_video_frames"],
                           mm_wire_dtype=values["mm_wire_dtype"],
                           num_threads=values["num_threads"], enforce_eager=values["enforce_eager"],
                           tensor_parallel_size=values["tensor_parallel_size"],
                           enable_expert_parallel=values["enable_expert_parallel"],
+                          distributed_executor_backend=values["distributed_executor_backend"],
                           data_parallel_size=values["data_parallel_size"], runner=values["runner"],
                           convert=values["convert"], hf_overrides=values["hf_overrides"])
     _check_mm_modality(parser, values["limit_mm_per_prompt"], engine)
+    videos = _video_limit(parser, values["limit_mm_per_prompt"], engine)
+    if videos is not None:  # the engine's start-up memory profile runs this many worst-case videos
+        engine = engine.replace(limit_videos_per_prompt=videos)
     if values["num_threads"] is None and engine.limit_mm_per_prompt > 0:
         # Images keep the tokenizer workers busy: leave them their cores. An OpenMP pool sharing
         # a core with a busy process stalls at every barrier (docs/architecture.md "Threads";
@@ -347,7 +365,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         max_request_pixels=values["max_request_pixels"], max_request_body_bytes=values["max_request_body_bytes"],
         max_video_bytes=values["max_video_bytes"], max_video_seconds=values["max_video_seconds"],
         max_video_frames=values["max_video_frames"], max_video_frame_pixels=values["max_video_frame_pixels"],
-        max_videos_per_prompt=_video_limit(parser, values["limit_mm_per_prompt"], engine),
+        max_videos_per_prompt=videos,
         max_audio_bytes=values["max_audio_bytes"], max_audio_seconds=values["max_audio_seconds"],
         max_input_tokens=values.get("max_input_tokens"), chat_template=values["chat_template"],
         shm_budget_bytes=values["shm_budget_bytes"], shutdown_timeout=values["shutdown_timeout"],

@@ -17,8 +17,11 @@ Sources of the contracts (read, not copied): Ascend/op-plugin ``op_plugin/ops/at
 schemas ``_npu_*`` are registered with), the CANN ATB operation docs (ReshapeAndCacheOperation,
 SelfAttentionOperation, PagedAttentionOperation and its mask types), the torch_npu API docs
 (``npu_rms_norm``, ``npu_rotary_mul``, ``npu_swiglu``; the MoE ops from the torch_npu wheel's
-``_op_plugin_docs.py`` and meta registrations), and vllm-ascend
-(``vllm_ascend/attention/attention_v1.py``, ``attention_mask.py``), the canonical caller.
+``_op_plugin_docs.py`` and meta registrations; the quantised-linear ops ``npu_quant_matmul``,
+``npu_dynamic_quant``, ``npu_weight_quant_batchmatmul``, ``npu_quantize`` from the same and the CANN
+aclnn docs), and vllm-ascend
+(``vllm_ascend/attention/attention_v1.py``, ``attention_mask.py``; ``vllm_ascend/quantization``
+for W8A8 / W8A16), the canonical caller.
 
 Device story. A simulated NPU has no device memory, so its tensors stay on the CPU: the module
 says so with ``FAKE_DEVICE = "cpu"``, which ``NpuPlatform.device()`` honours (a real torch_npu has
@@ -682,6 +685,354 @@ def npu_moe_finalize_routing(expanded_permuted_rows, skip1, skip2, bias, scales,
     return out.to(rows_t.dtype)
 
 
+# --------------------------------------------------------------------------------------------
+# aclnn quantised-linear ops (torch_npu public API; schemas, docs and dtype rules from the 2.13
+# wheel: npu_native_functions_by_codegen.yaml, _op_plugin_docs.py, op_plugin/meta/_meta_registrations.py;
+# formulas from the CANN aclnn docs of QuantMatmulV4, DynamicQuant, WeightQuantBatchMatmulV2,
+# AscendQuantV2). Simulated: the int8 W8A8 / W8A16 cases the kernels use (Atlas A2 / A3 rules);
+# int4 packing, int8 / int32 outputs, MoE grouping and the other modes are refused as not simulated.
+# --------------------------------------------------------------------------------------------
+
+# The ScalarType enum values the bindings turn a torch.dtype argument into (``int? output_dtype``
+# etc. in the schemas; torch_npu's meta registrations map them back with the same table).
+_DTYPE_ENUM = {0: torch.uint8, 1: torch.int8, 3: torch.int32, 4: torch.int64, 5: torch.float16, 6: torch.float32,
+               12: torch.qint8, 13: torch.quint8, 15: torch.bfloat16, 16: torch.quint4x2}
+_QMM_MAX_INNER = 65535  # npu_quant_matmul / npu_weight_quant_batchmatmul: k, n <= 65535
+_INT8_MIN, _INT8_MAX = -128, 127
+_FP19_MASK = 0xFFFFE000  # int64 scale (npu_trans_quant_param): float32 bits truncated to FP19
+
+
+def _dtype_arg(op: str, name: str, value):
+    """A dtype argument as the binding takes it (a torch.dtype, or its ScalarType enum value)."""
+    if value is None or isinstance(value, torch.dtype):
+        return value
+    _require(isinstance(value, int) and not isinstance(value, bool) and value in _DTYPE_ENUM, op,
+             f"{name}={value!r} is not a dtype the op knows")
+    return _DTYPE_ENUM[value]
+
+
+def _is_transposed_view(t) -> bool:
+    """The last two dims are a transposed view of a contiguous tensor (torch_npu's
+    ``is_transpose_last_two_dims``: what aclnn passes on as transposeX1 / transposeX2)."""
+    if t.dim() < 2 or (t.shape[-1] == 1 and t.shape[-2] == 1):
+        return False
+    if t.stride(-2) != 1 or t.stride(-1) != t.shape[-2]:
+        return False
+    step = t.shape[-1] * t.shape[-2]
+    for d in range(t.dim() - 3, -1, -1):
+        if t.stride(d) != step:
+            return False
+        step *= t.shape[d]
+    return True
+
+
+def _nd_matrix(op: str, name: str, t) -> None:
+    """ND layout: contiguous, or a transposed view of a contiguous tensor (the ops read both)."""
+    _require(t.is_contiguous() or _is_transposed_view(t), op,
+             f"{name} must be contiguous or a transposed view of a contiguous tensor (ND), got strides {t.stride()}")
+
+
+def _round_half_even_to_int8(values: torch.Tensor) -> torch.Tensor:
+    """float32 -> int8: round half to even (the hardware's rint), saturating."""
+    return values.round().clamp_(_INT8_MIN, _INT8_MAX).to(torch.int8)
+
+
+def _int64_scale_as_float(scale: torch.Tensor, op: str) -> torch.Tensor:
+    """An int64 ``scale`` (``npu_trans_quant_param`` without offset) as the float32 it packs:
+    the low 32 bits hold the float32's bits, read as FP19 (13 low mantissa bits dropped). A scale
+    that packs an offset (bits above 32) is not simulated."""
+    _require(bool(((scale >> 32) == 0).all()), op, "an int64 scale packing an offset is not simulated")
+    bits = (scale & _FP19_MASK).to(torch.int32)  # values < 2^32; the int32 wrap keeps the bit pattern
+    return bits.view(torch.float32)
+
+
+def npu_quant_matmul(x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None, x1_dtype=None,
+                     x2_dtype=None, pertoken_scale_dtype=None, scale_dtype=None, group_sizes=None, y_scale=None):
+    """``npu_quant_matmul(Tensor x1, Tensor x2, Tensor scale, *, Tensor? offset=None, Tensor?
+    pertoken_scale=None, Tensor? bias=None, int? output_dtype=None, ...) -> Tensor`` (full schema in
+    npu_schemas.txt): the int8 x int8 matmul of aclnnQuantMatmulV4. ``x1`` (..., m, k) int8, ``x2``
+    the weight **(..., k, n)** int8 (2-6 dims each, batch dims broadcast): contiguous, or a
+    transposed view of a contiguous (n, k) tensor (the docs' ``x2.t()``); ``x1``'s k must equal
+    ``x2``'s k, so an untransposed (n, k) weight is refused. The product accumulates exactly in
+    int32 (|sum| <= 127 * 128 * 65535 < 2^31). Then, in float32::
+
+        int32 bias:               out = (x1 @ x2 + bias) * scale [* pertoken_scale]
+        float bias / no bias:     out = (x1 @ x2) * scale [* pertoken_scale] + bias
+
+    cast to ``output_dtype``. ``scale`` 1-D (1,) or (n,): float32, bfloat16 (bfloat16 output only)
+    or int64 (``npu_trans_quant_param``'s FP19 packing; float16 output without pertoken only);
+    ``pertoken_scale`` float32 (m,) for 2-D ``x1`` (needs float16 / bfloat16 output); ``bias``
+    (n,) or (batch, 1, n): int32 always; bfloat16 with bfloat16 output; float16 only with
+    pertoken_scale and float16 output; float32 with pertoken_scale or bfloat16 output.
+    Simulated outputs: float16 and bfloat16 (the docs' default, int8, and int32 are refused as not
+    simulated, and with them ``offset``); int4 packing, ``x1_dtype`` / ``x2_dtype`` /
+    ``scale_dtype`` / ``pertoken_scale_dtype`` / ``group_sizes`` / ``y_scale`` likewise."""
+    op = "npu_quant_matmul"
+    unsimulated = dict(x1_dtype=x1_dtype, x2_dtype=x2_dtype, pertoken_scale_dtype=pertoken_scale_dtype,
+                       scale_dtype=scale_dtype, group_sizes=group_sizes, y_scale=y_scale, offset=offset)
+    given = [name for name, value in unsimulated.items() if value is not None]
+    _require(not given, op, f"{', '.join(given)} not simulated by the fake (int8 x int8, float output)")
+    for name, t in (("x1", x1), ("x2", x2), ("scale", scale)):
+        _require(isinstance(t, torch.Tensor) and t.numel() > 0, op, f"{name} must be a non-empty tensor")
+    _require(x1.dtype == torch.int8, op, f"x1 must be int8, got {x1.dtype} (int32-packed int4 is not simulated)")
+    _require(x2.dtype == x1.dtype, op, f"x2 dtype {x2.dtype} must match x1's ({x1.dtype})")
+    _require(2 <= x1.dim() <= 6 and 2 <= x2.dim() <= 6, op,
+             f"x1 and x2 must have 2-6 dims, got {x1.dim()} and {x2.dim()}")
+    _nd_matrix(op, "x1", x1)
+    _nd_matrix(op, "x2", x2)
+    m, k = x1.shape[-2:]
+    _require(x2.shape[-2] == k, op,
+             f"k dim of x1 ({k}) and x2 ({x2.shape[-2]}) must be the same: x2 is the (k, n) weight "
+             f"(pass a transposed view of an (n, k) weight), got x2 {tuple(x2.shape)}")
+    n = x2.shape[-1]
+    _require(k <= _QMM_MAX_INNER and n <= _QMM_MAX_INNER, op, f"the last dims of x1 / x2 must be <= {_QMM_MAX_INNER}")
+    try:
+        batch = torch.broadcast_shapes(x1.shape[:-2], x2.shape[:-2])
+    except RuntimeError:
+        raise NpuOpError(f"{op}: the batch shape cannot be broadcast ({tuple(x1.shape)} x {tuple(x2.shape)})") from None
+    out_dtype = _dtype_arg(op, "output_dtype", output_dtype)
+    _require(out_dtype in _HALF_DTYPES, op,
+             f"output_dtype {out_dtype or 'None (int8)'} not simulated by the fake (float16 / bfloat16 only)")
+    _require(scale.dim() == 1 and scale.shape[0] in (1, n), op,
+             f"scale must be 1-D (1,) or (n={n},), got {tuple(scale.shape)}")
+    _require(scale.dtype in (torch.float32, torch.bfloat16, torch.int64), op,
+             f"scale dtype {scale.dtype} not supported (float32 / bfloat16 / int64)")
+    _require(scale.dtype != torch.bfloat16 or out_dtype == torch.bfloat16, op,
+             "when scale's dtype is bfloat16, output_dtype must be bfloat16")
+    if pertoken_scale is not None:
+        _require(isinstance(pertoken_scale, torch.Tensor) and pertoken_scale.dtype == torch.float32, op,
+                 "pertoken_scale must be a float32 tensor")
+        _require(pertoken_scale.dim() == 1 and pertoken_scale.shape[0] == m, op,
+                 f"pertoken_scale must be 1-D (m={m},), got {tuple(pertoken_scale.shape)}")
+    if out_dtype == torch.float16:
+        _require(scale.dtype != torch.int64 or pertoken_scale is None, op,
+                 "an int64 scale cannot be combined with pertoken_scale")
+        _require(pertoken_scale is None or scale.dtype == torch.float32, op,
+                 "float16 output with pertoken_scale needs a float32 scale")
+    else:
+        _require(scale.dtype != torch.int64, op, "bfloat16 output needs a float32 / bfloat16 scale, not int64")
+    out_dims = len(batch) + 2
+    if bias is not None:
+        _require(isinstance(bias, torch.Tensor), op, "bias must be a tensor")
+        _require(bias.dtype in (torch.int32, torch.bfloat16, torch.float16, torch.float32), op,
+                 f"bias dtype {bias.dtype} not supported (int32 / bfloat16 / float16 / float32)")
+        _require(bias.dtype != torch.bfloat16 or out_dtype == torch.bfloat16, op,
+                 "when bias dtype is bfloat16, output_dtype must be bfloat16")
+        if pertoken_scale is None:
+            _require(bias.dtype != torch.float16, op, "bias dtype cannot be float16 when pertoken_scale is not given")
+            _require(bias.dtype != torch.float32 or out_dtype == torch.bfloat16, op,
+                     "a float32 bias without pertoken_scale needs bfloat16 output")
+        else:
+            _require(bias.dtype != torch.float16 or out_dtype == torch.float16, op,
+                     "when bias dtype is float16 and pertoken_scale is given, output_dtype must be float16")
+        if bias.dim() == 1:
+            _require(bias.shape[0] == n, op, f"a 1-D bias must be (n={n},), got {tuple(bias.shape)}")
+        else:
+            _require(bias.dim() == 3 and out_dims == 3 and tuple(bias.shape) == (batch.numel(), 1, n), op,
+                     f"bias must be (n,) or, with a 3-D output, (batch, 1, n); got {tuple(bias.shape)}")
+    # int32 accumulation, exactly: float64 holds every partial sum (|sum| < 2^31 < 2^53).
+    acc = torch.matmul(x1.to(torch.float64), x2.to(torch.float64))
+    if bias is not None and bias.dtype == torch.int32:
+        acc = acc + bias.to(torch.float64)
+    acc = acc.to(torch.int32)
+    scale_f = _int64_scale_as_float(scale, op) if scale.dtype == torch.int64 else scale.float()
+    out = acc.float() * scale_f
+    if pertoken_scale is not None:
+        out = out * pertoken_scale[:, None]
+    if bias is not None and bias.dtype != torch.int32:
+        out = out + bias.float()
+    return out.to(out_dtype)
+
+
+def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=None,  # noqa: A002 - binding's name
+                      quant_mode="pertoken", dst_type_max=0.0):
+    """``npu_dynamic_quant(Tensor input, *, Tensor? smooth_scales=None, Tensor? group_index=None,
+    int? dst_type=None, str quant_mode="pertoken", float dst_type_max=0.0) -> (Tensor, Tensor)``:
+    per-token symmetric dynamic quantisation. For each row (token) of ``input`` (float16 /
+    bfloat16, at least 2-D), in float32::
+
+        scale = rowMax(|x * smooth_scales|) / 127
+        y     = round(x * smooth_scales / scale)        # int8, round half to even
+
+    ``smooth_scales`` (optional) 1-D, the size of the last dim, in ``input``'s dtype. Returns ``(y``
+    int8 shaped like ``input``, ``scale`` float32 shaped like ``input`` without its last dim``)``.
+    A row of zeros (the docs' formula divides 0 by 0) gives y = 0, scale = 0. ``dst_type`` None /
+    int8 and ``quant_mode="pertoken"`` are simulated; ``group_index`` (MoE), int4 output and the
+    other modes are refused as not simulated."""
+    op = "npu_dynamic_quant"
+    _require(isinstance(input, torch.Tensor) and input.dtype in _HALF_DTYPES, op,
+             f"input must be a float16 / bfloat16 tensor, got {getattr(input, 'dtype', type(input).__name__)}")
+    _require(input.dim() > 1 and input.numel() > 0, op, f"input must have more than 1 dim and not be empty, "
+                                                        f"got {tuple(input.shape)}")
+    _require(group_index is None, op, "group_index (MoE groups) not simulated by the fake")
+    _require(quant_mode == "pertoken" and dst_type_max == 0.0, op,
+             f"only quant_mode='pertoken' (dst_type_max 0.0) is simulated, got {quant_mode!r}, {dst_type_max!r}")
+    target = _dtype_arg(op, "dst_type", dst_type)
+    _require(target in (None, torch.int8), op, f"dst_type {target} not simulated (int8 only)")
+    x = input.float()
+    if smooth_scales is not None:
+        _require(isinstance(smooth_scales, torch.Tensor) and smooth_scales.dtype == input.dtype, op,
+                 f"smooth_scales must be a tensor in input's dtype ({input.dtype})")
+        _require(smooth_scales.dim() == 1 and smooth_scales.shape[0] == input.shape[-1], op,
+                 f"smooth_scales must be 1-D with {input.shape[-1]} entries, got {tuple(smooth_scales.shape)}")
+        x = x * smooth_scales.float()
+    scale = x.abs().amax(dim=-1) / _INT8_MAX
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    y = _round_half_even_to_int8(x / safe[..., None])
+    return y, scale
+
+
+_WQBMM_MAX_DIM = 65535  # npu_weight_quant_batchmatmul: K, N in [1, 65535]
+
+
+def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=None, quant_scale=None,
+                                 quant_offset=None, bias=None, antiquant_group_size=0, inner_precise=0,
+                                 weight_dtype=None):
+    """``npu_weight_quant_batchmatmul(Tensor x, Tensor weight, Tensor antiquant_scale, Tensor?
+    antiquant_offset=None, Tensor? quant_scale=None, Tensor? quant_offset=None, Tensor? bias=None,
+    int antiquant_group_size=0, int inner_precise=0, int? weight_dtype=None) -> Tensor``: W8A16
+    (aclnnWeightQuantBatchMatmulV2)::
+
+        y = x @ ((weight + antiquant_offset) * antiquant_scale) + bias
+
+    ``x`` (M, K) float16 / bfloat16; ``weight`` **(K, N)** int8, contiguous or a transposed view of
+    a contiguous (N, K) tensor (the docs recommend the transposed one per channel); K, N in
+    [1, 65535]. ``antiquant_scale`` in ``x``'s dtype: per tensor (1,) / (1, 1), per channel (N,) /
+    (1, N), per group (ceil(K / antiquant_group_size), N) with the group size a multiple of 32 in
+    [32, K - 1]; ``antiquant_offset`` (optional) the same shape and dtype (the offset is *added*
+    before scaling). ``bias`` (N,) / (1, N), contiguous: float32 for bfloat16 ``x``, float16 for
+    float16 ``x``. Precision model: the antiquantised weight is rounded to ``x``'s dtype (the cube
+    unit multiplies float16 / bfloat16), products accumulate in float32, bias added in float32,
+    result in ``x``'s dtype. Not simulated (refused): ``quant_scale`` / ``quant_offset`` (int8
+    output), an int64 ``antiquant_scale``, int32-packed int4 weights, ``weight_dtype``."""
+    op = "npu_weight_quant_batchmatmul"
+    unsimulated = dict(quant_scale=quant_scale, quant_offset=quant_offset, weight_dtype=weight_dtype)
+    given = [name for name, value in unsimulated.items() if value is not None]
+    _require(not given, op, f"{', '.join(given)} not simulated by the fake (int8 weight, float output)")
+    _require(isinstance(x, torch.Tensor) and x.dtype in _HALF_DTYPES, op,
+             f"x must be a float16 / bfloat16 tensor, got {getattr(x, 'dtype', type(x).__name__)}")
+    _require(isinstance(weight, torch.Tensor) and weight.dtype == torch.int8, op,
+             f"weight must be int8, got {getattr(weight, 'dtype', type(weight).__name__)} "
+             "(int32-packed int4 is not simulated)")
+    _require(x.dim() == 2 and weight.dim() == 2, op,
+             f"x must be (M, K) and weight (K, N), got {tuple(x.shape)} and {tuple(weight.shape)}")
+    _require(x.numel() > 0 and weight.numel() > 0, op, "empty tensors are not supported")
+    _nd_matrix(op, "x", x)
+    _nd_matrix(op, "weight", weight)
+    k, n = x.shape[1], weight.shape[1]
+    _require(weight.shape[0] == k, op,
+             f"weight must be (K={k}, N): x's K and weight's K differ (weight {tuple(weight.shape)}; pass a "
+             "transposed view of an (N, K) weight)")
+    _require(k <= _WQBMM_MAX_DIM and n <= _WQBMM_MAX_DIM, op, f"K and N must be in [1, {_WQBMM_MAX_DIM}]")
+    _require(isinstance(antiquant_scale, torch.Tensor) and antiquant_scale.dtype == x.dtype, op,
+             f"antiquant_scale must be in x's dtype ({x.dtype}), got "
+             f"{getattr(antiquant_scale, 'dtype', type(antiquant_scale).__name__)} (int64 is not simulated)")
+    _require(inner_precise in (0, 1), op, f"inner_precise must be 0 or 1, got {inner_precise!r}")
+    shape = tuple(antiquant_scale.shape)
+    if antiquant_group_size:
+        _require(isinstance(antiquant_group_size, int) and antiquant_group_size % 32 == 0
+                 and 32 <= antiquant_group_size <= k - 1, op,
+                 f"antiquant_group_size must be a multiple of 32 in [32, K-1={k - 1}], got {antiquant_group_size!r}")
+        groups = cdiv(k, antiquant_group_size)
+        _require(shape == (groups, n), op, f"per-group antiquant_scale must be ({groups}, {n}), got {shape}")
+    else:
+        _require(shape in ((1,), (1, 1), (n,), (1, n)), op,
+                 f"antiquant_scale must be (1,) / (1, 1) per tensor or ({n},) / (1, {n}) per channel, got {shape}")
+    if antiquant_offset is not None:
+        _require(isinstance(antiquant_offset, torch.Tensor) and antiquant_offset.dtype == antiquant_scale.dtype, op,
+                 f"antiquant_offset must be in antiquant_scale's dtype ({antiquant_scale.dtype})")
+        _require(tuple(antiquant_offset.shape) == shape, op,
+                 f"antiquant_offset must have antiquant_scale's shape {shape}, got {tuple(antiquant_offset.shape)}")
+    if bias is not None:
+        want = torch.float32 if x.dtype == torch.bfloat16 else torch.float16
+        _require(isinstance(bias, torch.Tensor) and bias.dtype == want, op,
+                 f"bias must be {want} for {x.dtype} x, got {getattr(bias, 'dtype', type(bias).__name__)}")
+        _require(tuple(bias.shape) in ((n,), (1, n)), op, f"bias must be ({n},) or (1, {n}), got {tuple(bias.shape)}")
+        _require(bias.is_contiguous(), op, "bias must be contiguous")
+
+    def per_row(t):  # (K, N) view of a scale / offset
+        t = t.float()
+        if antiquant_group_size:
+            return t.repeat_interleave(antiquant_group_size, dim=0)[:k]
+        return t.reshape(1, -1).expand(k, n)
+
+    w = weight.float()
+    if antiquant_offset is not None:
+        w = w + per_row(antiquant_offset)
+    w = (w * per_row(antiquant_scale)).to(x.dtype)
+    y = x.float() @ w.float()
+    if bias is not None:
+        y = y + bias.float().reshape(-1)
+    return y.to(x.dtype)
+
+
+def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):  # noqa: A002 - binding's names
+    """``npu_quantize(Tensor input, Tensor scales, Tensor? zero_points, int dtype, int axis=1,
+    bool div_mode=True) -> Tensor`` (aclnnAscendQuantV2): static quantisation, in float32::
+
+        div_mode=True:  y = round(input / scales + zero_points)
+        div_mode=False: y = round(input * scales + zero_points)
+
+    rounded half to even and saturated to ``dtype`` (``torch.qint8``: int8 output). ``input``
+    float32 / float16 / bfloat16. ``scales`` broadcast along one axis: 1-D with the size of that
+    axis of ``input`` or 1, or ``input``'s rank with every other dim 1. ``axis``: with div_mode
+    False, -2 is the second-last axis and anything larger the last (values below -2, or past the
+    rank, are refused); with div_mode True an ordinary axis index. div_mode False: ``scales``
+    float32 / float16 / bfloat16 and ``zero_points`` the same shape and dtype (or None); div_mode
+    True: ``scales`` float32 / bfloat16, ``zero_points`` int8 / uint8 / int32 / bfloat16 (or
+    None). Simulated output: ``torch.qint8`` (int8); quint8 / int32 / quint4x2 are refused as not
+    simulated."""
+    op = "npu_quantize"
+    _require(isinstance(input, torch.Tensor) and input.dtype in _ELEMENTWISE_DTYPES, op,
+             f"input must be a float32 / float16 / bfloat16 tensor, got {getattr(input, 'dtype', type(input).__name__)}")
+    _require(input.dim() >= 1, op, "input must have at least 1 dim")
+    target = _dtype_arg(op, "dtype", dtype)
+    _require(target in (torch.qint8, torch.int8), op, f"dtype {target} not simulated by the fake (torch.qint8 only)")
+    _require(isinstance(axis, int) and not isinstance(axis, bool), op, f"axis must be an int, got {axis!r}")
+    if div_mode:
+        _require(-input.dim() <= axis < input.dim(), op, f"axis {axis} out of range for a {input.dim()}-D input")
+        dim = axis % input.dim()
+        scale_dtypes = (torch.float32, torch.bfloat16)
+        zero_dtypes = (torch.int8, torch.uint8, torch.int32, torch.bfloat16)
+    else:
+        _require(-2 <= axis < input.dim() and (axis != -2 or input.dim() >= 2), op,
+                 f"with div_mode=False axis must be in [-2, {input.dim() - 1}] (-2: second-last axis, "
+                 f"else the last), got {axis}")
+        dim = input.dim() - (2 if axis == -2 else 1)
+        scale_dtypes = _ELEMENTWISE_DTYPES
+        zero_dtypes = None
+    _require(isinstance(scales, torch.Tensor) and scales.dtype in scale_dtypes, op,
+             f"scales dtype {getattr(scales, 'dtype', None)} not supported with div_mode={div_mode} "
+             f"({', '.join(map(str, scale_dtypes))})")
+    size = input.shape[dim]
+
+    def along_axis(t, name):
+        if t.dim() == 1:
+            _require(t.shape[0] in (size, 1), op, f"1-D {name} must have {size} (input dim {dim}) or 1 entries, "
+                                                 f"got {t.shape[0]}")
+            shape = [1] * input.dim()
+            shape[dim] = t.shape[0]
+            return t.reshape(shape)
+        _require(t.dim() == input.dim() and all(s == 1 for d, s in enumerate(t.shape) if d != dim)
+                 and t.shape[dim] in (size, 1), op,
+                 f"{name} {tuple(t.shape)} must be 1-D or input's rank with every dim but {dim} equal to 1")
+        return t
+
+    s = along_axis(scales, "scales").float()
+    y = input.float() / s if div_mode else input.float() * s
+    if zero_points is not None:
+        _require(isinstance(zero_points, torch.Tensor), op, "zero_points must be a tensor or None")
+        if div_mode:
+            _require(zero_points.dtype in zero_dtypes, op, f"zero_points dtype {zero_points.dtype} not supported "
+                                                           f"with div_mode=True ({', '.join(map(str, zero_dtypes))})")
+        else:
+            _require(zero_points.dtype == scales.dtype and zero_points.shape == scales.shape, op,
+                     f"with div_mode=False zero_points must have scales' shape and dtype ({tuple(scales.shape)}, "
+                     f"{scales.dtype}), got ({tuple(zero_points.shape)}, {zero_points.dtype})")
+        y = y + along_axis(zero_points, "zero_points").float()
+    return _round_half_even_to_int8(y)
+
+
 OPS = (
     _npu_reshape_and_cache,
     _npu_flash_attention,
@@ -696,6 +1047,10 @@ OPS = (
     npu_moe_compute_expert_tokens,
     npu_grouped_matmul,
     npu_moe_finalize_routing,
+    npu_quant_matmul,
+    npu_dynamic_quant,
+    npu_weight_quant_batchmatmul,
+    npu_quantize,
 )
 
 

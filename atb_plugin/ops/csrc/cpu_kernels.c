@@ -253,101 +253,552 @@ void argmax_f32(const float *x, int64_t x_stride, int64_t rows, int64_t width, i
 /* Linear layers: y = x W^T (+ bias) with W (N, K) held as column panels (docs/architecture.md,
  * "Native CPU kernels"):
  *
- *   panels[p][k][j] = W[p * PANEL + j][k]        p < ceil(N / PANEL), columns past N are zero
+ *   float32:  panels[p][k][j] = W[p * PANEL + j][k]        p < ceil(N / PANEL), columns past N are zero
+ *   bfloat16: panels[p][k/2][j][k%2] = W[p * PANEL + j][k] (pairs of k interleaved, K padded to even)
  *
  *        k ->                    panel p, read front to back:
- *   W  [ row p*64     ]          k=0: W[p*64..p*64+63][0]   (64 floats, 4 vectors)
+ *   W  [ row p*64     ]          k=0: W[p*64..p*64+63][0]   (64 floats: 256 bytes)
  *      [ ...          ]   --->   k=1: W[p*64..p*64+63][1]
  *      [ row p*64+63  ]          ...  one contiguous K x 64 block per panel
  *
- * A tile of MR rows of x times one panel keeps MR x 4 vector sums in registers: per k, 4 vector
- * loads of the panel, MR broadcasts of x, 4 MR fused multiply-adds. One row (decode of a single
- * stream) streams the panels once, front to back; with more rows, the panel (K x 256 bytes) stays
- * in L2 for all its row tiles, which share out prefetching the next panel into L2 while they
- * compute, so reading the weights from DRAM overlaps the arithmetic instead of alternating with it
- * (that overlap is what beats oneDNN's packed GEMM at 32 rows: benchmarks/RESULTS.md). */
+ * A bfloat16 panel has the same 256 bytes per step, a step being a pair of k: each 32-bit lane
+ * holds one column's W[.][k] (low half) and W[.][k+1] (high half), so the two float32 values are
+ * `lane << 16` and `lane & 0xffff0000`: two integer ops per vector, and the same layout would feed
+ * AVX-512 BF16's pairwise dot product (vdpbf16ps) unchanged.
+ *
+ * A tile of rows of x times one panel keeps rows x nv vector sums in registers: per step, nv
+ * vector loads of the panel, one broadcast of x per row, rows x nv fused multiply-adds; a panel
+ * wider than nv vectors is swept in passes of nv vectors. nv is chosen per row count so the
+ * sums, the panel's vectors and a broadcast fit the register file (32 vectors with AVX-512: 6
+ * rows x the whole 64-column panel; 16 with AVX2 or SSE: 6 rows x 16 columns per pass). The
+ * first version held 6 x 64 columns always, which on AVX2 (vectors of 8 floats, 16 registers)
+ * spilled 48 sums to the stack (benchmarks/RESULTS.md, bench_moe and "Low precision").
+ * One row (decode of a single stream) streams the panels once, front to back; with more rows,
+ * the panel (K x 256 bytes) stays in L2 for all its row tiles, which share out prefetching the
+ * next panel into L2 while they compute, so reading the weights from DRAM overlaps the
+ * arithmetic instead of alternating with it (benchmarks/RESULTS.md, bench_engine "Fourth round"). */
 #define PANEL 64
 #define MR 6
-#define PREFETCH_AHEAD 8 /* k steps (of 256 bytes) a tile streaming its own panel prefetches ahead */
+#define PREFETCH_AHEAD 8 /* steps (of 256 bytes) a tile streaming its own panel prefetches ahead */
+#define STEP_BYTES 256   /* one step of a panel, either format */
+#define BLOCK_STEPS 256  /* steps per block of a tile that sweeps its panel in several passes (64 KiB) */
 
-/* Always inlined and called with a constant `rows` (linear_rows below), so that each row count
- * gets its own loop with its rows x 4 sums in registers: a loop over a variable row count keeps
- * them in memory (what made the first version slower than oneDNN at 1-4 rows and at 2048:
- * benchmarks/RESULTS.md, bench_engine "Fourth round"). */
+#if defined(__AVX512F__)
+#define VL 16
+#define VREGS 32
+#elif defined(__AVX__)
+#define VL 8
+#define VREGS 16
+#elif defined(__aarch64__)
+#define VL 4
+#define VREGS 32
+#else
+#define VL 4
+#define VREGS 16
+#endif
+#define NVEC (PANEL / VL)
+typedef float vn __attribute__((vector_size(VL * sizeof(float))));
+typedef uint32_t vu __attribute__((vector_size(VL * sizeof(uint32_t))));
+static inline vn loadn(const float *p) { vn v; memcpy(&v, p, sizeof v); return v; }
+static inline vu loadu(const void *p) { vu v; memcpy(&v, p, sizeof v); return v; }
+static inline void storen(float *p, vn v) { memcpy(p, &v, sizeof v); }
+
+/* Vectors per pass for a tile of `rows`: one row takes the whole panel width in one pass (its
+ * sums and a broadcast are all it keeps; each panel vector feeds one multiply-add straight from
+ * memory); more rows take the widest of 4, 2, 1 (dividing NVEC) whose sums, panel vectors and one
+ * broadcast fit the registers. Constant-folded: `rows` is a constant in every inlined linear_tile. */
+static inline __attribute__((always_inline)) int vectors_per_pass(int rows) {
+    if (rows == 1) return NVEC;
+    for (int nv = NVEC < 4 ? NVEC : 4; nv > 1; nv /= 2)
+        if (rows * nv + nv + 1 <= VREGS) return nv;
+    return 1;
+}
+
+static inline float bf16_to_float(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* float32 -> bfloat16, rounding to nearest even (as torch's .to(torch.bfloat16)); NaN stays NaN. */
+static inline uint16_t float_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* Always inlined and called with constant `rows` and `bf16` (linear_rows below), so that each
+ * row count gets its own loop with its sums in registers: a loop over a variable row count keeps
+ * them in memory (benchmarks/RESULTS.md, bench_engine "Fourth round"). `steps` is K (float32) or
+ * K / 2 (bfloat16 pairs; x then holds 2 * steps floats per row). */
 static inline __attribute__((always_inline)) void linear_tile(
-        const float *x, int64_t x_stride, const int rows, int64_t K, const float *panel, const float *bias, float *y,
-        int64_t y_stride, int64_t cols, const float *prefetch, int64_t lines) {
-    vf acc[MR][4];
-    int64_t due = 0; /* lines * (k + 1) / K prefetches are due after step k, issued as they fall due */
-    for (int r = 0; r < rows; r++)
-        for (int j = 0; j < 4; j++) acc[r][j] = bias ? load(bias + LANES * j) : (vf){0};
-    for (int64_t k = 0; k < K; k++) {
-        const float *w = panel + k * PANEL;
-        for (due += lines; due >= K; due -= K, prefetch += LANES) __builtin_prefetch(prefetch, 0, 2);
-        const vf w0 = load(w), w1 = load(w + LANES), w2 = load(w + 2 * LANES), w3 = load(w + 3 * LANES);
+        const float *x, int64_t x_stride, const int rows, const int bf16, int64_t steps, const char *panel,
+        const float *bias, float *y, int64_t y_stride, int64_t cols, const char *prefetch, int64_t lines) {
+    const int nv = vectors_per_pass(rows);
+    const int64_t total = steps * (NVEC / nv); /* prefetches spread over every pass's steps */
+    int64_t due = 0; /* lines * (s + 1) / total prefetches are due after step s, issued as they fall due */
+    float full[MR][PANEL]; /* the last, partial panel: its columns gathered here, only the real ones copied */
+    /* With several passes, the panel is swept in blocks of BLOCK_STEPS steps (64 KiB), every pass
+     * over one block before the next, the sums parked in the output between blocks: a whole panel
+     * (K x 256 bytes: 1.4 MiB at K = 5632) does not stay in L2 from one pass to the next
+     * (benchmarks/RESULTS.md, "Low precision"). The sums are added in the same order either way. */
+    const int64_t block = NVEC / nv > 1 ? BLOCK_STEPS : steps;
+    for (int64_t s0 = 0; s0 < steps; s0 += block) {
+        const int64_t s1 = steps - s0 < block ? steps : s0 + block;
+        for (int q = 0; q < NVEC; q += nv) {
+            vn acc[MR][NVEC];
+            for (int r = 0; r < rows; r++)
+                for (int j = 0; j < nv; j++) {
+                    const float *sum = (cols == PANEL ? y + r * y_stride : full[r]) + (q + j) * VL;
+                    acc[r][j] = s0 ? loadn(sum) : bias ? loadn(bias + (q + j) * VL) : (vn){0};
+                }
+            for (int64_t s = s0; s < s1; s++) {
+                for (due += lines; due >= total; due -= total, prefetch += 64) __builtin_prefetch(prefetch, 0, 2);
+                const char *w = panel + s * STEP_BYTES + q * VL * 4;
+                if (!bf16) {
+                    vn wv[NVEC];
+                    for (int j = 0; j < nv; j++) wv[j] = loadn((const float *)w + j * VL);
 #pragma GCC unroll 6
-        for (int r = 0; r < rows; r++) {
-            const float b = x[r * x_stride + k];
-            acc[r][0] += w0 * b; acc[r][1] += w1 * b; acc[r][2] += w2 * b; acc[r][3] += w3 * b;
+                    for (int r = 0; r < rows; r++) {
+                        const float b = x[r * x_stride + s];
+                        for (int j = 0; j < nv; j++) acc[r][j] += wv[j] * b;
+                    }
+                } else {
+                    vn w0[NVEC], w1[NVEC];
+                    for (int j = 0; j < nv; j++) {
+                        const vu lane = loadu(w + j * VL * 4);
+                        w0[j] = (vn)(lane << 16);
+                        w1[j] = (vn)(lane & 0xffff0000u);
+                    }
+#pragma GCC unroll 6
+                    for (int r = 0; r < rows; r++) {
+                        const float b0 = x[r * x_stride + 2 * s], b1 = x[r * x_stride + 2 * s + 1];
+                        for (int j = 0; j < nv; j++) { /* two fused multiply-adds, not a product, an FMA and an add */
+                            acc[r][j] += w0[j] * b0;
+                            acc[r][j] += w1[j] * b1;
+                        }
+                    }
+                }
+            }
+            for (int r = 0; r < rows; r++)
+                for (int j = 0; j < nv; j++)
+                    storen((cols == PANEL ? y + r * y_stride : full[r]) + (q + j) * VL, acc[r][j]);
         }
     }
-    for (int r = 0; r < rows; r++) {
-        float *out = y + r * y_stride;
-        if (cols == PANEL) {
-            for (int j = 0; j < 4; j++) store(out + LANES * j, acc[r][j]);
-        } else { /* the last, partial panel: only its real columns */
-            float full[PANEL];
-            for (int j = 0; j < 4; j++) store(full + LANES * j, acc[r][j]);
-            memcpy(out, full, cols * sizeof(float));
-        }
-    }
+    if (cols != PANEL)
+        for (int r = 0; r < rows; r++) memcpy(y + r * y_stride, full[r], cols * sizeof(float));
 }
 
-#define LINEAR_TILE(n) linear_tile(x, x_stride, n, K, panel, bias, y, y_stride, cols, prefetch, lines)
-static void linear_rows(const float *x, int64_t x_stride, int rows, int64_t K, const float *panel, const float *bias,
-                        float *y, int64_t y_stride, int64_t cols, const float *prefetch, int64_t lines) {
-    switch (rows) {
-    case 1: LINEAR_TILE(1); break;
-    case 2: LINEAR_TILE(2); break;
-    case 3: LINEAR_TILE(3); break;
-    case 4: LINEAR_TILE(4); break;
-    case 5: LINEAR_TILE(5); break;
-    default: LINEAR_TILE(MR); break;
+#define LINEAR_TILE(n) linear_tile(x, x_stride, n, bf16, steps, panel, bias, y, y_stride, cols, prefetch, lines)
+#define LINEAR_ROWS(B)                                      \
+    switch (rows) {                                         \
+    case 1: { const int bf16 = B; LINEAR_TILE(1); } break;  \
+    case 2: { const int bf16 = B; LINEAR_TILE(2); } break;  \
+    case 3: { const int bf16 = B; LINEAR_TILE(3); } break;  \
+    case 4: { const int bf16 = B; LINEAR_TILE(4); } break;  \
+    case 5: { const int bf16 = B; LINEAR_TILE(5); } break;  \
+    default: { const int bf16 = B; LINEAR_TILE(MR); } break; \
     }
+static void linear_rows(const float *x, int64_t x_stride, int rows, int weights_bf16, int64_t steps,
+                        const char *panel, const float *bias, float *y, int64_t y_stride, int64_t cols,
+                        const char *prefetch, int64_t lines) {
+    if (weights_bf16) LINEAR_ROWS(1) else LINEAR_ROWS(0)
 }
 
-/* y (M, N), rows y_stride apart; x (M, K), rows x_stride apart; bias NULL or ceil(N/PANEL)*PANEL. */
-void linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const float *panels, int64_t N,
-                const float *bias, float *y, int64_t y_stride, int num_threads) {
+/* The panels' sweep, either format: y (M, N), rows y_stride apart; x (M, steps or 2 * steps),
+ * rows x_stride apart; bias NULL or ceil(N/PANEL)*PANEL floats. */
+static void linear_panels(const float *x, int64_t M, int64_t steps, int64_t x_stride, const char *panels,
+                          int weights_bf16, int64_t N, const float *bias, float *y, int64_t y_stride,
+                          int num_threads) {
     const int64_t num_panels = (N + PANEL - 1) / PANEL, row_tiles = (M + MR - 1) / MR;
-    const int64_t panel_lines = K * PANEL / LANES; /* 64-byte lines in one panel */
+    const int64_t panel_bytes = steps * STEP_BYTES, panel_lines = panel_bytes / 64;
 #pragma omp parallel for schedule(static) num_threads(num_threads) if (num_panels > 1)
     for (int64_t p = 0; p < num_panels; p++) {
-        const float *panel = panels + p * K * PANEL;
+        const char *panel = panels + p * panel_bytes;
         const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
         for (int64_t t = 0; t < row_tiles; t++) {
             const int64_t m0 = t * MR;
             const int rows = (int)(M - m0 < MR ? M - m0 : MR);
-            /* What this tile prefetches into L2, spread evenly over its K steps: a lone tile (at
+            /* What this tile prefetches into L2, spread evenly over its steps: a lone tile (at
              * most MR rows) and the first panel's first tile stream their own panel, ahead of
              * where they read; otherwise the tiles share out the next panel's lines in proportion
              * to their rows (the first panel's first tile sits that out), so the next panel
              * arrives while this one is computed. A prefetch past the panels' end is a wasted
              * hint, never a fault. */
-            const float *prefetch = NULL;
+            const char *prefetch = NULL;
             int64_t lines = 0;
             if (row_tiles == 1 || (t == 0 && p == 0)) {
-                prefetch = panel + PREFETCH_AHEAD * PANEL;
+                prefetch = panel + PREFETCH_AHEAD * STEP_BYTES;
                 lines = panel_lines;
             } else if (p + 1 < num_panels) {
                 const int64_t skip = p == 0 ? MR : 0, first = panel_lines * (m0 - skip) / (M - skip);
                 lines = panel_lines * (m0 + rows - skip) / (M - skip) - first;
-                prefetch = panel + K * PANEL + first * LANES;
+                prefetch = panel + panel_bytes + first * 64;
             }
-            linear_rows(x + m0 * x_stride, x_stride, rows, K, panel, bias ? bias + p * PANEL : NULL,
+            linear_rows(x + m0 * x_stride, x_stride, rows, weights_bf16, steps, panel, bias ? bias + p * PANEL : NULL,
                         y + m0 * y_stride + p * PANEL, y_stride, cols, prefetch, lines);
         }
     }
+}
+
+/* float32 panels: y (M, N), rows y_stride apart; x (M, K), rows x_stride apart; bias NULL or
+ * ceil(N/PANEL)*PANEL floats. */
+void linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const float *panels, int64_t N,
+                const float *bias, float *y, int64_t y_stride, int num_threads) {
+    linear_panels(x, M, K, x_stride, (const char *)panels, 0, N, bias, y, y_stride, num_threads);
+}
+
+/* bfloat16 panels (K padded to even), float32 sums. x (M, K) float32 or bfloat16 (x_bf16), rows
+ * x_stride elements apart; y (M, N) float32 or bfloat16 (y_bf16, rounded to nearest even), rows
+ * y_stride apart. bfloat16 or odd-K input is first widened into a float32 copy (even width, the
+ * pad column zero); bfloat16 output is computed into float32 and rounded at the end. Returns 0,
+ * or 1 when a scratch allocation failed (nothing written). */
+int linear_bf16w(const void *x, int x_bf16, int64_t M, int64_t K, int64_t x_stride, const uint16_t *panels,
+                 int64_t N, const float *bias, void *y, int y_bf16, int64_t y_stride, int num_threads) {
+    const int64_t steps = (K + 1) / 2, width = 2 * steps;
+    float *xs = NULL, *ys = NULL;
+    const float *xf = x;
+    int64_t xf_stride = x_stride;
+    if (x_bf16 || K % 2) {
+        xs = malloc(sizeof(float) * M * width);
+        if (!xs) return 1;
+        for (int64_t r = 0; r < M; r++) {
+            float *row = xs + r * width;
+            if (x_bf16)
+                for (int64_t k = 0; k < K; k++) row[k] = bf16_to_float(((const uint16_t *)x)[r * x_stride + k]);
+            else
+                memcpy(row, (const float *)x + r * x_stride, sizeof(float) * K);
+            if (K % 2) row[K] = 0.f;
+        }
+        xf = xs;
+        xf_stride = width;
+    }
+    float *yf = y;
+    int64_t yf_stride = y_stride;
+    if (y_bf16) {
+        ys = malloc(sizeof(float) * M * N);
+        if (!ys) { free(xs); return 1; }
+        yf = ys;
+        yf_stride = N;
+    }
+    linear_panels(xf, M, steps, xf_stride, (const char *)panels, 1, N, bias, yf, yf_stride, num_threads);
+    if (y_bf16)
+        for (int64_t r = 0; r < M; r++)
+            for (int64_t n = 0; n < N; n++) ((uint16_t *)y)[r * y_stride + n] = float_to_bf16(ys[r * N + n]);
+    free(xs);
+    free(ys);
+    return 0;
+}
+
+/* ---- int8 weights: W8A16 (weights dequantised in registers) and W8A8 (dynamic per-token) -----
+ *
+ * Both take the checkpoint's weight as it is, (N, K) int8 row-major, and take dot products along
+ * its contiguous K (docs/architecture.md, "Native CPU kernels"). A block of OT weight rows (OT x
+ * K bytes, in L1 for the K of the models here) is multiplied with every row of x, RT rows at a
+ * time; blocks of weight rows are shared out between the threads.
+ *
+ * The instruction set is chosen per call from what the probe found (cpu_set_features; the probe
+ * is csrc/cpu_probe.c): kernels for sets beyond the library's base flags are compiled with
+ * __attribute__((target(...))) and called only when the probe saw their instructions execute. */
+
+#define FEATURE_AVX2 1
+#define FEATURE_AVX512 2
+#define FEATURE_AVX512_BF16 4
+#define FEATURE_AVX512_VNNI 8
+#define FEATURE_AVX_VNNI 16
+#define FEATURE_AMX_BF16 32
+#define FEATURE_AMX_INT8 64
+static int g_features;
+
+/* The features the kernels may use from now on (the probe's, or fewer: the tests take each
+ * variant in turn). Returns what was set. */
+int cpu_set_features(int mask) {
+    g_features = mask;
+    return g_features;
+}
+
+/* The int8 kernels' instruction-set variant the next call takes (0 = portable C, 1 = AVX2,
+ * 2 = AVX-VNNI, 3 = AVX-512 VNNI), for the tests and benchmarks to report. */
+int w8a8_variant(void) {
+#if defined(__x86_64__) && defined(__AVX2__)
+    if (g_features & FEATURE_AVX512_VNNI) return 3;
+    if (g_features & FEATURE_AVX_VNNI) return 2;
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+#define OT 4 /* weight rows per block (a thread's unit of work) */
+#define TO 2 /* weight rows per tile */
+#define RT 4 /* rows of x per tile: RT x TO sums, TO weight vectors (and their |w|) in registers */
+#ifndef PF
+#define PF 2048
+#endif /* PF: bytes ahead in each weight row that a tile prefetches: the rows are TO streams */
+
+#if defined(__x86_64__) && defined(__AVX2__)
+#include <immintrin.h>
+
+static inline float hsum_ps(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+static inline int32_t hsum_epi32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* W8A16: out[r][o] = sum_k x[r][k] * w[o][k] for R rows and O weight rows (literal constants: the
+ * loops unroll and the R x O sums stay in registers). 8 int8 weights -> 8 int32 -> 8 floats. */
+#define W8A16_TILE(R, O)                                                                                    \
+    do {                                                                                                    \
+        __m256 acc[R][O];                                                                                   \
+        for (int r = 0; r < R; r++)                                                                         \
+            for (int o = 0; o < O; o++) acc[r][o] = _mm256_setzero_ps();                                   \
+        int64_t k = 0;                                                                                      \
+        for (; k + 8 <= K; k += 8) {                                                                        \
+            if ((k & 63) == 0)                                                                              \
+                for (int o = 0; o < O; o++) __builtin_prefetch(w + o * K + k + PF);                         \
+            __m256 wv[O];                                                                                   \
+            for (int o = 0; o < O; o++)                                                                     \
+                wv[o] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + o * K + k)))); \
+            for (int r = 0; r < R; r++) {                                                                   \
+                const __m256 xv = _mm256_loadu_ps(x + r * x_stride + k);                                   \
+                for (int o = 0; o < O; o++) acc[r][o] = _mm256_fmadd_ps(xv, wv[o], acc[r][o]);            \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int r = 0; r < R; r++)                                                                         \
+            for (int o = 0; o < O; o++) {                                                                   \
+                float sum = hsum_ps(acc[r][o]);                                                             \
+                for (int64_t t = k; t < K; t++) sum += x[r * x_stride + t] * (float)w[o * K + t];          \
+                out[r * OT + o] = sum;                                                                      \
+            }                                                                                               \
+    } while (0)
+
+/* W8A8, exact int32 sums. maddubs multiplies unsigned by signed bytes and adds pairs into int16
+ * with saturation, so the operands are |w| (0..128, unsigned) and q with w's sign (q in
+ * -127..127: a symmetric per-token scale never makes -128 from finite x, so negating q cannot
+ * overflow): |w| * (q * sign(w)) = q * w, and a pair's sum is at most 2 * 128 * 127 = 32512 <
+ * 32767: never saturates. madd with ones then widens the pairs into int32. The VNNI variants do
+ * the same in one instruction (vpdpbusd: u8 x s8, four products into each int32, no saturation). */
+#define W8A8_TILE(R, O, DOT)                                                                                \
+    do {                                                                                                    \
+        __m256i acc[R][O];                                                                                  \
+        for (int r = 0; r < R; r++)                                                                         \
+            for (int o = 0; o < O; o++) acc[r][o] = _mm256_setzero_si256();                                \
+        int64_t k = 0;                                                                                      \
+        for (; k + 32 <= K; k += 32) {                                                                      \
+            if ((k & 63) == 0)                                                                              \
+                for (int o = 0; o < O; o++) __builtin_prefetch(w + o * K + k + PF);                         \
+            __m256i wv[O], aw[O];                                                                           \
+            for (int o = 0; o < O; o++) {                                                                   \
+                wv[o] = _mm256_loadu_si256((const __m256i *)(w + o * K + k));                               \
+                aw[o] = _mm256_abs_epi8(wv[o]);                                                             \
+            }                                                                                               \
+            for (int r = 0; r < R; r++) {                                                                   \
+                const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + r * q_stride + k));             \
+                for (int o = 0; o < O; o++) acc[r][o] = DOT(acc[r][o], aw[o], _mm256_sign_epi8(qv, wv[o])); \
+            }                                                                                               \
+        }                                                                                                   \
+        for (int r = 0; r < R; r++)                                                                         \
+            for (int o = 0; o < O; o++) {                                                                   \
+                int32_t sum = hsum_epi32(acc[r][o]);                                                        \
+                for (int64_t t = k; t < K; t++) sum += (int32_t)q[r * q_stride + t] * w[o * K + t];        \
+                out[r * OT + o] = sum;                                                                      \
+            }                                                                                               \
+    } while (0)
+
+#define DOT_AVX2(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)))
+#define DOT_AVX_VNNI(acc, a, b) _mm256_dpbusd_avx_epi32(acc, a, b)
+#define DOT_AVX512_VNNI(acc, a, b) _mm256_dpbusd_epi32(acc, a, b)
+
+/* The tiles covering one block of `count` (<= OT) weight rows and all M rows of x: TO weight rows
+ * by RT rows where they fit, then narrower ones. Sums land in sums[r * OT + o]. */
+#define BLOCK_TILES(TILE_FULL, TILE_ROW, TILE_ONE_W, TILE_ONE)                                            \
+    for (int o0 = 0; o0 < count; o0 += TO) {                                                                \
+        const int pair = count - o0 >= TO;                                                                  \
+        for (int64_t m = 0; m < M;) {                                                                       \
+            const int full = M - m >= RT;                                                                   \
+            if (pair) { if (full) TILE_FULL; else TILE_ROW; }                                               \
+            else { if (full) TILE_ONE_W; else TILE_ONE; }                                                   \
+            m += full ? RT : 1;                                                                             \
+        }                                                                                                   \
+    }
+
+static void w8a16_block(const float *x0, int64_t M, int64_t K, int64_t x_stride, const int8_t *w0, int count,
+                        float *sums) {
+#define W8A16_AT(R, O) do { const float *x = x0 + m * x_stride; const int8_t *w = w0 + o0 * K; \
+                            float *out = sums + m * OT + o0; W8A16_TILE(R, O); } while (0)
+    BLOCK_TILES(W8A16_AT(RT, TO), W8A16_AT(1, TO), W8A16_AT(RT, 1), W8A16_AT(1, 1))
+#undef W8A16_AT
+}
+
+#define W8A8_BLOCK(NAME, ATTR, DOT)                                                                        \
+    static ATTR void NAME(const int8_t *q0, int64_t M, int64_t K, int64_t q_stride, const int8_t *w0, int count, \
+                          int32_t *sums) {                                                                  \
+        BLOCK_TILES(W8A8_AT(RT, TO, DOT), W8A8_AT(1, TO, DOT), W8A8_AT(RT, 1, DOT), W8A8_AT(1, 1, DOT))     \
+    }
+#define W8A8_AT(R, O, DOT) do { const int8_t *q = q0 + m * q_stride; const int8_t *w = w0 + o0 * K; \
+                                int32_t *out = sums + m * OT + o0; W8A8_TILE(R, O, DOT); } while (0)
+W8A8_BLOCK(w8a8_block_avx2, , DOT_AVX2)
+W8A8_BLOCK(w8a8_block_avx_vnni, __attribute__((target("avx2,fma,avxvnni"))), DOT_AVX_VNNI)
+W8A8_BLOCK(w8a8_block_avx512_vnni, __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"))),
+           DOT_AVX512_VNNI)
+
+static void w8a8_block(const int8_t *q, int64_t M, int64_t K, int64_t q_stride, const int8_t *w, int count,
+                       int32_t *sums) {
+    if (g_features & FEATURE_AVX512_VNNI) w8a8_block_avx512_vnni(q, M, K, q_stride, w, count, sums);
+    else if (g_features & FEATURE_AVX_VNNI) w8a8_block_avx_vnni(q, M, K, q_stride, w, count, sums);
+    else w8a8_block_avx2(q, M, K, q_stride, w, count, sums);
+}
+
+#else /* portable C: what the compiler makes of plain loops */
+
+static void w8a16_block(const float *x, int64_t M, int64_t K, int64_t x_stride, const int8_t *w, int count,
+                        float *sums) {
+    for (int64_t m = 0; m < M; m++)
+        for (int o = 0; o < count; o++) {
+            float sum = 0.f;
+            for (int64_t k = 0; k < K; k++) sum += x[m * x_stride + k] * (float)w[o * K + k];
+            sums[m * OT + o] = sum;
+        }
+}
+
+static void w8a8_block(const int8_t *q, int64_t M, int64_t K, int64_t q_stride, const int8_t *w, int count,
+                       int32_t *sums) {
+    for (int64_t m = 0; m < M; m++)
+        for (int o = 0; o < count; o++) {
+            int32_t sum = 0;
+            for (int64_t k = 0; k < K; k++) sum += (int32_t)q[m * q_stride + k] * w[o * K + k];
+            sums[m * OT + o] = sum;
+        }
+}
+#endif
+
+/* y = x @ ((w + offset[:, None]) * scale[:, None]).T + bias, computed as
+ * scale[o] * (x . w[o] + offset[o] * sum(x)) + bias[o]: int8 weights widened to float32 in
+ * registers, float32 sums. x (M, K) rows x_stride apart; w (N, K) int8; scale (N); offset and
+ * bias (N) or NULL; y (M, N) rows y_stride apart. Returns 0, or 1 when scratch failed. */
+int w8a16_linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const int8_t *w, int64_t N,
+                     const float *scale, const float *offset, const float *bias, float *y, int64_t y_stride,
+                     int num_threads) {
+    const int64_t blocks = (N + OT - 1) / OT;
+    float *rowsum = NULL;
+    if (offset) {
+        rowsum = malloc(sizeof(float) * M);
+        if (!rowsum) return 1;
+        for (int64_t m = 0; m < M; m++) {
+            float sum = 0.f;
+            for (int64_t k = 0; k < K; k++) sum += x[m * x_stride + k];
+            rowsum[m] = sum;
+        }
+    }
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (blocks > 1) reduction(| : failed)
+    {
+        float *sums = malloc(sizeof(float) * M * OT);
+        if (!sums) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            if (!sums) continue;
+            const int64_t o0 = b * OT;
+            const int count = N - o0 < OT ? (int)(N - o0) : OT;
+            w8a16_block(x, M, K, x_stride, w + o0 * K, count, sums);
+            for (int64_t m = 0; m < M; m++)
+                for (int o = 0; o < count; o++) {
+                    float v = sums[m * OT + o];
+                    if (offset) v += offset[o0 + o] * rowsum[m];
+                    v *= scale[o0 + o];
+                    y[m * y_stride + o0 + o] = bias ? v + bias[o0 + o] : v;
+                }
+        }
+        free(sums);
+    }
+    free(rowsum);
+    return failed;
+}
+
+/* Per-token symmetric int8: s[m] = max|x[m]| / 127 (0 for a row of zeros, whose q are 0), q =
+ * x / s rounded to nearest even (torch.round's rule, the current rounding mode's default),
+ * clamped to -128..127. q rows q_stride apart. */
+void quantize_rows_s8(const float *x, int64_t M, int64_t K, int64_t x_stride, int8_t *q, int64_t q_stride,
+                      float *s) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * x_stride;
+        int8_t *qr = q + m * q_stride;
+        float top = 0.f;
+        for (int64_t k = 0; k < K; k++) top = fmaxf(top, fabsf(xr[k]));
+        const float scale = top / 127.f;
+        s[m] = scale;
+        if (scale == 0.f) {
+            memset(qr, 0, K);
+            continue;
+        }
+        int64_t k = 0;
+#if defined(__x86_64__) && defined(__AVX2__)
+        const __m256 sv = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-128.f), hi = _mm256_set1_ps(127.f);
+        for (; k + 32 <= K; k += 32) {
+            __m256i v[4];
+            for (int j = 0; j < 4; j++) {
+                __m256 f = _mm256_round_ps(_mm256_div_ps(_mm256_loadu_ps(xr + k + 8 * j), sv),
+                                           _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                v[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(f, lo), hi));
+            }
+            /* packs interleave the 128-bit halves: the permute puts the 32 bytes back in order */
+            const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+            const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+            _mm256_storeu_si256((__m256i *)(qr + k), _mm256_permutevar8x32_epi32(p, order));
+        }
+#endif
+        for (; k < K; k++) {
+            const float f = nearbyintf(xr[k] / scale);
+            qr[k] = (int8_t)(f < -128.f ? -128.f : f > 127.f ? 127.f : f);
+        }
+    }
+}
+
+/* y = (sum_k q[m][k] * w[o][k]) * s[m] * w_scale[o] + bias[o], the sum exact in int32 (|q|, |w|
+ * <= 128: exact for K < 2^31 / 128^2 = 131072). x (M, K) float32 rows x_stride apart, quantised
+ * per row first (quantize_rows_s8); w (N, K) int8; w_scale (N); bias (N) or NULL; y (M, N) rows
+ * y_stride apart. Returns 0, or 1 when scratch failed. */
+int w8a8_dynamic_linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const int8_t *w, int64_t N,
+                            const float *w_scale, const float *bias, float *y, int64_t y_stride, int num_threads) {
+    const int64_t blocks = (N + OT - 1) / OT;
+    int8_t *q = malloc((size_t)(M * K) + sizeof(float) * M);
+    if (!q) return 1;
+    float *s = (float *)malloc(sizeof(float) * M);
+    if (!s) { free(q); return 1; }
+    quantize_rows_s8(x, M, K, x_stride, q, K, s);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (blocks > 1) reduction(| : failed)
+    {
+        int32_t *sums = malloc(sizeof(int32_t) * M * OT);
+        if (!sums) failed = 1;
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < blocks; b++) {
+            if (!sums) continue;
+            const int64_t o0 = b * OT;
+            const int count = N - o0 < OT ? (int)(N - o0) : OT;
+            w8a8_block(q, M, K, K, w + o0 * K, count, sums);
+            for (int64_t m = 0; m < M; m++)
+                for (int o = 0; o < count; o++) {
+                    const float v = (float)sums[m * OT + o] * s[m] * w_scale[o0 + o];
+                    y[m * y_stride + o0 + o] = bias ? v + bias[o0 + o] : v;
+                }
+        }
+        free(sums);
+    }
+    free(q);
+    free(s);
+    return failed;
 }
 
 /* ---- the captured decode step: every decoder layer of one decode step in one call ------------

@@ -1,0 +1,234 @@
+"""``RayExecutor`` (``--distributed-executor-backend ray``): tensor-parallel ranks as Ray actors,
+which may sit on other nodes than the engine core (docs/architecture.md, "Multi-node ranks on Ray").
+
+    EngineCore ── SchedulerOutput (+ shipped media) ── ray.put once ──► rank actors' step()
+                                                     ◄── rank 0's RunnerOutput ──
+
+Ray places the processes, torch.distributed does the collectives: the core (the Ray driver)
+reserves one placement-group bundle per rank (its CPU threads, plus one device on NPU / CUDA),
+starts one actor in each, and forms the process group from the actors' node addresses (rank 0
+on the core's node where a bundle landed there). Ranks of one node split its cores as ``mp``
+ranks do; when every rank shares one node the collectives take the shared-memory exchange, else
+gloo / hccl / nccl between the nodes. A rank on another node cannot open the frontend's shared
+memory: the core reads those requests' media once per step and ships them in the step
+(``multimodal/shipped.py``); same-node ranks keep reading shared memory.
+
+The cluster is Ray's: the core joins the one ``RAY_ADDRESS`` names (``ray start --head`` on the
+first node, ``ray start --address=...`` on the others), else starts a local one for itself. An
+actor that dies, or a rank that fails, ends the engine exactly as an ``mp`` rank does
+(``RankFailed``, the core's death, a non-zero exit of the service); the core's own death takes
+its actors with it (Ray kills the actors of an owner that is gone).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+from atb_plugin.engine.config import EngineConfig
+from atb_plugin.engine.executor import DIST_TIMEOUT_S, RankFailed
+from atb_plugin.engine.model_runner import RunnerOutput, readable_instances
+from atb_plugin.engine.scheduler import SchedulerOutput
+from atb_plugin.engine.worker import Rank, RankPlacement, WorkerInfo
+from atb_plugin.multimodal.shipped import ship
+from atb_plugin.platform import platform_for
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["RayExecutor", "import_ray"]
+
+# How long the cluster may take to find room for every rank's bundle.
+PLACEMENT_TIMEOUT_S = 120.0
+# Ray's resource name for one device of each platform (CPU ranks reserve cores only).
+_DEVICE_RESOURCE = {"npu": "NPU", "cuda": "GPU"}
+_STOP_WAIT_S = 5.0
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError as error:
+        raise RuntimeError("--distributed-executor-backend ray needs Ray, an optional dependency: "
+                           "pip install 'atb-plugin[ray]'") from error
+    return ray
+
+
+class RankActor:
+    """The Ray actor hosting one rank (a Ray remote class once ``RayExecutor`` wraps it: Ray is an
+    optional import). Its methods are the executor's stages, run in the actor's process."""
+
+    def __init__(self):
+        self.rank: Rank | None = None
+
+    def where(self) -> tuple[str, str, int]:
+        """(Ray node id, the node's address, pid): where Ray placed this actor."""
+        ray = import_ray()
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
+
+    def free_port(self, address: str) -> int:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((address, 0))
+            return probe.getsockname()[1]
+
+    def start(self, config: EngineConfig, placement: RankPlacement, init_method: str, env: dict[str, str],
+              log_level: int) -> WorkerInfo:
+        os.environ.update(env)
+        logging.basicConfig(level=log_level,
+                            format=f"%(asctime)s %(levelname)s [ray rank {placement.rank}] %(message)s")
+        self.rank = Rank(config, placement, init_method, DIST_TIMEOUT_S)
+        return self.rank.load()
+
+    def initialize(self, num_blocks: int) -> str:
+        return self.rank.initialize(num_blocks)
+
+    def step(self, output: SchedulerOutput) -> RunnerOutput | None:
+        result = self.rank.step(output)
+        return result if self.rank.rank == 0 else None
+
+    def stop(self) -> None:
+        if self.rank is not None:
+            self.rank.close()
+
+
+class RayExecutor:
+    """``tensor_parallel_size`` rank actors in one placement group; the core keeps scheduling."""
+
+    runner = None  # it runs on the actors
+
+    def __init__(self, config: EngineConfig):
+        ray = self.ray = import_ray()
+        self.config = config
+        self._closed = False
+        self._failure: str | None = None
+        self.placement_group = None
+        self.actors: list = []
+        self._owns_ray = not ray.is_initialized()
+        if self._owns_ray:
+            # RAY_ADDRESS (Ray's own variable) names the cluster to join; unset, Ray starts a
+            # local one that ends with this process.
+            ray.init(address=os.environ.get("RAY_ADDRESS") or None, logging_level=logging.WARNING)
+        try:
+            self._start()
+        except BaseException:
+            self.shutdown(graceful=False)
+            raise
+
+    def _start(self) -> None:
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        ray, config = self.ray, self.config
+        size = config.tensor_parallel_size
+        threads = max(1, config.num_threads // size)
+        device = _DEVICE_RESOURCE.get(platform_for(config.device).name)
+        bundle = {"CPU": threads, **({device: 1} if device else {})}
+        # PACK (vLLM's choice too): fill a node before spilling to the next, so ranks share a node,
+        # its memory and its fast collectives wherever the cluster lets them.
+        self.placement_group = placement_group([dict(bundle) for _ in range(size)], strategy="PACK")
+        try:
+            ray.get(self.placement_group.ready(), timeout=PLACEMENT_TIMEOUT_S)
+        except ray.exceptions.GetTimeoutError:
+            raise RuntimeError(
+                f"the Ray cluster has no room for {size} ranks of {bundle} within {PLACEMENT_TIMEOUT_S:.0f} s "
+                f"(its resources: {ray.cluster_resources()}); add nodes or lower --tensor-parallel-size / "
+                f"--num-threads") from None
+        actor_class = ray.remote(RankActor)
+        actors = [actor_class.options(
+            num_cpus=threads, resources={device: 1} if device else None,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.placement_group, placement_group_bundle_index=i),
+        ).remote() for i in range(size)]
+        self.actors = actors
+        where = ray.get([actor.where.remote() for actor in actors])
+        core_node = ray.get_runtime_context().get_node_id()
+        # Rank 0 (the one that answers) on the core's node where one landed there; each node's
+        # ranks together, so their local indices slice that node's cores.
+        order = sorted(range(size), key=lambda i: (where[i][0] != core_node, where[i][0], i))
+        self.actors = [actors[i] for i in order]
+        where = [where[i] for i in order]
+        nodes = [node for node, _, _ in where]
+        self.remote_ranks = [rank for rank, node in enumerate(nodes) if node != core_node]
+        address = where[0][1]
+        port = ray.get(self.actors[0].free_port.remote(address))
+        init_method = f"tcp://{address}:{port}"
+        # All on loopback (one machine, or a test's network namespace): gloo must bind there too;
+        # across machines it takes the interface the node's host name resolves to, or the
+        # GLOO_SOCKET_IFNAME the nodes were started with.
+        env = {"GLOO_SOCKET_IFNAME": "lo"} if all(ip.startswith("127.") for _, ip, _ in where) else {}
+        placements = [RankPlacement(rank, local_rank=nodes[:rank].count(nodes[rank]), local_size=nodes.count(nodes[rank]),
+                                    same_node=len(set(nodes)) == 1, remote_media=rank in self.remote_ranks,
+                                    device_index=0 if device else None)
+                      for rank in range(size)]
+        for rank, (node, ip, pid) in enumerate(where):
+            logger.info("ray rank %d: pid %d on node %s (%s)%s", rank, pid, node[:12], ip,
+                        "" if node == core_node else ", media shipped with each step")
+        level = logging.getLogger().level or logging.INFO
+        infos: list[WorkerInfo] = self._gather(
+            [actor.start.remote(config, placement, init_method, env, level)
+             for actor, placement in zip(self.actors, placements)], "failed to load its shard")
+        self.kv_cache_blocks = min(info.available_kv_blocks for info in infos)
+        self.weight_bytes = [info.weight_bytes for info in infos]
+        self.decode_capture = self._gather([actor.initialize.remote(self.kv_cache_blocks) for actor in self.actors],
+                                           "failed to allocate its KV cache")[0]
+        logger.info("tensor parallel on Ray: %d ranks on %d node(s), weights per rank %s MiB", size, len(set(nodes)),
+                    ", ".join(f"{b / 2**20:.1f}" for b in self.weight_bytes))
+
+    def _gather(self, refs: list, what: str) -> list:
+        """Every rank's answer, in rank order; as soon as any rank's call fails (its actor died, or
+        it raised), RankFailed naming that rank, with the others stopped."""
+        ray = self.ray
+        rank_of = {ref: rank for rank, ref in enumerate(refs)}
+        answers: dict[int, object] = {}
+        pending = list(refs)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            rank = rank_of[ready[0]]
+            try:
+                answers[rank] = ray.get(ready[0])
+            except ray.exceptions.RayActorError as error:
+                self._fail(f"tensor-parallel rank {rank} (a Ray actor) {what}: its actor died: {error}")
+            except ray.exceptions.RayError as error:
+                self._fail(f"tensor-parallel rank {rank} (a Ray actor) {what}:\n{error}")
+        return [answers[rank] for rank in range(len(refs))]
+
+    def _fail(self, why: str):
+        self._failure = why
+        self.shutdown(graceful=False)  # the survivors wait in a collective that never ends
+        raise RankFailed(why)
+
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        if self._failure is not None:
+            raise RankFailed(f"the engine already failed: {self._failure}")
+        if self.remote_ranks and output.new_requests:
+            output.shipped_media = ship((request.prompt_token_ids, readable_instances(self.config, request))
+                                        for request in output.new_requests if min(request.prompt_token_ids) < 0)
+        step = self.ray.put(output)  # serialised once, read by every actor
+        return self._gather([actor.step.remote(step) for actor in self.actors], "failed during a step")[0]
+
+    def shutdown(self, graceful: bool = True) -> None:
+        """Stop the actors (asked to leave the process group first when ``graceful``), release the
+        placement group, and end the local Ray this executor started, if it did."""
+        if self._closed:
+            return
+        self._closed = True
+        ray = self.ray
+        if graceful and self.actors:
+            try:
+                ray.wait([actor.stop.remote() for actor in self.actors], num_returns=len(self.actors),
+                         timeout=_STOP_WAIT_S)
+            except Exception:  # noqa: BLE001 - stopping: an actor already gone is fine
+                pass
+        for actor in self.actors:
+            try:
+                ray.kill(actor)
+            except Exception:  # noqa: BLE001
+                pass
+        if self.placement_group is not None:
+            try:
+                from ray.util.placement_group import remove_placement_group
+
+                remove_placement_group(self.placement_group)
+            except Exception:  # noqa: BLE001
+                pass
+        if self._owns_ray:
+            ray.shutdown()

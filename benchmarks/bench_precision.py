@@ -1,0 +1,291 @@
+"""Claim (issue 34, "Low precision"): on the CPU, serving in bfloat16 or with int8 weights decodes
+faster than our float32 (goals on the TinyLlama shape: bfloat16 single stream >= 1.8x our
+float32, W8A8 >= 3x), and >= 1.2x llama.cpp at the matching precision (BF16, Q8_0).
+
+Models (--model):
+  smollm2    SmolLM2-135M-Instruct, the real weights (atb_plugin/default_model.py), chat prompts;
+  tinyllama  a TinyLlama-1.1B-shaped checkpoint with random weights (hidden 2048, 22 layers,
+             32 heads of 128, 4 KV heads, intermediate 5632; --tinyllama-layers to shorten), the
+             tiny Llama tokenizer (atb_plugin/testing/tiny.py: vocabulary 523, so the LM head is
+             small where TinyLlama's 32000 x 2048 is 6 % of its weights). Written once under
+             ${XDG_CACHE_HOME:-~/.cache}/atb-plugin/models/.
+
+Sides (--precisions): ours float32, bfloat16 (``dtype="bfloat16"``), and W8A16 / W8A8
+(``quantization=``, quantized on the fly at load) where EngineConfig has that field. One side
+loaded together (a TinyLlama float32 side is 4 GB: all four sides ~9 GB), then --runs rounds over
+the sides in turn, medians; one torch thread.
+  single   one prompt, --tokens new tokens, greedy, decode tok/s after the first token
+           (bench_engine's ``ours_single``);
+  batch    --batch prompts x --batch-tokens tokens through ``LLM.generate``, prefill included
+           (bench_engine's ``ours_batch``); --batch 0 skips it.
+--native-int8 adds "w8a16 native" / "w8a8 native" sides: the same quantized model with the torch
+reference kernels (``torch_kernels.w8a16_linear`` / ``w8a8_dynamic_linear``, which the quantized
+layers call today) replaced in this process by the native ones (``cpu_native``), as they will be
+once wired in; operands the native kernels do not take go to the torch ones.
+llama.cpp (--llamacpp): benchmarks/peers/llamacpp_bench.py in the peers' own venv
+($ATB_PEERS_DIR/llamacpp-venv, made by benchmarks/peers/setup.sh, never this project's), over
+GGUFs converted by llama.cpp's vendored convert_hf_to_gguf.py (setup.sh writes SmolLM2's F32,
+BF16 and Q8_0; the TinyLlama-shaped one is converted here on first use), one thread.
+
+    python benchmarks/bench_precision.py [--model smollm2,tinyllama] [--runs 2] [--tokens 64]
+        [--batch 32] [--batch-tokens 128] [--precisions fp32,bf16,w8a16,w8a8] [--llamacpp]
+
+Last line: JSON with every side's medians and the ratios to our float32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_engine as a sibling module
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench_engine import chats, ours_batch, ours_single  # noqa: E402
+
+from atb_plugin import LLM  # noqa: E402
+from atb_plugin.default_model import default_model_dir  # noqa: E402
+from atb_plugin.engine.config import EngineConfig  # noqa: E402
+
+TINYLLAMA = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32, "num_key_value_heads": 4,
+             "head_dim": 128, "num_hidden_layers": 22}
+PEERS = Path(os.environ.get("ATB_PEERS_DIR") or Path.home() / ".cache" / "atb-plugin" / "peers")
+# our side -> the llama.cpp precision it matches
+GGUF_TYPES = {"bf16": "BF16", "w8a8": "Q8_0", "w8a8 native": "Q8_0", "fp32": "F32"}
+
+
+def tinyllama_checkpoint(layers: int) -> Path:
+    """The TinyLlama-shaped random checkpoint (fp32 safetensors, std 0.02 weights, unit norms),
+    written once; the tokenizer files are the tiny Llama family's."""
+    from safetensors.torch import save_file
+
+    from atb_plugin.testing.tiny import tiny_checkpoint
+
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "atb-plugin" / "models"
+    out = base / f"tinyllama-shape-random-{layers}"
+    if (out / ".complete").exists():
+        return out
+    tiny = tiny_checkpoint("llama")
+    config = json.loads((tiny / "config.json").read_text())
+    config.update(TINYLLAMA, num_hidden_layers=layers, rope_scaling=None, rope_theta=10000.0,
+                  max_position_embeddings=2048)
+    scratch = Path(tempfile.mkdtemp(dir=base, prefix=".tinyllama-"))
+    for name in os.listdir(tiny):
+        if name not in ("config.json", "model.safetensors"):
+            (scratch / name).write_bytes((tiny / name).read_bytes())
+    (scratch / "config.json").write_text(json.dumps(config, indent=2))
+    gen = torch.Generator().manual_seed(0)
+    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
+    q, kv = config["num_attention_heads"] * 128, config["num_key_value_heads"] * 128
+
+    def w(*shape):
+        return torch.randn(*shape, generator=gen) * 0.02
+
+    state = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": torch.ones(hidden),
+             "lm_head.weight": w(vocab, hidden)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        state.update({p + "input_layernorm.weight": torch.ones(hidden), p + "post_attention_layernorm.weight":
+                      torch.ones(hidden), p + "self_attn.q_proj.weight": w(q, hidden),
+                      p + "self_attn.k_proj.weight": w(kv, hidden), p + "self_attn.v_proj.weight": w(kv, hidden),
+                      p + "self_attn.o_proj.weight": w(hidden, q), p + "mlp.gate_proj.weight": w(inter, hidden),
+                      p + "mlp.up_proj.weight": w(inter, hidden), p + "mlp.down_proj.weight": w(hidden, inter)})
+    save_file(state, str(scratch / "model.safetensors"), metadata={"format": "pt"})
+    (scratch / ".complete").write_text("random TinyLlama-shaped weights, seed 0\n")
+    try:
+        scratch.rename(out)
+    except OSError:  # another process finished first
+        pass
+    return out
+
+
+class native_int8:
+    """The torch reference int8 kernels replaced by the native ones while in the block."""
+
+    def __enter__(self):
+        from atb_plugin.ops import cpu_native, torch_kernels
+
+        library = cpu_native.linear_library(torch.device("cpu"))
+        if library is None:
+            raise RuntimeError("the native CPU kernels do not load here")
+        self.saved = {name: getattr(torch_kernels, name) for name in ("w8a16_linear", "w8a8_dynamic_linear")}
+
+        def fits(x, weight, *vectors):
+            return (x.device.type == "cpu" and weight.is_contiguous() and all(
+                v is None or (v.dtype == torch.float32 and v.is_contiguous()) for v in vectors))
+
+        def w8a16(x, weight, scale, offset, bias):
+            if fits(x, weight, scale, offset, bias):
+                return cpu_native.w8a16_linear(library, x, weight, scale, offset, bias)
+            return self.saved["w8a16_linear"](x, weight, scale, offset, bias)
+
+        def w8a8(x, weight, weight_scale, bias):
+            if fits(x, weight, weight_scale, bias):
+                return cpu_native.w8a8_dynamic_linear(library, x, weight, weight_scale, bias)
+            return self.saved["w8a8_dynamic_linear"](x, weight, weight_scale, bias)
+
+        torch_kernels.w8a16_linear, torch_kernels.w8a8_dynamic_linear = w8a16, w8a8
+        return self
+
+    def __exit__(self, *exc):
+        from atb_plugin.ops import torch_kernels
+
+        for name, function in self.saved.items():
+            setattr(torch_kernels, name, function)
+
+
+def load(model_dir: Path, precision: str, args) -> LLM:
+    kwargs = {"dtype": "bfloat16"} if precision == "bf16" else {}
+    if precision.split()[0] in ("w8a16", "w8a8"):
+        kwargs["quantization"] = precision.split()[0]
+    return LLM(str(model_dir), max_num_seqs=max(args.batch, 1), max_num_batched_tokens=2048, num_threads=1, **kwargs)
+
+
+def ours(model: str, model_dir: Path, precisions: list[str], args) -> dict:
+    """Every side loaded at once, then --runs rounds over the sides in turn (the order rotated
+    each round), so that a busy spell on the machine falls on all of them; medians."""
+    llms = {}
+    for precision in precisions:
+        try:
+            llms[precision] = load(model_dir, precision, args)
+        except Exception as exc:  # a side that cannot load is reported, the others still run
+            print(f"{model} {precision}: failed to load: {type(exc).__name__}: {exc}", flush=True)
+    singles = {p: [] for p in llms}
+    batches = {p: [] for p in llms}
+    tokens = {}
+    try:
+        first = next(iter(llms.values()))
+        prompts = [first.router.input_builder.make_context(0, chat) for chat in chats(max(args.batch, 1))]
+        for precision, llm in llms.items():  # warm-up
+            with (native_int8() if precision.endswith(" native") else contextlib.nullcontext()):
+                ours_single(llm, prompts[0], 4)
+        for run in range(args.runs):
+            order = list(llms)[run % len(llms):] + list(llms)[:run % len(llms)]
+            for precision in order:
+                with (native_int8() if precision.endswith(" native") else contextlib.nullcontext()):
+                    _, rate, tokens[precision] = ours_single(llms[precision], prompts[0], args.tokens)
+                    singles[precision].append(rate)
+                    if args.batch:
+                        batches[precision].append(ours_batch(llms[precision], prompts[:args.batch],
+                                                             args.batch_tokens)[0])
+        sides = {}
+        for precision, llm in llms.items():
+            capture = getattr(getattr(getattr(llm.engine, "core", None), "runner", None), "decode_capture", None)
+            sides[precision] = {
+                "single_tok_s": statistics.median(singles[precision]),
+                "batch_tok_s": statistics.median(batches[precision]) if batches[precision] else None,
+                "runs_single": [round(r, 2) for r in singles[precision]],
+                "runs_batch": [round(r, 2) for r in batches[precision]], "decode_capture": capture,
+                "single_tokens": tokens[precision][:16]}
+            print(f"{model} ours {precision}: {json.dumps(sides[precision])}", flush=True)
+        return sides
+    finally:
+        for llm in llms.values():
+            llm.close()
+        llms.clear()
+        gc.collect()
+
+
+def gguf_for(model: str, model_dir: Path, gguf_type: str) -> Path | None:
+    """SmolLM2's GGUFs from setup.sh; the TinyLlama-shaped one converted here (the peers' venv)."""
+    if model == "smollm2":
+        path = PEERS / "models" / f"SmolLM2-135M-Instruct-{gguf_type}.gguf"
+        return path if path.exists() else None
+    path = PEERS / "models" / f"{model_dir.name}-{gguf_type}.gguf"
+    if path.exists():
+        return path
+    converters = list((PEERS / "src").glob("llama_cpp_python-*/vendor/llama.cpp/convert_hf_to_gguf.py"))
+    if not converters:
+        return None
+    done = subprocess.run([str(PEERS / "llamacpp-venv" / "bin" / "python"), str(converters[0]), str(model_dir),
+                           "--outtype", gguf_type.lower(), "--outfile", f"{path}.partial"],
+                          capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    if done.returncode != 0:
+        print(f"llama.cpp conversion to {gguf_type} failed: {done.stderr[-500:]}", flush=True)
+        return None
+    os.replace(f"{path}.partial", path)
+    return path
+
+
+def llamacpp(gguf: Path, args) -> dict | None:
+    python = PEERS / "llamacpp-venv" / "bin" / "python"
+    if not python.exists():
+        return None
+    command = [str(python), str(Path(__file__).resolve().parent / "peers" / "llamacpp_bench.py"), "--gguf", str(gguf),
+               "--tokens", str(args.tokens), "--batch", str(max(args.batch, 1)), "--threads", "1"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"llama.cpp on {gguf.name} failed: {done.stderr[-500:]}", flush=True)
+        return None
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return {"single_tok_s": result["single_tok_s"], "batch_tok_s": result["batch_tok_s"] if args.batch else None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2,tinyllama")
+    parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch-tokens", type=int, default=128)
+    parser.add_argument("--precisions", default="fp32,bf16,w8a16,w8a8")
+    parser.add_argument("--tinyllama-layers", type=int, default=22)
+    parser.add_argument("--native-int8", action="store_true",
+                        help="also the int8 sides with the native kernels in place of the torch reference ones")
+    parser.add_argument("--llamacpp", action="store_true", help="also llama.cpp at F32 / BF16 / Q8_0 (peers' venv)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    quantizable = "quantization" in {f.name for f in dataclasses.fields(EngineConfig)}
+    report = {}
+    for model in args.model.split(","):
+        model_dir = default_model_dir() if model == "smollm2" else tinyllama_checkpoint(args.tinyllama_layers)
+        sides = {}
+        precisions = args.precisions.split(",")
+        if args.native_int8:
+            precisions += [f"{p} native" for p in precisions if p in ("w8a16", "w8a8")]
+        wanted = []
+        for precision in precisions:
+            if precision.split()[0] in ("w8a16", "w8a8") and not quantizable:
+                print(f"{model} {precision}: EngineConfig has no `quantization` here: skipped", flush=True)
+                continue
+            wanted.append(precision)
+        sides = ours(model, model_dir, wanted, args)
+        if args.llamacpp:
+            for precision, gguf_type in GGUF_TYPES.items():
+                gguf = gguf_for(model, model_dir, gguf_type)
+                result = llamacpp(gguf, args) if gguf else None
+                if result is None:
+                    print(f"{model} llama.cpp {gguf_type}: not available (run benchmarks/peers/setup.sh)", flush=True)
+                    continue
+                sides[f"llama.cpp {gguf_type}"] = result
+                print(f"{model} llama.cpp {gguf_type}: {json.dumps(result)}", flush=True)
+        base = sides.get("fp32")
+        ratios = {}
+        for name, side in sides.items():
+            for measure in ("single_tok_s", "batch_tok_s"):
+                if base and base.get(measure) and side.get(measure):
+                    ratios[f"{name} {measure} / ours fp32"] = round(side[measure] / base[measure], 3)
+            peer = sides.get(f"llama.cpp {GGUF_TYPES.get(name, '')}")
+            if peer and peer.get("single_tok_s"):
+                ratios[f"ours {name} single / llama.cpp {GGUF_TYPES[name]}"] = round(
+                    side["single_tok_s"] / peer["single_tok_s"], 3)
+        report[model] = {"sides": sides, "ratios": ratios}
+        for key, value in ratios.items():
+            print(f"{model}: {key} = {value:.2f}x", flush=True)
+    print(json.dumps({"runs": args.runs, "tokens": args.tokens, "batch": args.batch,
+                      "batch_tokens": args.batch_tokens, "threads": 1, "results": report}))
+
+
+if __name__ == "__main__":
+    main()
