@@ -11,17 +11,15 @@ Models (--model):
              ${XDG_CACHE_HOME:-~/.cache}/atb-plugin/models/.
 
 Sides (--precisions): ours float32, bfloat16 (``dtype="bfloat16"``), and W8A16 / W8A8
-(``quantization=``, quantized on the fly at load) where EngineConfig has that field. One side
+(``quantization=``, quantized on the fly at load). One side
 loaded together (a TinyLlama float32 side is 4 GB: all four sides ~9 GB), then --runs rounds over
 the sides in turn, medians; one torch thread.
   single   one prompt, --tokens new tokens, greedy, decode tok/s after the first token
            (bench_engine's ``ours_single``);
   batch    --batch prompts x --batch-tokens tokens through ``LLM.generate``, prefill included
            (bench_engine's ``ours_batch``); --batch 0 skips it.
---native-int8 adds "w8a16 native" / "w8a8 native" sides: the same quantized model with the torch
-reference kernels (``torch_kernels.w8a16_linear`` / ``w8a8_dynamic_linear``, which the quantized
-layers call today) replaced in this process by the native ones (``cpu_native``), as they will be
-once wired in; operands the native kernels do not take go to the torch ones.
+The quantized layers run the native int8 kernels where they load (torch_kernels hands CPU
+tensors to cpu_native), as a served model does.
 llama.cpp (--llamacpp): benchmarks/peers/llamacpp_bench.py in the peers' own venv
 ($ATB_PEERS_DIR/llamacpp-venv, made by benchmarks/peers/setup.sh, never this project's), over
 GGUFs converted by llama.cpp's vendored convert_hf_to_gguf.py (setup.sh writes SmolLM2's F32,
@@ -36,8 +34,6 @@ Last line: JSON with every side's medians and the ratios to our float32.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import gc
 import json
 import os
@@ -56,13 +52,12 @@ from bench_engine import chats, ours_batch, ours_single  # noqa: E402
 
 from atb_plugin import LLM  # noqa: E402
 from atb_plugin.default_model import default_model_dir  # noqa: E402
-from atb_plugin.engine.config import EngineConfig  # noqa: E402
 
 TINYLLAMA = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32, "num_key_value_heads": 4,
              "head_dim": 128, "num_hidden_layers": 22}
 PEERS = Path(os.environ.get("ATB_PEERS_DIR") or Path.home() / ".cache" / "atb-plugin" / "peers")
 # our side -> the llama.cpp precision it matches
-GGUF_TYPES = {"bf16": "BF16", "w8a8": "Q8_0", "w8a8 native": "Q8_0", "fp32": "F32"}
+GGUF_TYPES = {"bf16": "BF16", "w8a8": "Q8_0", "fp32": "F32"}
 
 
 def tinyllama_checkpoint(layers: int) -> Path:
@@ -110,45 +105,10 @@ def tinyllama_checkpoint(layers: int) -> Path:
     return out
 
 
-class native_int8:
-    """The torch reference int8 kernels replaced by the native ones while in the block."""
-
-    def __enter__(self):
-        from atb_plugin.ops import cpu_native, torch_kernels
-
-        library = cpu_native.linear_library(torch.device("cpu"))
-        if library is None:
-            raise RuntimeError("the native CPU kernels do not load here")
-        self.saved = {name: getattr(torch_kernels, name) for name in ("w8a16_linear", "w8a8_dynamic_linear")}
-
-        def fits(x, weight, *vectors):
-            return (x.device.type == "cpu" and weight.is_contiguous() and all(
-                v is None or (v.dtype == torch.float32 and v.is_contiguous()) for v in vectors))
-
-        def w8a16(x, weight, scale, offset, bias):
-            if fits(x, weight, scale, offset, bias):
-                return cpu_native.w8a16_linear(library, x, weight, scale, offset, bias)
-            return self.saved["w8a16_linear"](x, weight, scale, offset, bias)
-
-        def w8a8(x, weight, weight_scale, bias):
-            if fits(x, weight, weight_scale, bias):
-                return cpu_native.w8a8_dynamic_linear(library, x, weight, weight_scale, bias)
-            return self.saved["w8a8_dynamic_linear"](x, weight, weight_scale, bias)
-
-        torch_kernels.w8a16_linear, torch_kernels.w8a8_dynamic_linear = w8a16, w8a8
-        return self
-
-    def __exit__(self, *exc):
-        from atb_plugin.ops import torch_kernels
-
-        for name, function in self.saved.items():
-            setattr(torch_kernels, name, function)
-
-
 def load(model_dir: Path, precision: str, args) -> LLM:
     kwargs = {"dtype": "bfloat16"} if precision == "bf16" else {}
-    if precision.split()[0] in ("w8a16", "w8a8"):
-        kwargs["quantization"] = precision.split()[0]
+    if precision in ("w8a16", "w8a8"):
+        kwargs["quantization"] = precision
     return LLM(str(model_dir), max_num_seqs=max(args.batch, 1), max_num_batched_tokens=2048, num_threads=1, **kwargs)
 
 
@@ -168,17 +128,15 @@ def ours(model: str, model_dir: Path, precisions: list[str], args) -> dict:
         first = next(iter(llms.values()))
         prompts = [first.router.input_builder.make_context(0, chat) for chat in chats(max(args.batch, 1))]
         for precision, llm in llms.items():  # warm-up
-            with (native_int8() if precision.endswith(" native") else contextlib.nullcontext()):
-                ours_single(llm, prompts[0], 4)
+            ours_single(llm, prompts[0], 4)
         for run in range(args.runs):
             order = list(llms)[run % len(llms):] + list(llms)[:run % len(llms)]
             for precision in order:
-                with (native_int8() if precision.endswith(" native") else contextlib.nullcontext()):
-                    _, rate, tokens[precision] = ours_single(llms[precision], prompts[0], args.tokens)
-                    singles[precision].append(rate)
-                    if args.batch:
-                        batches[precision].append(ours_batch(llms[precision], prompts[:args.batch],
-                                                             args.batch_tokens)[0])
+                _, rate, tokens[precision] = ours_single(llms[precision], prompts[0], args.tokens)
+                singles[precision].append(rate)
+                if args.batch:
+                    batches[precision].append(ours_batch(llms[precision], prompts[:args.batch],
+                                                         args.batch_tokens)[0])
         sides = {}
         for precision, llm in llms.items():
             capture = getattr(getattr(getattr(llm.engine, "core", None), "runner", None), "decode_capture", None)
@@ -241,26 +199,15 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=128)
     parser.add_argument("--precisions", default="fp32,bf16,w8a16,w8a8")
     parser.add_argument("--tinyllama-layers", type=int, default=22)
-    parser.add_argument("--native-int8", action="store_true",
-                        help="also the int8 sides with the native kernels in place of the torch reference ones")
     parser.add_argument("--llamacpp", action="store_true", help="also llama.cpp at F32 / BF16 / Q8_0 (peers' venv)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    quantizable = "quantization" in {f.name for f in dataclasses.fields(EngineConfig)}
     report = {}
     for model in args.model.split(","):
         model_dir = default_model_dir() if model == "smollm2" else tinyllama_checkpoint(args.tinyllama_layers)
         sides = {}
         precisions = args.precisions.split(",")
-        if args.native_int8:
-            precisions += [f"{p} native" for p in precisions if p in ("w8a16", "w8a8")]
-        wanted = []
-        for precision in precisions:
-            if precision.split()[0] in ("w8a16", "w8a8") and not quantizable:
-                print(f"{model} {precision}: EngineConfig has no `quantization` here: skipped", flush=True)
-                continue
-            wanted.append(precision)
-        sides = ours(model, model_dir, wanted, args)
+        sides = ours(model, model_dir, precisions, args)
         if args.llamacpp:
             for precision, gguf_type in GGUF_TYPES.items():
                 gguf = gguf_for(model, model_dir, gguf_type)

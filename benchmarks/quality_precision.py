@@ -5,7 +5,7 @@ model, real weights; docs/quantization.md, "Quality")::
 
 Rows: fp32 (the reference), bf16, w8a16 and w8a8 (quantized on the fly from the fp32
 checkpoint, fp32 activations), w8a8-static (the checkpoint exported with
-``atb_plugin.quantization.export --method w8a8``, calibrated on its built-in paragraph).
+``atb_plugin.models.quantization.export --method w8a8``, calibrated on its built-in paragraph).
 Columns, over ``PROMPTS``:
 
 - agree (teacher-forced): the share of the fp32 greedy continuation's ``--tokens`` positions where
@@ -102,7 +102,7 @@ def main() -> int:
         args.model = default_model_dir()
     from tokenizers import Tokenizer
 
-    from atb_plugin.quantization.export import export
+    from atb_plugin.models.quantization.export import export
 
     tokenizer = Tokenizer.from_file(str(args.model / "tokenizer.json"))
     prompts = [tokenizer.encode(p).ids for p in PROMPTS]

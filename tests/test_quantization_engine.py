@@ -13,8 +13,8 @@ import torch
 
 from atb_plugin import LLM, SamplingParams
 from atb_plugin.engine.config import EngineConfig
-from atb_plugin.quantization.export import export
-from atb_plugin.quantization.layers import QuantLinear
+from atb_plugin.models.quantization.export import export
+from atb_plugin.models.quantization.layers import QuantLinear
 from atb_plugin.testing.tiny import tiny_checkpoint
 from tests.test_tensor_parallel import CHUNKS, join_group, run_ranks
 

@@ -14,10 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from atb_plugin.models.weights import WeightLoadingError
-from atb_plugin.quantization import QuantizationError, read_quant_config, resolve_quantization
-from atb_plugin.quantization.config import QuantConfig
-from atb_plugin.quantization.export import export, main as export_main
-from atb_plugin.quantization.layers import QuantLinear, W8A8StaticLinear
+from atb_plugin.models.quantization import QuantizationError, read_quant_config, resolve_quantization
+from atb_plugin.models.quantization.config import QuantConfig
+from atb_plugin.models.quantization.export import export, main as export_main
+from atb_plugin.models.quantization.layers import QuantLinear, W8A8StaticLinear
 from atb_plugin.testing.sequence import SequenceRunner
 from atb_plugin.testing.tiny import tiny_checkpoint
 

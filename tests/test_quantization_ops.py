@@ -180,7 +180,7 @@ def test_simulated_npu_runs_quantized_models_like_the_cpu(method, kernel_set, cl
     set runs the same quantized linears (the test above)."""
     from routers import get_router
 
-    from atb_plugin.quantization.export import export
+    from atb_plugin.models.quantization.export import export
     from atb_plugin.testing.sequence import check_simulated_npu
     from atb_plugin.testing.tiny import tiny_checkpoint
 

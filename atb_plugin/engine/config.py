@@ -241,7 +241,7 @@ class EngineConfig:
         set_(self, "runner", choice.runner)
         set_(self, "convert", choice.convert)
         set_(self, "tasks", choice.tasks)
-        from atb_plugin.quantization import resolve_quantization  # reads the checkpoint's description
+        from atb_plugin.models.quantization import resolve_quantization  # reads the checkpoint's description
 
         set_(self, "quantization", resolve_quantization(self.model, self.quantization)[0])
         if self.quantization is not None and self.runner == "pooling":

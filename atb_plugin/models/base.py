@@ -12,7 +12,7 @@ from torch import nn
 
 from atb_plugin.models.weights import IGNORE, FusedWeights, load_checkpoint
 from atb_plugin.multimodal.wire import PixelNormalization
-from atb_plugin.quantization.layers import QUANT_KINDS
+from atb_plugin.models.quantization.layers import QUANT_KINDS
 
 
 class PretrainedModel(nn.Module):
@@ -57,7 +57,7 @@ class PretrainedModel(nn.Module):
         """``quantization`` (docs/quantization.md): an msModelSlim checkpoint's quantized layers
         are built before its weights load (the flag may be None or must agree); a float
         checkpoint's language-model projections are quantized after they load (w8a16 / w8a8)."""
-        from atb_plugin.quantization import quantize, resolve_quantization  # loaded on use
+        from atb_plugin.models.quantization import quantize, resolve_quantization  # loaded on use
 
         raw = json.loads((Path(model_dir) / "config.json").read_text())
         device = torch.device(device or "cpu")

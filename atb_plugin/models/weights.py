@@ -26,7 +26,7 @@ from safetensors import safe_open
 from torch import nn
 
 from atb_plugin.distributed import TPShard, tp_size
-from atb_plugin.quantization.layers import FLOAT32_KINDS, PER_TENSOR_KINDS, QUANT_KINDS, quant_tp_shard
+from atb_plugin.models.quantization.layers import FLOAT32_KINDS, PER_TENSOR_KINDS, QUANT_KINDS, quant_tp_shard
 
 IGNORE = ""  # what a rename function returns for a known checkpoint tensor the model does not use
 OLD_ROTARY_BUFFER = re.compile(r".*rotary_emb\.inv_freq$")  # some old checkpoints still carry it

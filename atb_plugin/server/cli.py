@@ -21,7 +21,7 @@ from atb_plugin.engine.config import DEFAULT_KV_CACHE_BYTES, DEVICES, DTYPES, EX
 from atb_plugin.engine.dp_client import ROUTINGS
 from atb_plugin.multimodal.wire import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 from atb_plugin.pooling.config import CONVERT_TYPES, RUNNER_TYPES
-from atb_plugin.quantization.config import METHODS as QUANTIZATION_METHODS
+from atb_plugin.models.quantization.config import METHODS as QUANTIZATION_METHODS
 from atb_plugin.server.config import ServerConfig, default_tokenizer_workers
 from atb_plugin.server.tls import CERT_REQS, TLSSettings
 from atb_plugin.utils import available_cores

@@ -1,6 +1,6 @@
 """Write a float checkpoint out in msModelSlim's layout (docs/quantization.md, "Exporting")::
 
-    python -m atb_plugin.quantization.export MODEL_DIR OUT_DIR --method w8a16|w8a8_dynamic|w8a8 \
+    python -m atb_plugin.models.quantization.export MODEL_DIR OUT_DIR --method w8a16|w8a8_dynamic|w8a8 \
         [--keep-float down_proj ...] [--calibration-file TEXT]
 
 OUT_DIR gets ``model.safetensors`` (the language model's decoder projections quantized, every
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from atb_plugin.quantization.config import FLOAT, W8A8, W8A8_DYNAMIC, W8A16, QuantConfig, QuantizationError
+from atb_plugin.models.quantization.config import FLOAT, W8A8, W8A8_DYNAMIC, W8A16, QuantConfig, QuantizationError
 
 EXPORT_METHODS = {"w8a16": W8A16, "w8a8_dynamic": W8A8_DYNAMIC, "w8a8": W8A8}
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")  # the model's names (quantize.py)
@@ -103,7 +103,7 @@ def export(model_dir, out_dir, method: str, calibration_text: str = CALIBRATION_
     """Write ``model_dir`` quantized by ``method`` (``EXPORT_METHODS``) to ``out_dir``;
     ``keep_float``: projections (``PROJECTIONS``) left float, default ``DEFAULT_KEEP_FLOAT``."""
     from atb_plugin.models.weights import IGNORE, iter_weights
-    from atb_plugin.quantization.quantize import language_model_linears, quantize_weight
+    from atb_plugin.models.quantization.quantize import language_model_linears, quantize_weight
 
     if method not in EXPORT_METHODS:
         raise QuantizationError(f"--method {method!r}: expected one of {', '.join(EXPORT_METHODS)}")
@@ -177,7 +177,7 @@ def export(model_dir, out_dir, method: str, calibration_text: str = CALIBRATION_
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m atb_plugin.quantization.export",
+    parser = argparse.ArgumentParser(prog="python -m atb_plugin.models.quantization.export",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("model_dir", type=Path, help="a float safetensors checkpoint")
     parser.add_argument("out_dir", type=Path, help="a new (or empty) directory for the quantized checkpoint")

@@ -9,7 +9,7 @@ W8A8_DYNAMIC, static W8A8) and on-the-fly int8 quantization of float checkpoints
 - ``export``: writing a float checkpoint out in msModelSlim's layout.
 """
 
-from atb_plugin.quantization.config import (METHODS, QuantConfig, QuantizationError, read_quant_config,
+from atb_plugin.models.quantization.config import (METHODS, QuantConfig, QuantizationError, read_quant_config,
                                             resolve_quantization)
 
 __all__ = ["METHODS", "QuantConfig", "QuantizationError", "read_quant_config", "resolve_quantization"]

@@ -30,7 +30,7 @@ from torch import nn
 
 from atb_plugin import ops
 from atb_plugin.distributed import TPShard
-from atb_plugin.quantization.config import W8A8, W8A8_DYNAMIC, W8A16
+from atb_plugin.models.quantization.config import W8A8, W8A8_DYNAMIC, W8A16
 
 # Parameter kinds beyond weight / bias, by how tensor parallelism splits them.
 PER_CHANNEL_KINDS = ("weight_scale", "weight_offset", "deq_scale")  # one per output row

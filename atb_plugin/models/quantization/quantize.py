@@ -27,9 +27,9 @@ from safetensors import safe_open
 from torch import nn
 
 from atb_plugin.distributed import all_gather, tp_size
-from atb_plugin.quantization.config import (FLOAT, ON_THE_FLY_SCHEME, W8A8, QuantConfig, QuantizationError,
+from atb_plugin.models.quantization.config import (FLOAT, ON_THE_FLY_SCHEME, W8A8, QuantConfig, QuantizationError,
                                             check_method)
-from atb_plugin.quantization.layers import QUANT_KINDS, QuantLinear, layer_class
+from atb_plugin.models.quantization.layers import QUANT_KINDS, QuantLinear, layer_class
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ def quantized_from_float(linear: nn.Linear, scheme: str, absmax: torch.Tensor | 
     """A W8A16 / W8A8_DYNAMIC layer holding ``linear``'s weight quantized (its bias as it is)."""
     if scheme == W8A8:
         raise QuantizationError("static W8A8 needs calibrated activation scales: export it "
-                                "(python -m atb_plugin.quantization.export --method w8a8)")
+                                "(python -m atb_plugin.models.quantization.export --method w8a8)")
     weight = linear.weight
     layer = layer_class(scheme)(linear.in_features, linear.out_features, linear.bias is not None,
                                 device=weight.device)
