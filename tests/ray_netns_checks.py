@@ -132,6 +132,7 @@ def kill_check() -> dict:
             time.sleep(0.5)
         out["actors_left"] = rank_actor_pids()
         out["log_tail"] = server.log(tail=3000)
+        out["rank_failed"] = re.findall(r"tensor-parallel rank \d+ \(a Ray actor\)[^\n]{0,200}", server.log(tail=None))
     finally:
         server.stop()
     return out

@@ -97,7 +97,10 @@ def test_a_killed_rank_actor_fails_in_flight_streams_and_ends_the_service(cluste
     assert len(result["streams"]) == 2
     assert all(outcome.startswith("raised") for outcome in result["streams"]), result["streams"]
     assert result["exit_code"] not in (0, None), result["log_tail"]
-    assert "tensor-parallel rank 1 (a Ray actor)" in result["log_tail"]
+    # The dead actor is named (its peer, failing in the collective a moment earlier, is not the cause).
+    assert result["rank_failed"] and result["rank_failed"][0].startswith("tensor-parallel rank 1 (a Ray actor)"), \
+        result["rank_failed"]
+    assert "its actor died" in result["rank_failed"][0]
     assert result["actors_left"] == []
 
 

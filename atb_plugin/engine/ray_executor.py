@@ -188,8 +188,27 @@ class RayExecutor:
             except ray.exceptions.RayActorError as error:
                 self._fail(f"tensor-parallel rank {rank} (a Ray actor) {what}: its actor died: {error}")
             except ray.exceptions.RayError as error:
+                # A rank whose peer died fails in its collective first (gloo: connection closed);
+                # the dead peer is the cause: name it when Ray reports it within moments.
+                dead = self._dead_rank(pending, rank_of)
+                if dead is not None:
+                    self._fail(f"tensor-parallel rank {dead[0]} (a Ray actor) {what}: its actor died: {dead[1]}; "
+                               f"rank {rank} then failed in a collective")
                 self._fail(f"tensor-parallel rank {rank} (a Ray actor) {what}:\n{error}")
         return [answers[rank] for rank in range(len(refs))]
+
+    def _dead_rank(self, pending: list, rank_of: dict, wait_s: float = 5.0):
+        """``(rank, error)`` of a pending call whose actor died, seen within ``wait_s``, else None."""
+        ray = self.ray
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=wait_s) if pending else ([], [])
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as error:
+                return rank_of[ref], error
+            except ray.exceptions.RayError:
+                continue
+        return None
 
     def _fail(self, why: str):
         self._failure = why
