@@ -772,7 +772,7 @@ void quantize_rows_s8(const float *x, int64_t M, int64_t K, int64_t x_stride, in
 int w8a8_dynamic_linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const int8_t *w, int64_t N,
                             const float *w_scale, const float *bias, float *y, int64_t y_stride, int num_threads) {
     const int64_t blocks = (N + OT - 1) / OT;
-    int8_t *q = malloc((size_t)(M * K) + sizeof(float) * M);
+    int8_t *q = malloc((size_t)(M * K));
     if (!q) return 1;
     float *s = (float *)malloc(sizeof(float) * M);
     if (!s) { free(q); return 1; }

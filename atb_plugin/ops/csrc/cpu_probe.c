@@ -69,22 +69,27 @@ __attribute__((target("avx2,avxvnni"))) static int try_avx_vnni(void) {
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 
-static int amx_permission(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
-
 struct tile_config {
     unsigned char palette, start_row, reserved[14];
     unsigned short colsb[16];
     unsigned char rows[16];
 };
 
+/* The kernel's permission to use AMX tile data (0 when granted), and a palette-1 config of three
+ * 16 x 64-byte tiles (accumulator, two operands) for the two probes below. */
+static int amx_prepare(struct tile_config *cfg) {
+    if ((int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return 1;
+    memset(cfg, 0, sizeof *cfg);
+    cfg->palette = 1;
+    for (int t = 0; t < 3; t++) { cfg->colsb[t] = 64; cfg->rows[t] = 16; }
+    return 0;
+}
+
 __attribute__((target("amx-tile,amx-bf16"))) static int try_amx_bf16(void) {
-    if (amx_permission() != 0) return 1;
     static struct tile_config cfg __attribute__((aligned(64)));
+    if (amx_prepare(&cfg) != 0) return 1;
     static unsigned short a[16 * 32] __attribute__((aligned(64)));
     static float c[16 * 16] __attribute__((aligned(64)));
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 3; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
     _tile_loadconfig(&cfg);
     _tile_zero(0);
     _tile_loadd(1, a, 64);
@@ -97,13 +102,10 @@ __attribute__((target("amx-tile,amx-bf16"))) static int try_amx_bf16(void) {
 }
 
 __attribute__((target("amx-tile,amx-int8"))) static int try_amx_int8(void) {
-    if (amx_permission() != 0) return 1;
     static struct tile_config cfg __attribute__((aligned(64)));
+    if (amx_prepare(&cfg) != 0) return 1;
     static signed char a[16 * 64] __attribute__((aligned(64)));
     static int c[16 * 16] __attribute__((aligned(64)));
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 3; t++) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
     _tile_loadconfig(&cfg);
     _tile_zero(0);
     _tile_loadd(1, a, 64);
