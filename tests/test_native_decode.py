@@ -1,16 +1,23 @@
 """The captured decode step (atb_plugin/models/native_decode.py): decode-only steps replayed by one
-native call must give exactly what the eager forward gives.
+native call must give exactly what the eager forward gives, for a float32 model and for one whose
+linear layers are int8 (W8A16, dynamic W8A8).
 
-Tolerance: none. The captured step runs the eager path's own native kernels (RMSNorm, the panel
-linear kernel, rotary, decode attention, SiLU-and-mul) in the same order on the same inputs, and
-a float32 residual add is the same operation in C as in torch, so tokens and logprobs are compared
-for equality, not closeness.
+Tolerance: none there. The captured step runs the eager path's own native kernels (RMSNorm, the
+panel or int8 linear kernels, rotary, decode attention, SiLU-and-mul) in the same order on the same
+inputs, and a float32 residual add is the same operation in C as in torch, so tokens and logprobs
+are compared for equality, not closeness.
+
+A bfloat16 model's captured step keeps the weights and the KV cache in bfloat16 but computes in
+float32 (its eager ops round every output to bfloat16): it is checked against a float32 model
+holding the very same weight and cache values, with the bound stated at that test.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from safetensors.torch import load_file, save_file
 
 from atb_plugin import LLM, SamplingParams
 from atb_plugin.engine.config import EngineConfig
@@ -45,7 +52,8 @@ def captured_calls(monkeypatch):
 
 
 def _generate(family: str, enforce_eager: bool, params: SamplingParams, prompts=PROMPTS, **config):
-    with LLM(tiny_checkpoint(family), block_size=4, enforce_eager=enforce_eager, **config) as llm:
+    with LLM(config.pop("model", None) or tiny_checkpoint(family), block_size=4, enforce_eager=enforce_eager,
+             **config) as llm:
         outcome = llm.engine.core.runner.decode_capture
         return outcome, [o.outputs[0] for o in llm.generate(prompts, params)]
 
@@ -69,6 +77,93 @@ def test_captured_decode_equals_eager_greedy_tokens_and_logprobs(family, capture
     assert eager_outcome == "off (enforce_eager)"
     assert len(captured_calls) == calls  # --enforce-eager: never
     _assert_same(captured, eager)
+
+
+@pytest.mark.parametrize("family, quantization", [("qwen2", "w8a8"), ("qwen2", "w8a16"), ("llama", "w8a8")])
+def test_captured_int8_decode_equals_eager(family, quantization, captured_calls):
+    # The quantized layers' eager forward calls the same native int8 kernels the plan calls.
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    outcome, captured = _generate(family, False, params, quantization=quantization)
+    assert outcome == "captured" and captured_calls
+    _, eager = _generate(family, True, params, quantization=quantization)
+    _assert_same(captured, eager)
+
+
+@pytest.fixture(scope="module")
+def bf16_exact_checkpoint(tmp_path_factory):
+    """The tiny qwen2 checkpoint with every weight rounded to a bfloat16 value (stored as float32):
+    a float32 model and a bfloat16 model loaded from it hold the same weights."""
+    source = tiny_checkpoint("qwen2")
+    target = tmp_path_factory.mktemp("bf16-exact")
+    for path in source.iterdir():
+        if path.suffix == ".safetensors":
+            tensors = load_file(path)
+            save_file({k: v.to(torch.bfloat16).to(v.dtype) if v.is_floating_point() else v
+                       for k, v in tensors.items()}, target / path.name)
+        elif path.is_file():
+            (target / path.name).write_bytes(path.read_bytes())
+    return target
+
+
+def test_captured_bf16_step_is_float32_math_over_bf16_weights_and_cache(bf16_exact_checkpoint):
+    # Two requests, 7 and 3 tokens cached, one new token each, over random bfloat16-valued caches
+    # and embeddings. Reference: the float32 model (same weights) run eagerly over float32 caches
+    # holding the same values. The captured bfloat16 step differs from it by (a) the new token's K /
+    # V rows, rounded to bfloat16 as they are stored (relative 2^-9 each, one token of 7 or 3),
+    # (b) the final hidden states rounded to bfloat16 (relative 2^-9), (c) float32 sum order:
+    # bound 2^-7 of the largest output. Its eager path rounds every op's output to bfloat16, so it
+    # must be further from the reference than the captured step.
+    seq_lens, block_size = [7, 3], 4
+    metadata = AttentionMetadata(
+        query_start_loc=torch.tensor([0, 1, 2], dtype=torch.int32), seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor([[1, 2], [3, 0]], dtype=torch.int32),
+        slot_mapping=torch.tensor([2 * block_size + 2, 3 * block_size + 2]), max_query_len=1, max_seq_len=7)
+    positions = torch.tensor([6, 2])
+    generator = torch.Generator().manual_seed(0)
+    outputs = {}
+    for dtype in ("float32", "bfloat16"):
+        with LLM(bf16_exact_checkpoint, block_size=block_size, dtype=dtype, enforce_eager=dtype == "float32") as llm:
+            runner = llm.engine.core.runner
+            model = runner.model.get_language_model().model
+            generator.manual_seed(0)
+            for key_cache, value_cache in runner.kv_caches:
+                for cache in (key_cache, value_cache):
+                    cache.copy_(torch.randn(cache.shape, generator=generator).to(torch.bfloat16))
+            embeds = torch.randn(2, model.config.hidden_size, generator=generator).to(torch.bfloat16)
+            saved = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+            if dtype == "float32":
+                assert model.captured_decode is None
+                outputs["reference"] = model(positions, runner.kv_caches, metadata, embeds.to(torch.float32))
+                continue
+            assert runner.decode_capture == "captured" and model.captured_decode.applies(runner.kv_caches, metadata)
+            outputs["captured"] = model(positions, runner.kv_caches, metadata, embeds)
+            written = [(k.clone(), v.clone()) for k, v in runner.kv_caches]
+            for (key_cache, value_cache), (k, v) in zip(runner.kv_caches, saved):
+                key_cache.copy_(k)
+                value_cache.copy_(v)
+            model.captured_decode, step = None, model.captured_decode
+            outputs["eager"] = model(positions, runner.kv_caches, metadata, embeds)
+            model.captured_decode = step
+            # The plan writes this step's rows, in bfloat16, and no others; the eager path wrote the
+            # same rows (from bfloat16-rounded activations: the same bound as the outputs).
+            slots = metadata.slot_mapping
+            for (k, v), (k_eager, v_eager), (k_before, v_before) in zip(written, runner.kv_caches, saved):
+                for cache, eager_cache, before in ((k, k_eager, k_before), (v, v_eager, v_before)):
+                    rows, eager_rows = (c.view(-1, *c.shape[2:]) for c in (cache, eager_cache))
+                    untouched = torch.ones(rows.shape[0], dtype=torch.bool)
+                    untouched[slots] = False
+                    assert torch.equal(rows[untouched], before.view(-1, *before.shape[2:])[untouched])
+                    scale = eager_rows[slots].float().abs().max().item()
+                    torch.testing.assert_close(rows[slots].float(), eager_rows[slots].float(), rtol=0,
+                                               atol=2 ** -5 * scale)
+    reference = outputs["reference"].double()
+    assert outputs["captured"].dtype == torch.bfloat16
+    captured_error = (outputs["captured"].double() - reference).abs().max().item()
+    eager_error = (outputs["eager"].double() - reference).abs().max().item()
+    print(f"max |captured - float32| {captured_error:.3g}, |eager - float32| {eager_error:.3g}, "
+          f"max |float32| {reference.abs().max().item():.3g}")
+    assert captured_error <= 2 ** -7 * reference.abs().max().item()
+    assert captured_error < eager_error
 
 
 def test_mixed_steps_run_eager_and_seeded_sampling_is_unchanged(captured_calls, monkeypatch):
@@ -104,7 +199,8 @@ def test_switching_to_the_torch_ops_after_load_runs_eager(captured_calls, monkey
 def test_no_capture_without_the_native_kernels_or_their_panels(monkeypatch):
     params = SamplingParams(temperature=0, max_tokens=2)
     outcome, _ = _generate("qwen2", False, params, pack_weights=False)
-    assert outcome == "the linear layers are not in native panels (pack_weights off)"
+    assert outcome == ("a linear layer cannot be captured: Linear has no native form (pack_weights off, or a "
+                       "format the plan lacks)")
     monkeypatch.setenv(cpu_native.KERNELS_ENV, "torch")
     outcome, _ = _generate("qwen2", False, params)
     assert outcome.startswith("the native CPU kernels are not in use")

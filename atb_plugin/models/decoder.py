@@ -216,8 +216,11 @@ class DecoderModel(nn.Module):
         return self.embed_tokens.tp_shard() if leaf == "embed_tokens" else None
 
     def forward(self, positions, kv_caches: list[KVCache], metadata: AttentionMetadata, inputs_embeds):
-        cos, sin = self.rotary.cos_sin(positions, inputs_embeds.dtype)
-        if self.captured_decode is not None and self.captured_decode.applies(kv_caches, metadata):
+        captured = self.captured_decode is not None and self.captured_decode.applies(kv_caches, metadata)
+        # The captured step computes in float32 whatever the model's dtype (native_decode.py): its
+        # rotary tables too.
+        cos, sin = self.rotary.cos_sin(positions, torch.float32 if captured else inputs_embeds.dtype)
+        if captured:
             return self.captured_decode(inputs_embeds, cos, sin, metadata)
         hidden = inputs_embeds
         for layer, kv_cache in zip(self.layers, kv_caches):

@@ -9,7 +9,16 @@ same idea is a plan: ``capture`` records, once per engine, the address of every 
 area for the activations; each decode step then hands this step's inputs (embeddings, rotary
 tables, slots, block tables, lengths) to ``decode_step_f32`` (csrc/cpu_kernels.c), which runs
 every layer and the final norm in C with the same kernels as the eager path, in the same order.
-The results are bit-identical to the eager path's (tests/test_native_decode.py).
+
+Each linear layer enters the plan in its own format (``CapturableLinear``): float32 or bfloat16
+panels (``PanelLinear``), int8 rows with their scales (W8A16 and dynamic W8A8 layers, whose eager
+forward calls the same native int8 kernels). The activations are float32 in every case. So a
+float32 model's step, quantized or not, is bit-identical to its eager path
+(tests/test_native_decode.py); a bfloat16 model's is not: it keeps its weights and KV cache in
+bfloat16 but no longer rounds every activation to bfloat16 as its eager ops do, so it sits closer
+to float32 (docs/quantization.md, "Quality"). Without it a bfloat16 or int8 model ran eager, and
+its per-op host time cancelled most of what the smaller weights saved (benchmarks/RESULTS.md,
+"Low precision").
 
 Unlike a CUDA graph, the batch size is an argument, not part of the capture: no buckets, no
 padded rows. What is captured are pointers, so the weights and caches must not move after
@@ -20,10 +29,22 @@ captured; prefill and mixed steps take the eager forward. ``EngineConfig.enforce
 
 from __future__ import annotations
 
+from typing import Protocol, runtime_checkable
+
 import torch
 
 from atb_plugin.ops import AttentionMetadata, cpu_native
-from atb_plugin.ops.packed_linear import PanelLinear
+
+# The KV cache dtypes the plan reads and writes (csrc/cpu_kernels.c, decode_model.kv_bf16).
+CACHE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+@runtime_checkable
+class CapturableLinear(Protocol):
+    """A linear layer the captured step can run: ``native_operands`` names the tensors the native
+    kernel of its format reads, or says (a string) why it cannot be captured as it is now."""
+
+    def native_operands(self) -> cpu_native.LinearOperands | str: ...
 
 
 class NativeDecodeStep:
@@ -31,7 +52,7 @@ class NativeDecodeStep:
     requests. ``applies(kv_caches, metadata)`` says whether a step can run captured;
     ``__call__(embeds, cos, sin, metadata)`` runs it and returns the final hidden states."""
 
-    def __init__(self, library, model, kv_caches, max_rows: int):
+    def __init__(self, library, model, kv_caches, max_rows: int, linears: list[list[cpu_native.LinearOperands]]):
         config = model.config
         self.library, self.kv_caches, self.max_rows = library, kv_caches, max_rows
         self.hidden, self.head_dim = config.hidden_size, config.head_dim
@@ -39,22 +60,18 @@ class NativeDecodeStep:
         self._layers = (cpu_native.DecodeLayer * len(model.layers))()
         # Every tensor whose address the plan holds, kept alive (and unmoved) with it.
         self._keep: list[torch.Tensor] = []
-        for entry, layer, (key_cache, value_cache) in zip(self._layers, model.layers, kv_caches):
-            attention, mlp = layer.self_attn, layer.mlp
-            entry.input_norm = self._address(layer.input_layernorm.weight)
-            entry.post_norm = self._address(layer.post_attention_layernorm.weight)
-            entry.qkv = self._address(attention.qkv_proj.weight_panels)
-            entry.qkv_bias = self._address(attention.qkv_proj.padded_bias)
-            entry.o = self._address(attention.o_proj.weight_panels)
-            entry.gate_up = self._address(mlp.gate_up_proj.weight_panels)
-            entry.down = self._address(mlp.down_proj.weight_panels)
+        for entry, layer, operands, (key_cache, value_cache) in zip(self._layers, model.layers, linears, kv_caches):
+            entry.input_norm = self._address(layer.input_layernorm.weight.to(torch.float32).contiguous())
+            entry.post_norm = self._address(layer.post_attention_layernorm.weight.to(torch.float32).contiguous())
+            entry.qkv, entry.o, entry.gate_up, entry.down = (self._linear(o) for o in operands)
             entry.key_cache, entry.value_cache = self._address(key_cache), self._address(value_cache)
         self.plan = cpu_native.DecodeModel(
             num_layers=len(model.layers), hidden=config.hidden_size, heads=config.num_attention_heads,
             kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-            intermediate=config.intermediate_size, block_size=self.block_size, eps=config.rms_norm_eps,
+            intermediate=config.intermediate_size, block_size=self.block_size,
+            kv_bf16=int(kv_caches[0][0].dtype == torch.bfloat16), eps=config.rms_norm_eps,
             scale=model.layers[0].self_attn.scale, layers=self._layers,
-            final_norm=self._address(model.norm.weight))
+            final_norm=self._address(model.norm.weight.to(torch.float32).contiguous()))
         self.scratch = cpu_native.decode_scratch(library, self.plan, max_rows)
 
     def _address(self, tensor: torch.Tensor | None) -> int | None:
@@ -63,6 +80,10 @@ class NativeDecodeStep:
         self._keep.append(tensor)
         return tensor.data_ptr()
 
+    def _linear(self, operands: cpu_native.LinearOperands) -> cpu_native.DecodeLinear:
+        return cpu_native.DecodeLinear(operands.format, *(self._address(t) for t in (
+            operands.weight, operands.bias, operands.scale, operands.offset)))
+
     def applies(self, kv_caches, metadata: AttentionMetadata) -> bool:
         """A decode-only step (one new token per request) of at most ``max_rows`` requests over
         the captured caches, with the native kernels still chosen (``ATB_PLUGIN_CPU_KERNELS`` is
@@ -70,14 +91,15 @@ class NativeDecodeStep:
         return (metadata.is_decode_only and metadata.num_reqs <= self.max_rows
                 and int(metadata.query_start_loc_cpu[-1]) == metadata.num_reqs
                 and kv_caches is self.kv_caches
-                and cpu_native.library_for(torch.float32, torch.device("cpu")) is self.library)
+                and cpu_native.linear_library(torch.device("cpu")) is self.library)
 
     def __call__(self, embeds: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  metadata: AttentionMetadata) -> torch.Tensor:
+        """The final hidden states in ``embeds``' dtype (the model's); computed in float32."""
         rows = metadata.num_reqs
         tables, seq_lens, slots = metadata.block_tables, metadata.seq_lens, metadata.slot_mapping
         # What the kernel trusts, checked once per step (the eager kernels check the same per call).
-        if (embeds.shape != (rows, self.hidden) or embeds.dtype != torch.float32
+        if (embeds.shape != (rows, self.hidden) or embeds.dtype not in CACHE_DTYPES
                 or cos.shape != (rows, self.head_dim) or sin.shape != cos.shape):
             raise ValueError(f"captured decode step: embeddings {tuple(embeds.shape)} {embeds.dtype}, rotary "
                              f"{tuple(cos.shape)} for {rows} requests of hidden size {self.hidden}")
@@ -89,9 +111,22 @@ class NativeDecodeStep:
             raise IndexError(f"captured decode step: a block or slot past the cache's {self.num_blocks} blocks")
         if int(seq_lens.min()) < 1 or int(seq_lens.max()) > tables.shape[1] * self.block_size:
             raise IndexError("captured decode step: a sequence longer than its block table")
-        return cpu_native.decode_step(self.library, self.plan, embeds.contiguous(), cos.contiguous(),
-                                      sin.contiguous(), slots.contiguous(), tables.contiguous(),
-                                      seq_lens.contiguous(), self.scratch)
+        f32 = [t.to(torch.float32).contiguous() for t in (embeds, cos, sin)]
+        out = cpu_native.decode_step(self.library, self.plan, *f32, slots.contiguous(), tables.contiguous(),
+                                     seq_lens.contiguous(), self.scratch)
+        return out.to(embeds.dtype)
+
+
+def _operands(layer) -> list[cpu_native.LinearOperands] | str:
+    """The layer's four linear layers as the plan takes them, or why one cannot be captured."""
+    found = []
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
+        operands = linear.native_operands() if isinstance(linear, CapturableLinear) else (
+            f"{type(linear).__name__} has no native form (pack_weights off, or a format the plan lacks)")
+        if isinstance(operands, str):
+            return f"a linear layer cannot be captured: {operands}"
+        found.append(operands)
+    return found
 
 
 def capture(model, kv_caches, max_rows: int) -> tuple[NativeDecodeStep | None, str]:
@@ -99,20 +134,23 @@ def capture(model, kv_caches, max_rows: int) -> tuple[NativeDecodeStep | None, s
     and why the decode step stays eager (a dtype or layout the plan cannot hold; no native kernels).
     The model runner asks only on a platform that ``captures_decode_step``."""
     weight = model.embed_tokens.weight
-    library = cpu_native.library_for(weight.dtype, weight.device)  # None off the CPU or float32
+    library = cpu_native.linear_library(weight.device)  # None off the CPU or with the torch ops chosen
     if library is None:
-        return None, f"the native CPU kernels are not in use ({weight.dtype}, {cpu_native.KERNELS_ENV}={cpu_native.choice()})"
+        return None, f"the native CPU kernels are not in use ({weight.device}, {cpu_native.KERNELS_ENV}={cpu_native.choice()})"
     if model.config.qk_norm or model.config.moe is not None:  # not in the native plan (csrc/cpu_kernels.c)
         return None, "per-head q/k norms or mixture-of-experts layers (Qwen3 / Qwen3-MoE) are not in the native plan"
     if model.config.head_dim % cpu_native.DECODE_HEAD_DIM_MULTIPLE:
         return None, f"head_dim {model.config.head_dim} is not a multiple of {cpu_native.DECODE_HEAD_DIM_MULTIPLE}"
-    for layer in model.layers:
-        linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        if not all(isinstance(linear, PanelLinear) for linear in linears):
-            return None, "the linear layers are not in native panels (pack_weights off)"
-    tensors = [*model.parameters(), *(cache for pair in kv_caches for cache in pair)]
-    if any(t.dtype != torch.float32 or not t.is_contiguous() for t in tensors):
-        return None, "a weight or cache is not contiguous float32"
     if len(kv_caches) != len(model.layers) or max_rows < 1:
         return None, f"{len(kv_caches)} caches for {len(model.layers)} layers, max_rows {max_rows}"
-    return NativeDecodeStep(library, model, kv_caches, max_rows), "captured"
+    caches = [cache for pair in kv_caches for cache in pair]
+    if (caches[0].dtype not in CACHE_DTYPES or any(c.dtype != caches[0].dtype or not c.is_contiguous() for c in caches)
+            or any(c.device.type != "cpu" for c in caches)):
+        return None, f"the KV caches are not contiguous CPU {' / '.join(map(str, CACHE_DTYPES))}"
+    linears = []
+    for layer in model.layers:
+        operands = _operands(layer)
+        if isinstance(operands, str):
+            return None, operands
+        linears.append(operands)
+    return NativeDecodeStep(library, model, kv_caches, max_rows, linears), "captured"

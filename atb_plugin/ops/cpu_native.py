@@ -50,6 +50,7 @@ import shlex
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -520,16 +521,63 @@ def argmax(library, x: torch.Tensor) -> torch.Tensor:
 
 # -- the captured decode step (decode_step_f32; built from a model by models/native_decode.py) --------
 
+# What a DecodeLinear's weight holds, as LINEAR_* in csrc/cpu_kernels.c.
+LINEAR_F32, LINEAR_BF16, LINEAR_W8A16, LINEAR_W8A8_DYNAMIC = range(4)
+
+
+class DecodeLinear(ctypes.Structure):
+    """One linear layer of the plan, as ``decode_linear`` in csrc/cpu_kernels.c: ``format`` (a
+    ``LINEAR_*``), the weight (float32 / bfloat16 panels, or int8 rows), the float32 bias,
+    per-channel scale and offset (int8 only), each NULL where absent."""
+    _fields_ = [("format", _I64), *((name, _PTR) for name in ("weight", "bias", "scale", "offset"))]
+
+
+_LINEAR_WEIGHT_DTYPES = {LINEAR_F32: torch.float32, LINEAR_BF16: torch.bfloat16, LINEAR_W8A16: torch.int8,
+                         LINEAR_W8A8_DYNAMIC: torch.int8}
+
+
+@dataclass(frozen=True)
+class LinearOperands:
+    """A linear layer as the captured decode step reads it: ``format`` (a ``LINEAR_*``) and the
+    CPU tensors its kernel takes, as the eager call passes them: panels and a ``padded_bias``
+    (``linear`` / ``linear_bf16``), or int8 ``(out, in)`` rows with float32 ``(out,)`` scale,
+    offset (W8A16) and bias (``w8a16_linear`` / ``w8a8_dynamic_linear``). Checked when made: the
+    kernel trusts them."""
+    format: int
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+    scale: torch.Tensor | None = None
+    offset: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if _LINEAR_WEIGHT_DTYPES.get(self.format) != self.weight.dtype:
+            raise ValueError(f"linear format {self.format} with a {self.weight.dtype} weight")
+        int8 = self.format in (LINEAR_W8A16, LINEAR_W8A8_DYNAMIC)
+        if int8 and (self.scale is None or (self.offset is None) != (self.format == LINEAR_W8A8_DYNAMIC)):
+            raise ValueError(f"linear format {self.format}: scale, and an offset for W8A16 only")
+        rows = self.weight.shape[0]
+        for name, tensor in (("weight", self.weight), ("bias", self.bias), ("scale", self.scale),
+                             ("offset", self.offset)):
+            if tensor is None:
+                continue
+            if tensor.device.type != "cpu" or not tensor.is_contiguous():
+                raise ValueError(f"linear {name}: {tensor.device} tensor, contiguous={tensor.is_contiguous()}")
+            if name != "weight" and (tensor.dtype != torch.float32 or (int8 and tensor.shape != (rows,))):
+                raise ValueError(f"linear {name} {tuple(tensor.shape)} {tensor.dtype} for {rows} float32 outputs")
+
+
 class DecodeLayer(ctypes.Structure):
     """One decoder layer's addresses, as ``decode_layer`` in csrc/cpu_kernels.c."""
-    _fields_ = [(name, _PTR) for name in ("input_norm", "post_norm", "qkv", "qkv_bias", "o", "gate_up", "down",
-                                          "key_cache", "value_cache")]
+    _fields_ = [("input_norm", _PTR), ("post_norm", _PTR),
+                *((name, DecodeLinear) for name in ("qkv", "o", "gate_up", "down")),
+                ("key_cache", _PTR), ("value_cache", _PTR)]
 
 
 class DecodeModel(ctypes.Structure):
-    """The decoder's sizes and its layers, as ``decode_model`` in csrc/cpu_kernels.c."""
+    """The decoder's sizes and its layers, as ``decode_model`` in csrc/cpu_kernels.c (``kv_bf16``:
+    the KV caches hold bfloat16, else float32)."""
     _fields_ = [("num_layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
-                ("intermediate", _I64), ("block_size", _I64), ("eps", _F32), ("scale", _F32),
+                ("intermediate", _I64), ("block_size", _I64), ("kv_bf16", _I64), ("eps", _F32), ("scale", _F32),
                 ("layers", ctypes.POINTER(DecodeLayer)), ("final_norm", _PTR)]
 
 
@@ -543,7 +591,7 @@ def decode_step(library, model: DecodeModel, embeds: torch.Tensor, cos: torch.Te
                 scratch: torch.Tensor) -> torch.Tensor:
     """Every layer of one decode step and the final norm: ``(rows, hidden)`` embeddings in, the
     final hidden states out. The caller (``NativeDecodeStep``) has checked every input against
-    the model and the caches: the kernel trusts its indices and sizes."""
+    the model and the caches: the kernel trusts its indices and sizes. Float32 in and out."""
     out = torch.empty_like(embeds)
     failed = library.decode_step_f32(ctypes.addressof(model), embeds.data_ptr(), out.data_ptr(), embeds.shape[0],
                                      cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), block_tables.data_ptr(),

@@ -108,6 +108,11 @@ class PanelLinear(nn.Module):
                 return cpu_native.linear(library, x, self.weight_panels, self.out_features, self.padded_bias)
         return self._torch_forward(x)
 
+    def native_operands(self) -> cpu_native.LinearOperands:
+        """The panels as the captured decode step reads them (models/native_decode.py)."""
+        return cpu_native.LinearOperands(cpu_native.LINEAR_BF16 if self.bf16 else cpu_native.LINEAR_F32,
+                                         self.weight_panels, bias=self.padded_bias)
+
     def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.float32)
         panels = self.weight_panels

@@ -31,6 +31,7 @@ from torch import nn
 from atb_plugin import ops
 from atb_plugin.distributed import TPShard
 from atb_plugin.models.quantization.config import W8A8, W8A8_DYNAMIC, W8A16
+from atb_plugin.ops import cpu_native
 
 # Parameter kinds beyond weight / bias, by how tensor parallelism splits them.
 PER_CHANNEL_KINDS = ("weight_scale", "weight_offset", "deq_scale")  # one per output row
@@ -95,6 +96,17 @@ class QuantLinear(nn.Module):
                 f"bias={self.bias is not None}, scheme={self.scheme}")
 
 
+def _int8_operands(layer: QuantLinear, format: int, offset: torch.Tensor | None) -> cpu_native.LinearOperands | str:
+    if layer.weight.device.type != "cpu" or not layer.weight.is_contiguous():
+        return f"{layer.scheme} weight on {layer.weight.device}, contiguous={layer.weight.is_contiguous()}"
+
+    def f32(tensor):  # as torch_kernels hands them to the kernel (a bias in bfloat16 is widened)
+        return None if tensor is None else tensor.to(torch.float32).contiguous().view(-1)
+
+    return cpu_native.LinearOperands(format, layer.weight, bias=f32(layer.bias), scale=f32(layer.weight_scale),
+                                     offset=f32(offset))
+
+
 class W8A16Linear(QuantLinear):
     """int8 weights, activations in the model's dtype: ``y = x ((W + offset) * scale)^T + b``."""
 
@@ -102,6 +114,11 @@ class W8A16Linear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.w8a16_linear(x, self.weight, self.weight_scale.view(-1), self.weight_offset.view(-1), self.bias)
+
+    def native_operands(self) -> cpu_native.LinearOperands | str:
+        """What the captured decode step reads: the tensors the eager forward hands the native
+        kernel on the CPU (models/native_decode.py)."""
+        return _int8_operands(self, cpu_native.LINEAR_W8A16, self.weight_offset)
 
 
 class W8A8DynamicLinear(QuantLinear):
@@ -112,6 +129,10 @@ class W8A8DynamicLinear(QuantLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return ops.w8a8_dynamic_linear(x, self.weight, self.weight_scale.view(-1), self.bias)
+
+    def native_operands(self) -> cpu_native.LinearOperands | str:
+        """As ``W8A16Linear.native_operands``."""
+        return _int8_operands(self, cpu_native.LINEAR_W8A8_DYNAMIC, None)
 
 
 class W8A8StaticLinear(QuantLinear):

@@ -55,16 +55,27 @@ static inline vf vexp(vf x) {
     return (vf)((vi)p + (n << 23));
 }
 
-/* The address of token t's row (all kv heads) in a cache, and a prefetch of the row LANES tokens
- * on: blocks are scattered, so at a block's end the hardware prefetcher has nothing to follow. */
-static inline const float *row_of(const float *cache, const int32_t *table, int64_t t, int64_t len,
-                                  int64_t block_size, int64_t token_stride) {
+/* The address of token t's row (all kv heads) in a cache of `elem`-byte values, and a prefetch
+ * of the row LANES tokens on: blocks are scattered, so at a block's end the hardware prefetcher
+ * has nothing to follow. */
+static inline const char *row_of(const char *cache, const int32_t *table, int64_t t, int64_t len,
+                                 int64_t block_size, int64_t token_stride, int64_t elem) {
     const int64_t block_stride = block_size * token_stride, ahead = t + LANES;
     if (ahead < len) {
-        const float *next = cache + (int64_t)table[ahead / block_size] * block_stride + (ahead % block_size) * token_stride;
-        for (int64_t f = 0; f < token_stride; f += 64 / sizeof(float)) __builtin_prefetch(next + f);
+        const char *next = cache + ((int64_t)table[ahead / block_size] * block_stride + (ahead % block_size) * token_stride) * elem;
+        for (int64_t f = 0; f < token_stride * elem; f += 64) __builtin_prefetch(next + f);
     }
-    return cache + (int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride;
+    return cache + ((int64_t)table[t / block_size] * block_stride + (t % block_size) * token_stride) * elem;
+}
+
+/* LANES cache values as float32: a float32 cache's as they are, a bfloat16 cache's widened (the
+ * 16 bits are the top half of the float32). */
+typedef uint16_t vh __attribute__((vector_size(LANES * sizeof(uint16_t))));
+static inline vf load_kv(const char *p, const int bf16) {
+    if (!bf16) return load((const float *)p);
+    vh h;
+    memcpy(&h, p, sizeof h);
+    return (vf)(__builtin_convertvector(h, vi) << 16);
 }
 
 /* head_dim a multiple of LANES (faster than the same passes in plain C loops on a 30-layer,
@@ -72,20 +83,21 @@ static inline const float *row_of(const float *cache, const int32_t *table, int6
  * tokens at a time so each head's accumulator stays in registers over the chunk while the
  * chunk's V rows stay in L1. */
 static inline __attribute__((always_inline)) int decode_vec(
-    const float *q, const float *key_cache, const float *value_cache, const int32_t *table,
+    const float *q, const void *key_cache, const void *value_cache, const int bf16, const int32_t *table,
     int64_t len, float *out, int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
     float scale) {
     const int64_t group = heads / kv_heads, chunks = head_dim / LANES, token_stride = kv_heads * head_dim;
-    const int64_t padded = (len + LANES - 1) / LANES * LANES;
+    const int64_t padded = (len + LANES - 1) / LANES * LANES, elem = bf16 ? 2 : 4;
     float *scores = malloc(sizeof(float) * heads * (padded + head_dim)); /* (heads, padded), then (heads, head_dim) */
     if (!scores) return 1;
     float *acc = scores + heads * padded;
     for (int64_t t = 0; t < len; t++) {
-        const float *k = row_of(key_cache, table, t, len, block_size, token_stride);
+        const char *k = row_of(key_cache, table, t, len, block_size, token_stride, elem);
         for (int64_t h = 0; h < heads; h++) {
-            const float *kh = k + (h / group) * head_dim, *qh = q + h * head_dim;
-            vf s = load(qh) * load(kh);
-            for (int64_t c = 1; c < chunks; c++) s += load(qh + c * LANES) * load(kh + c * LANES);
+            const char *kh = k + (h / group) * head_dim * elem;
+            const float *qh = q + h * head_dim;
+            vf s = load(qh) * load_kv(kh, bf16);
+            for (int64_t c = 1; c < chunks; c++) s += load(qh + c * LANES) * load_kv(kh + c * LANES * elem, bf16);
             float total = 0.f;
             for (int l = 0; l < LANES; l++) total += s[l];
             scores[h * padded + t] = total * scale;
@@ -109,14 +121,14 @@ static inline __attribute__((always_inline)) int decode_vec(
     memset(acc, 0, sizeof(float) * heads * head_dim);
     for (int64_t t0 = 0; t0 < len; t0 += LANES) {
         const int64_t n = len - t0 < LANES ? len - t0 : LANES;
-        const float *rows[LANES];
-        for (int64_t j = 0; j < n; j++) rows[j] = row_of(value_cache, table, t0 + j, len, block_size, token_stride);
+        const char *rows[LANES];
+        for (int64_t j = 0; j < n; j++) rows[j] = row_of(value_cache, table, t0 + j, len, block_size, token_stride, elem);
         for (int64_t h = 0; h < heads; h++) {
             const float *p = scores + h * padded + t0;
             const int64_t offset = (h / group) * head_dim;
             for (int64_t c = 0; c < chunks; c++) {
                 vf a = load(acc + h * head_dim + c * LANES);
-                for (int64_t j = 0; j < n; j++) a += p[j] * load(rows[j] + offset + c * LANES);
+                for (int64_t j = 0; j < n; j++) a += p[j] * load_kv(rows[j] + (offset + c * LANES) * elem, bf16);
                 store(acc + h * head_dim + c * LANES, a);
             }
         }
@@ -126,13 +138,21 @@ static inline __attribute__((always_inline)) int decode_vec(
     return 0;
 }
 
-/* A constant head_dim lets the compiler unroll the loops over it. */
-#define DECODE_VEC(D) decode_vec(q, key_cache, value_cache, table, len, o, heads, kv_heads, D, block_size, scale)
+/* A constant head_dim and cache format let the compiler unroll the loops over them. */
+#define DECODE_VEC(D, B) decode_vec(q, key_cache, value_cache, B, table, len, o, heads, kv_heads, D, block_size, scale)
+#define DECODE_FORMAT(B)                                     \
+    switch (head_dim) {                                      \
+        case 64: failed |= DECODE_VEC(64, B); break;         \
+        case 128: failed |= DECODE_VEC(128, B); break;       \
+        default: failed |= DECODE_VEC(head_dim, B);          \
+    }
 
-int paged_decode_f32(const float *query, const float *key_cache, const float *value_cache,
-                     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
-                     float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                     int64_t block_size, float scale, int num_threads) {
+/* Decode attention over a float32 (kv_bf16 0) or bfloat16 (kv_bf16 1) cache; float32 query, sums
+ * and output. */
+static int paged_decode(const float *query, const void *key_cache, const void *value_cache, int kv_bf16,
+                        const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                        float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                        int64_t block_size, float scale, int num_threads) {
     int failed = 0;
 #pragma omp parallel for schedule(dynamic) num_threads(num_threads) reduction(| : failed)
     for (int64_t b = 0; b < batch; b++) {
@@ -140,13 +160,17 @@ int paged_decode_f32(const float *query, const float *key_cache, const float *va
         float *o = out + b * heads * head_dim;
         const int32_t *table = block_tables + b * table_stride;
         const int64_t len = seq_lens[b];
-        switch (head_dim) {
-            case 64: failed |= DECODE_VEC(64); break;
-            case 128: failed |= DECODE_VEC(128); break;
-            default: failed |= DECODE_VEC(head_dim);
-        }
+        if (kv_bf16) DECODE_FORMAT(1) else DECODE_FORMAT(0)
     }
     return failed;
+}
+
+int paged_decode_f32(const float *query, const float *key_cache, const float *value_cache,
+                     const int32_t *block_tables, int64_t table_stride, const int32_t *seq_lens,
+                     float *out, int64_t batch, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                     int64_t block_size, float scale, int num_threads) {
+    return paged_decode(query, key_cache, value_cache, 0, block_tables, table_stride, seq_lens, out, batch, heads,
+                        kv_heads, head_dim, block_size, scale, num_threads);
 }
 
 /* ---- elementwise ops, one call where torch dispatches 4 to 8 ops ------------------------------ */
@@ -804,12 +828,11 @@ int w8a8_dynamic_linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stri
 /* ---- the captured decode step: every decoder layer of one decode step in one call ------------
  *
  * What atb_plugin/models/native_decode.py records once (docs/architecture.md, "The captured
- * decode step"): the address of every layer's weights (column panels, norms) and KV cache, and a
- * scratch area for the activations. A decode step then costs one call from Python instead of
- * ~20 ops per layer, each with its wrapper and output allocation (host time that was a large
- * share of a single-stream step: benchmarks/RESULTS.md, bench_engine "Fifth round"). The step
- * runs the same kernels as the eager path, in the same order, so its results are bit-identical
- * to it:
+ * decode step"): the address of every layer's weights (each linear layer in its own format, the
+ * norms) and KV cache, and a scratch area for the activations. A decode step then costs one call
+ * from Python instead of ~20 ops per layer, each with its wrapper and output allocation (host
+ * time that was a large share of a single-stream step: benchmarks/RESULTS.md, bench_engine "Fifth
+ * round"). The step runs the eager path's kernels, in the same order:
  *
  *   residual = embeds
  *   per layer:  x = rms_norm(residual)            qkv = linear(x)            q, k = rotary(q, k)
@@ -817,18 +840,33 @@ int w8a8_dynamic_linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stri
  *               x = rms_norm(residual)            residual += down(silu_and_mul(gate_up(x)))
  *   out = rms_norm(residual)
  *
+ * Activations are float32 whatever the weights: a float32 model's step is bit-identical to its
+ * eager path; so is one whose linear layers are int8 (the eager layers call the same kernels).
+ * A bfloat16 model keeps its weights (bfloat16 panels) and its KV cache (rows rounded to nearest
+ * even as they are written) in bfloat16, but not its activations: its eager path rounds every
+ * op's output to bfloat16, this step does not (closer to float32, not bit-identical to eager).
+ *
  * Scratch (floats), rows * each of: hidden (x), qkv_n (qkv), q_size (q), kv_size (k), q_size (a),
  * hidden (proj), 2 * intermediate (gate_up), intermediate (act), hidden (the residual stream):
  * decode_scratch_floats. */
+enum { LINEAR_F32 = 0, LINEAR_BF16 = 1, LINEAR_W8A16 = 2, LINEAR_W8A8_DYNAMIC = 3 };
+
 typedef struct {
-    const float *input_norm, *post_norm; /* (hidden) */
-    const float *qkv, *qkv_bias;         /* panels (qkv_n outputs); bias NULL or padded */
-    const float *o, *gate_up, *down;     /* panels */
-    float *key_cache, *value_cache;      /* (num_blocks, block_size, kv_heads, head_dim) */
+    int64_t format;      /* LINEAR_*: what `weight` holds */
+    const void *weight;  /* float32 / bfloat16 panels, or int8 (out, in) rows */
+    const float *bias;   /* NULL; padded to whole panels for panels, (out) for int8 rows */
+    const float *scale;  /* int8: (out) per output channel */
+    const float *offset; /* W8A16: (out) */
+} decode_linear;
+
+typedef struct {
+    const float *input_norm, *post_norm; /* (hidden), float32 */
+    decode_linear qkv, o, gate_up, down;
+    void *key_cache, *value_cache;       /* (num_blocks, block_size, kv_heads, head_dim) */
 } decode_layer;
 
 typedef struct {
-    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size;
+    int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, kv_bf16;
     float eps, scale;
     const decode_layer *layers;
     const float *final_norm;
@@ -839,13 +877,39 @@ int64_t decode_scratch_floats(const decode_model *m, int64_t rows) {
     return rows * (3 * m->hidden + (q_size + 2 * kv_size) + 2 * q_size + kv_size + 3 * m->intermediate);
 }
 
+/* y (rows, N) = x (rows, K) through L, both contiguous. Returns 0, or 1 when scratch failed. */
+static int decode_linear_rows(const decode_linear *L, const float *x, int64_t rows, int64_t K, float *y, int64_t N,
+                              int num_threads) {
+    switch (L->format) {
+        case LINEAR_BF16: /* K even (native_decode.py checks): no widening copy */
+            return linear_bf16w(x, 0, rows, K, K, L->weight, N, L->bias, y, 0, N, num_threads);
+        case LINEAR_W8A16:
+            return w8a16_linear_f32(x, rows, K, K, L->weight, N, L->scale, L->offset, L->bias, y, N, num_threads);
+        case LINEAR_W8A8_DYNAMIC:
+            return w8a8_dynamic_linear_f32(x, rows, K, K, L->weight, N, L->scale, L->bias, y, N, num_threads);
+        default:
+            linear_f32(x, rows, K, K, L->weight, N, L->bias, y, N, num_threads);
+            return 0;
+    }
+}
+
 static void add_rows(float *residual, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) residual[i] += x[i];
 }
 
+/* A cache row of n values from float32 `v`: copied, or rounded to bfloat16. */
+static void write_kv(void *cache, int64_t index, const float *v, int64_t n, int bf16) {
+    if (!bf16) {
+        memcpy((float *)cache + index, v, sizeof(float) * n);
+        return;
+    }
+    uint16_t *row = (uint16_t *)cache + index;
+    for (int64_t i = 0; i < n; i++) row[i] = float_to_bf16(v[i]);
+}
+
 /* embeds, out (rows, hidden); cos, sin (rows, head_dim); slots (rows) int64, -1 = do not write;
  * block_tables, seq_lens as paged_decode_f32 takes them. The caller has checked every slot and
- * block id against the caches. Returns 0, or 1 when the attention's scratch allocation failed. */
+ * block id against the caches. Returns 0, or 1 when a kernel's scratch allocation failed. */
 int decode_step_f32(const decode_model *m, const float *embeds, float *out, int64_t rows, const float *cos,
                     const float *sin, const int64_t *slots, const int32_t *block_tables, int64_t table_stride,
                     const int32_t *seq_lens, float *scratch, int num_threads) {
@@ -858,23 +922,23 @@ int decode_step_f32(const decode_model *m, const float *embeds, float *out, int6
     for (int64_t l = 0; l < m->num_layers; l++) {
         const decode_layer *L = m->layers + l;
         rms_norm_f32(stream, H, L->input_norm, x, rows, H, m->eps, num_threads);
-        linear_f32(x, rows, H, H, L->qkv, qkv_n, L->qkv_bias, qkv, qkv_n, num_threads);
+        if (decode_linear_rows(&L->qkv, x, rows, H, qkv, qkv_n, num_threads)) return 1;
         rotary_f32(qkv, qkv_n, D, cos, sin, q, rows, m->heads, D, num_threads);
         rotary_f32(qkv + q_size, qkv_n, D, cos, sin, k, rows, m->kv_heads, D, num_threads);
         for (int64_t r = 0; r < rows; r++) {
             if (slots[r] < 0) continue;
-            memcpy(L->key_cache + slots[r] * kv_size, k + r * kv_size, sizeof(float) * kv_size);
-            memcpy(L->value_cache + slots[r] * kv_size, qkv + r * qkv_n + q_size + kv_size, sizeof(float) * kv_size);
+            write_kv(L->key_cache, slots[r] * kv_size, k + r * kv_size, kv_size, (int)m->kv_bf16);
+            write_kv(L->value_cache, slots[r] * kv_size, qkv + r * qkv_n + q_size + kv_size, kv_size, (int)m->kv_bf16);
         }
-        if (paged_decode_f32(q, L->key_cache, L->value_cache, block_tables, table_stride, seq_lens, a, rows,
-                             m->heads, m->kv_heads, D, m->block_size, m->scale, num_threads))
+        if (paged_decode(q, L->key_cache, L->value_cache, (int)m->kv_bf16, block_tables, table_stride, seq_lens, a,
+                         rows, m->heads, m->kv_heads, D, m->block_size, m->scale, num_threads))
             return 1;
-        linear_f32(a, rows, q_size, q_size, L->o, H, NULL, proj, H, num_threads);
+        if (decode_linear_rows(&L->o, a, rows, q_size, proj, H, num_threads)) return 1;
         add_rows(stream, proj, rows * H);
         rms_norm_f32(stream, H, L->post_norm, x, rows, H, m->eps, num_threads);
-        linear_f32(x, rows, H, H, L->gate_up, 2 * I, NULL, gate_up, 2 * I, num_threads);
+        if (decode_linear_rows(&L->gate_up, x, rows, H, gate_up, 2 * I, num_threads)) return 1;
         silu_and_mul_f32(gate_up, 2 * I, act, rows, I, num_threads);
-        linear_f32(act, rows, I, I, L->down, H, NULL, proj, H, num_threads);
+        if (decode_linear_rows(&L->down, act, rows, I, proj, H, num_threads)) return 1;
         add_rows(stream, proj, rows * H);
     }
     rms_norm_f32(stream, H, m->final_norm, out, rows, H, m->eps, num_threads);
