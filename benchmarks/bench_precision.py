@@ -11,7 +11,9 @@ Models (--model):
              ${XDG_CACHE_HOME:-~/.cache}/atb-plugin/models/.
 
 Sides (--precisions): ours float32, bfloat16 (``dtype="bfloat16"``), and W8A16 / W8A8
-(``quantization=``, quantized on the fly at load). One side
+(``quantization=``, quantized on the fly at load; ``w8a8/bf16``: the rest of the model in bfloat16,
+so the LM head too, as llama.cpp's Q8_0 quantizes its output matrix). Each side's resident weight
+bytes are reported beside its speed. One side
 loaded together (a TinyLlama float32 side is 4 GB: all four sides ~9 GB), then --runs rounds over
 the sides in turn, medians; one torch thread.
   single   one prompt, --tokens new tokens, greedy, decode tok/s after the first token
@@ -26,7 +28,7 @@ GGUFs converted by llama.cpp's vendored convert_hf_to_gguf.py (setup.sh writes S
 BF16 and Q8_0; the TinyLlama-shaped one is converted here on first use), one thread.
 
     python benchmarks/bench_precision.py [--model smollm2,tinyllama] [--runs 2] [--tokens 64]
-        [--batch 32] [--batch-tokens 128] [--precisions fp32,bf16,w8a16,w8a8] [--llamacpp]
+        [--batch 32] [--batch-tokens 128] [--precisions fp32,bf16,w8a16,w8a8,w8a8/bf16] [--llamacpp]
 
 Last line: JSON with every side's medians and the ratios to our float32.
 """
@@ -57,7 +59,7 @@ TINYLLAMA = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_head
              "head_dim": 128, "num_hidden_layers": 22}
 PEERS = Path(os.environ.get("ATB_PEERS_DIR") or Path.home() / ".cache" / "atb-plugin" / "peers")
 # our side -> the llama.cpp precision it matches
-GGUF_TYPES = {"bf16": "BF16", "w8a8": "Q8_0", "fp32": "F32"}
+GGUF_TYPES = {"bf16": "BF16", "w8a8": "Q8_0", "w8a8/bf16": "Q8_0", "fp32": "F32"}
 
 
 def tinyllama_checkpoint(layers: int) -> Path:
@@ -106,9 +108,13 @@ def tinyllama_checkpoint(layers: int) -> Path:
 
 
 def load(model_dir: Path, precision: str, args) -> LLM:
-    kwargs = {"dtype": "bfloat16"} if precision == "bf16" else {}
-    if precision in ("w8a16", "w8a8"):
-        kwargs["quantization"] = precision
+    """``precision``: fp32, bf16, or a scheme (w8a16 / w8a8) with the rest of the model in float32,
+    or with ``/bf16`` in bfloat16 (embeddings, LM head, norms, KV cache: ``--dtype bfloat16
+    --quantization w8a8``, the Ascend deployment form)."""
+    scheme, _, rest = precision.partition("/")
+    kwargs = {"dtype": "bfloat16"} if "bf16" in (scheme, rest) else {}
+    if scheme in ("w8a16", "w8a8"):
+        kwargs["quantization"] = scheme
     return LLM(str(model_dir), max_num_seqs=max(args.batch, 1), max_num_batched_tokens=2048, num_threads=1, **kwargs)
 
 
@@ -139,8 +145,10 @@ def ours(model: str, model_dir: Path, precisions: list[str], args) -> dict:
                                                          args.batch_tokens)[0])
         sides = {}
         for precision, llm in llms.items():
-            capture = getattr(getattr(getattr(llm.engine, "core", None), "runner", None), "decode_capture", None)
+            runner = llm.engine.core.runner
+            capture = runner.decode_capture
             sides[precision] = {
+                "weight_mib": weight_mib(runner.model),
                 "single_tok_s": statistics.median(singles[precision]),
                 "batch_tok_s": statistics.median(batches[precision]) if batches[precision] else None,
                 "runs_single": [round(r, 2) for r in singles[precision]],
@@ -153,6 +161,21 @@ def ours(model: str, model_dir: Path, precisions: list[str], args) -> dict:
             llm.close()
         llms.clear()
         gc.collect()
+
+
+def weight_mib(model) -> dict[str, float]:
+    """MiB of the model's parameters and buffers as loaded (panels, int8 rows, scales; a tensor
+    held twice counted once): ``total``, and ``linear`` for the decoder layers' projections alone
+    (what quantization shrinks; the embedding, LM head and norms stay in the model's dtype)."""
+    seen, total, linear = set(), 0, 0
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        key = tensor.data_ptr() if tensor.layout == torch.strided else id(tensor)  # oneDNN's packed: opaque
+        if key not in seen:
+            seen.add(key)
+            size = tensor.numel() * tensor.element_size()
+            total += size
+            linear += size if "_proj." in name else 0
+    return {"total": round(total / 2**20, 1), "linear": round(linear / 2**20, 1)}
 
 
 def gguf_for(model: str, model_dir: Path, gguf_type: str) -> Path | None:
@@ -197,7 +220,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--batch-tokens", type=int, default=128)
-    parser.add_argument("--precisions", default="fp32,bf16,w8a16,w8a8")
+    parser.add_argument("--precisions", default="fp32,bf16,w8a16,w8a8,w8a8/bf16")
     parser.add_argument("--tinyllama-layers", type=int, default=22)
     parser.add_argument("--llamacpp", action="store_true", help="also llama.cpp at F32 / BF16 / Q8_0 (peers' venv)")
     args = parser.parse_args()
@@ -209,7 +232,7 @@ def main() -> None:
         precisions = args.precisions.split(",")
         sides = ours(model, model_dir, precisions, args)
         if args.llamacpp:
-            for precision, gguf_type in GGUF_TYPES.items():
+            for gguf_type in dict.fromkeys(GGUF_TYPES.values()):
                 gguf = gguf_for(model, model_dir, gguf_type)
                 result = llamacpp(gguf, args) if gguf else None
                 if result is None:
@@ -223,10 +246,15 @@ def main() -> None:
             for measure in ("single_tok_s", "batch_tok_s"):
                 if base and base.get(measure) and side.get(measure):
                     ratios[f"{name} {measure} / ours fp32"] = round(side[measure] / base[measure], 3)
+            if base and base.get("weight_mib") and side.get("weight_mib"):
+                for part in ("total", "linear"):
+                    ratios[f"{name} {part} weight bytes / ours fp32"] = round(
+                        side["weight_mib"][part] / base["weight_mib"][part], 3)
             peer = sides.get(f"llama.cpp {GGUF_TYPES.get(name, '')}")
-            if peer and peer.get("single_tok_s"):
-                ratios[f"ours {name} single / llama.cpp {GGUF_TYPES[name]}"] = round(
-                    side["single_tok_s"] / peer["single_tok_s"], 3)
+            for measure, label in (("single_tok_s", "single"), ("batch_tok_s", "batch")):
+                if peer and peer.get(measure) and side.get(measure):
+                    ratios[f"ours {name} {label} / llama.cpp {GGUF_TYPES[name]}"] = round(
+                        side[measure] / peer[measure], 3)
         report[model] = {"sides": sides, "ratios": ratios}
         for key, value in ratios.items():
             print(f"{model}: {key} = {value:.2f}x", flush=True)

@@ -556,12 +556,19 @@ int w8a8_variant(void) {
 #endif
 }
 
-#define OT 4 /* weight rows per block (a thread's unit of work) */
+#define OT 8 /* weight rows per block (a thread's unit of work) */
 #define TO 2 /* weight rows per tile */
 #define RT 4 /* rows of x per tile: RT x TO sums, TO weight vectors (and their |w|) in registers */
-#ifndef PF
-#define PF 2048
-#endif /* PF: bytes ahead in each weight row that a tile prefetches: the rows are TO streams */
+#define TILES_AHEAD 2
+/* What a tile prefetches: its O weight rows are O * K contiguous bytes, and so are the next
+ * tile's, so the weights are one stream read in order; each step (32 bytes of each row) a tile
+ * prefetches the O * 32 bytes TILES_AHEAD tiles on, keeping pace with what it reads. Prefetching
+ * each row 2 KiB ahead instead (two short streams per tile) read SmolLM2's K = 576 rows at ~9 GB/s
+ * where this reads ~13 (benchmarks/RESULTS.md, "Low precision"). Past the matrix's end the hints
+ * are wasted, never a fault. */
+#define PREFETCH_TILES_AHEAD(O, K, k, bytes_per_k)                                                      \
+    for (int c = 0; c < (O) * (bytes_per_k); c += 64)                                                   \
+        __builtin_prefetch((const char *)w + TILES_AHEAD * (O) * (K) + (k) * (O) + c)
 
 #if defined(__x86_64__) && defined(__AVX2__)
 #include <immintrin.h>
@@ -589,8 +596,7 @@ static inline int32_t hsum_epi32(__m256i v) {
             for (int o = 0; o < O; o++) acc[r][o] = _mm256_setzero_ps();                                   \
         int64_t k = 0;                                                                                      \
         for (; k + 8 <= K; k += 8) {                                                                        \
-            if ((k & 63) == 0)                                                                              \
-                for (int o = 0; o < O; o++) __builtin_prefetch(w + o * K + k + PF);                         \
+            if ((k & 31) == 0) PREFETCH_TILES_AHEAD(O, K, k, 32);                                           \
             __m256 wv[O];                                                                                   \
             for (int o = 0; o < O; o++)                                                                     \
                 wv[o] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + o * K + k)))); \
@@ -620,8 +626,7 @@ static inline int32_t hsum_epi32(__m256i v) {
             for (int o = 0; o < O; o++) acc[r][o] = _mm256_setzero_si256();                                \
         int64_t k = 0;                                                                                      \
         for (; k + 32 <= K; k += 32) {                                                                      \
-            if ((k & 63) == 0)                                                                              \
-                for (int o = 0; o < O; o++) __builtin_prefetch(w + o * K + k + PF);                         \
+            PREFETCH_TILES_AHEAD(O, K, k, 32);                                                              \
             __m256i wv[O], aw[O];                                                                           \
             for (int o = 0; o < O; o++) {                                                                   \
                 wv[o] = _mm256_loadu_si256((const __m256i *)(w + o * K + k));                               \
