@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from safetensors.torch import load_file, save_file
 
 from atb_plugin import LLM, SamplingParams
 from atb_plugin.engine.config import EngineConfig
 from atb_plugin.models import native_decode
+from atb_plugin.models.quantization.export import export
 from atb_plugin.ops import AttentionMetadata, cpu_native
 from atb_plugin.platform import use_platform
 from atb_plugin.server.cli import parse_config
@@ -87,6 +87,21 @@ def test_captured_int8_decode_equals_eager(family, quantization, captured_calls)
     assert outcome == "captured" and captured_calls
     _, eager = _generate(family, True, params, quantization=quantization)
     _assert_same(captured, eager)
+
+
+def test_checkpoint_with_float_and_int8_layers_captures_and_static_w8a8_runs_eager(tmp_path, captured_calls):
+    # An msModelSlim W8A8_DYNAMIC export that leaves down_proj float: each layer's plan mixes int8
+    # rows and float32 panels, and still equals the eager path. Static W8A8 layers have no native
+    # kernel: that model decodes eagerly and says why.
+    mixed = export(tiny_checkpoint("qwen2"), tmp_path / "mixed", "w8a8_dynamic", keep_float=["down_proj"]).path.parent
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=2)
+    outcome, captured = _generate("qwen2", False, params, model=mixed)
+    assert outcome == "captured" and captured_calls
+    _, eager = _generate("qwen2", True, params, model=mixed)
+    _assert_same(captured, eager)
+    static = export(tiny_checkpoint("qwen2"), tmp_path / "static", "w8a8").path.parent
+    outcome, _ = _generate("qwen2", False, SamplingParams(temperature=0, max_tokens=2), model=static)
+    assert outcome.startswith("a linear layer cannot be captured: W8A8StaticLinear has no native form")
 
 
 @pytest.fixture(scope="module")

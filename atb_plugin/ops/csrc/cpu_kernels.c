@@ -886,7 +886,7 @@ int64_t decode_scratch_floats(const decode_model *m, int64_t rows) {
 static int decode_linear_rows(const decode_linear *L, const float *x, int64_t rows, int64_t K, float *y, int64_t N,
                               int num_threads) {
     switch (L->format) {
-        case LINEAR_BF16: /* K even (native_decode.py checks): no widening copy */
+        case LINEAR_BF16: /* float32 rows: no widening copy unless K is odd */
             return linear_bf16w(x, 0, rows, K, K, L->weight, N, L->bias, y, 0, N, num_threads);
         case LINEAR_W8A16:
             return w8a16_linear_f32(x, rows, K, K, L->weight, N, L->scale, L->offset, L->bias, y, N, num_threads);
