@@ -34,7 +34,9 @@ the torch ops after one warning naming why), ``native`` (the library, or an erro
 library's elementwise and attention kernels take float32 only: other dtypes and CUDA tensors always
 take the torch ops (``library_for``). The linear kernels also take bfloat16 weights
 (``linear_bf16``) and int8 weights (``w8a16_linear``, ``w8a8_dynamic_linear``), reached through
-``linear_library`` (tests/test_cpu_native_lowp.py checks them). Each kernel is checked against the
+``linear_library`` (tests/test_cpu_native_lowp.py checks them). The captured decode step
+(``decode_step``) runs float32 activations over any of those weight formats and a float32 or
+bfloat16 KV cache. Each kernel is checked against the
 torch path and a float64 reference in tests/test_cpu_native.py and tests/test_platform_and_ops.py.
 ``ATB_PLUGIN_CPU_ISA`` (a comma-separated subset of ``FEATURES``, or ``none``) limits the
 instruction sets to fewer than the probe found.
