@@ -5,9 +5,9 @@ float32, W8A8 >= 3x), and >= 1.2x llama.cpp at the matching precision (BF16, Q8_
 Models (--model):
   smollm2    SmolLM2-135M-Instruct, the real weights (atb_plugin/default_model.py), chat prompts;
   tinyllama  a TinyLlama-1.1B-shaped checkpoint with random weights (hidden 2048, 22 layers,
-             32 heads of 128, 4 KV heads, intermediate 5632; --tinyllama-layers to shorten), the
-             tiny Llama tokenizer (atb_plugin/testing/tiny.py: vocabulary 523, so the LM head is
-             small where TinyLlama's 32000 x 2048 is 6 % of its weights). Written once under
+             32 heads of 128, 4 KV heads, intermediate 5632; --tinyllama-layers to shorten) and
+             SmolLM2's tokenizer (vocabulary 49152: an untied LM head of 49152 x 2048, 8 % of the
+             weights, where TinyLlama's own 32000 x 2048 is 6 %). Written once under
              ${XDG_CACHE_HOME:-~/.cache}/atb-plugin/models/.
 
 Sides (--precisions): ours float32, bfloat16 (``dtype="bfloat16"``), and W8A16 / W8A8
@@ -63,24 +63,23 @@ GGUF_TYPES = {"bf16": "BF16", "w8a8": "Q8_0", "w8a8/bf16": "Q8_0", "fp32": "F32"
 
 
 def tinyllama_checkpoint(layers: int) -> Path:
-    """The TinyLlama-shaped random checkpoint (fp32 safetensors, std 0.02 weights, unit norms),
-    written once; the tokenizer files are the tiny Llama family's."""
+    """The TinyLlama-shaped random checkpoint (fp32 safetensors, std 0.02 weights, unit norms, an
+    untied LM head), written once; the tokenizer and its vocabulary (49152) are SmolLM2's, which
+    llama.cpp's converter recognises (it refuses the tiny test tokenizer's pre-tokenizer)."""
     from safetensors.torch import save_file
 
-    from atb_plugin.testing.tiny import tiny_checkpoint
-
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "atb-plugin" / "models"
-    out = base / f"tinyllama-shape-random-{layers}"
+    out = base / f"tinyllama-shape-random-{layers}-smollm2-vocab"
     if (out / ".complete").exists():
         return out
-    tiny = tiny_checkpoint("llama")
-    config = json.loads((tiny / "config.json").read_text())
+    source = default_model_dir()
+    config = json.loads((source / "config.json").read_text())
     config.update(TINYLLAMA, num_hidden_layers=layers, rope_scaling=None, rope_theta=10000.0,
-                  max_position_embeddings=2048)
+                  max_position_embeddings=2048, tie_word_embeddings=False, torch_dtype="float32")
     scratch = Path(tempfile.mkdtemp(dir=base, prefix=".tinyllama-"))
-    for name in os.listdir(tiny):
-        if name not in ("config.json", "model.safetensors"):
-            (scratch / name).write_bytes((tiny / name).read_bytes())
+    for name in os.listdir(source):
+        if name not in ("config.json", "model.safetensors") and (source / name).is_file():
+            (scratch / name).write_bytes((source / name).read_bytes())
     (scratch / "config.json").write_text(json.dumps(config, indent=2))
     gen = torch.Generator().manual_seed(0)
     hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
@@ -223,6 +222,7 @@ def main() -> None:
     parser.add_argument("--precisions", default="fp32,bf16,w8a16,w8a8,w8a8/bf16")
     parser.add_argument("--tinyllama-layers", type=int, default=22)
     parser.add_argument("--llamacpp", action="store_true", help="also llama.cpp at F32 / BF16 / Q8_0 (peers' venv)")
+    parser.add_argument("--llamacpp-types", default="F32,BF16,Q8_0", help="the GGUF types llama.cpp runs")
     args = parser.parse_args()
     torch.set_num_threads(1)
     report = {}
@@ -232,7 +232,7 @@ def main() -> None:
         precisions = args.precisions.split(",")
         sides = ours(model, model_dir, precisions, args)
         if args.llamacpp:
-            for gguf_type in dict.fromkeys(GGUF_TYPES.values()):
+            for gguf_type in args.llamacpp_types.split(","):
                 gguf = gguf_for(model, model_dir, gguf_type)
                 result = llamacpp(gguf, args) if gguf else None
                 if result is None:

@@ -256,3 +256,19 @@ def test_enforce_eager_is_a_validated_flag():
     model = str(tiny_checkpoint("qwen2"))
     assert parse_config(["--model", model, "--enforce-eager"]).engine.enforce_eager is True
     assert parse_config(["--model", model]).engine.enforce_eager is False
+
+
+def test_linear_operands_are_checked_when_made():
+    # What the plan's kernels trust about a layer's tensors is checked once, when a layer names them.
+    weight = torch.zeros(4, 8, dtype=torch.int8)
+    scale = torch.ones(4)
+    cpu_native.LinearOperands(cpu_native.LINEAR_W8A8_DYNAMIC, weight, scale=scale)  # well-formed
+    with pytest.raises(ValueError, match="with a torch.int8 weight"):
+        cpu_native.LinearOperands(cpu_native.LINEAR_F32, weight)
+    with pytest.raises(ValueError, match="an offset for W8A16 only"):
+        cpu_native.LinearOperands(cpu_native.LINEAR_W8A16, weight, scale=scale)
+    with pytest.raises(ValueError, match="for 4 float32 outputs"):
+        cpu_native.LinearOperands(cpu_native.LINEAR_W8A8_DYNAMIC, weight, scale=torch.ones(3))
+    with pytest.raises(ValueError, match="contiguous=False"):
+        cpu_native.LinearOperands(cpu_native.LINEAR_W8A8_DYNAMIC, torch.zeros(8, 4, dtype=torch.int8).t(),
+                                  scale=scale)
