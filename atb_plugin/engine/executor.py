@@ -40,7 +40,7 @@ __all__ = ["Executor", "MultiprocExecutor", "RankFailed", "UniprocExecutor", "ma
 
 # How long ranks may take to join the process group, and to stop when asked.
 DIST_TIMEOUT_S = 120.0
-_STOP_WAIT_S = 5.0
+STOP_WAIT_S = 5.0
 _LOG_TAIL_LINES = 30
 
 
@@ -136,7 +136,7 @@ class MultiprocExecutor:
         # interface the host name resolves to).
         env.setdefault("GLOO_SOCKET_IFNAME", "lo")
         env.setdefault("PYTHONPATH", os.pathsep.join(p for p in sys.path if p))
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method = f"tcp://127.0.0.1:{free_port()}"
         self.ranks = [_Rank(rank, env) for rank in range(size)]
         self._closed = False
         self._failure: str | None = None  # why the ranks were stopped, once one failed
@@ -212,7 +212,7 @@ class MultiprocExecutor:
 
     def shutdown(self, graceful: bool = True) -> None:
         """Stop the ranks: asked to (they leave the process group and exit), killed after
-        ``_STOP_WAIT_S``; at once when not ``graceful``."""
+        ``STOP_WAIT_S``; at once when not ``graceful``."""
         if self._closed:
             return
         self._closed = True
@@ -223,7 +223,7 @@ class MultiprocExecutor:
                 pass
         for rank in self.ranks:
             try:
-                rank.process.wait(timeout=_STOP_WAIT_S)
+                rank.process.wait(timeout=STOP_WAIT_S)
             except subprocess.TimeoutExpired:
                 rank.process.kill()
                 rank.process.wait()
@@ -236,7 +236,8 @@ class MultiprocExecutor:
                     rank.process.kill()
 
 
-def _free_port() -> int:
+def free_port(address: str = "127.0.0.1") -> int:
+    """A TCP port free on ``address`` now (for a process group's rendezvous)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
+        probe.bind((address, 0))
         return probe.getsockname()[1]

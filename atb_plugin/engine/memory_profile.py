@@ -128,12 +128,8 @@ def dummy_inputs(model, config) -> DummyInputs:
     item, num_items = None, 0
     if config.limit_mm_per_prompt > 0:
         info = model.get_processing_info(config.model)
-        # Zeros: the values do not change the memory a step takes, and zeros are cheap to make.
-        if config.mm_wire_dtype == "uint8" and info.modality == "image":  # audio crosses as float32 features only
-            pixels = torch.zeros((*info.max_item_size, 3), dtype=torch.uint8, device=weight.device)
-        else:
-            pixels = torch.zeros(info.pixel_shape, dtype=torch.float32, device=weight.device)
-        item = DummyItem(pixels, info.grid_thw, info.max_tokens_per_item)
+        item = DummyItem(_zero_pixels(info, config.mm_wire_dtype, weight.device), info.grid_thw,
+                         info.max_tokens_per_item)
         num_items = min(config.limit_mm_per_prompt, info.max_items_per_prompt)
         input_ids[:min(num_tokens, num_items * item.num_tokens)] = model.media_layout.placeholder_id
     inputs = DummyInputs(item, num_items, input_ids)
@@ -158,12 +154,21 @@ def _dummy_video(model, config, device) -> tuple[DummyItem | None, int, Multimod
     if info is None:  # not one temporal patch of the smallest frame fits max_model_len: no video can
         logger.info("memory profile: no video fits max_model_len %d; profiling without one", config.max_model_len)
         return None, 0, None
-    if config.mm_wire_dtype == "uint8":  # the frames as the builder writes them, patchified on the device
-        pixels = torch.zeros((info.frames, 3, *info.max_item_size), dtype=torch.uint8, device=device)
-    else:
-        pixels = torch.zeros(info.pixel_shape, dtype=torch.float32, device=device)
     count = min(limit, info.max_items_per_prompt, max(1, config.max_model_len // info.max_tokens_per_item))
-    return DummyItem(pixels, info.grid_thw, info.max_tokens_per_item), count, info
+    video = DummyItem(_zero_pixels(info, config.mm_wire_dtype, device), info.grid_thw, info.max_tokens_per_item)
+    return video, count, info
+
+
+def _zero_pixels(info: MultimodalProcessingInfo, wire_dtype: str, device) -> torch.Tensor:
+    """``info``'s largest item as the wire carries it, in zeros (the values do not change the memory
+    a step takes, and zeros are cheap to make): uint8 images ``[H, W, 3]`` and video frames
+    ``[frames, 3, H, W]`` as the builders write them (patchified on the device); float32 pixels
+    otherwise (audio crosses as float32 features only)."""
+    if wire_dtype == "uint8" and info.modality == "image":
+        return torch.zeros((*info.max_item_size, 3), dtype=torch.uint8, device=device)
+    if wire_dtype == "uint8" and info.modality == "video":
+        return torch.zeros((info.frames, 3, *info.max_item_size), dtype=torch.uint8, device=device)
+    return torch.zeros(info.pixel_shape, dtype=torch.float32, device=device)
 
 
 def _prefill_metadata(num_tokens: int, block_size: int, device) -> AttentionMetadata:
@@ -233,7 +238,7 @@ class MemoryProfile:
                 f"{self.seconds * 1000:.0f} ms")
 
 
-def _encode_all(model, item: DummyItem, count: int, features: list[torch.Tensor]) -> list[torch.Tensor]:
+def _encode_all(model, item: DummyItem, count: int, features: list[torch.Tensor]) -> None:
     """Append the rows of ``count`` copies of ``item`` to ``features`` (the rows already held), as
     ``MultimodalPrompt.features`` leaves them: encoded one by one, all kept. The copies are
     identical, so the peak is the last one's encoding while the others' rows are held: encode once
@@ -244,7 +249,6 @@ def _encode_all(model, item: DummyItem, count: int, features: list[torch.Tensor]
     features += [first.clone() for _ in range(count - 2)]
     if count > 1:
         features.append(encode_pixels(model, item.pixel_values, item.grid_thw))
-    return features
 
 
 @torch.no_grad()

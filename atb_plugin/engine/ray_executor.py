@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 
 from atb_plugin.engine.config import EngineConfig
-from atb_plugin.engine.executor import DIST_TIMEOUT_S, RankFailed
+from atb_plugin.engine.executor import DIST_TIMEOUT_S, STOP_WAIT_S, RankFailed, free_port
 from atb_plugin.engine.model_runner import RunnerOutput, readable_instances
 from atb_plugin.engine.scheduler import SchedulerOutput
 from atb_plugin.engine.worker import Rank, RankPlacement, WorkerInfo
@@ -42,7 +41,6 @@ __all__ = ["RayExecutor", "import_ray"]
 PLACEMENT_TIMEOUT_S = 120.0
 # Ray's resource name for one device of each platform (CPU ranks reserve cores only).
 _DEVICE_RESOURCE = {"npu": "NPU", "cuda": "GPU"}
-_STOP_WAIT_S = 5.0
 
 
 def import_ray():
@@ -67,9 +65,7 @@ class RankActor:
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address(), os.getpid()
 
     def free_port(self, address: str) -> int:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((address, 0))
-            return probe.getsockname()[1]
+        return free_port(address)
 
     def start(self, config: EngineConfig, placement: RankPlacement, init_method: str, env: dict[str, str],
               log_level: int) -> WorkerInfo:
@@ -234,7 +230,7 @@ class RayExecutor:
         if graceful and self.actors:
             try:
                 ray.wait([actor.stop.remote() for actor in self.actors], num_returns=len(self.actors),
-                         timeout=_STOP_WAIT_S)
+                         timeout=STOP_WAIT_S)
             except Exception:  # noqa: BLE001 - stopping: an actor already gone is fine
                 pass
         for actor in self.actors:

@@ -75,11 +75,11 @@ class Worker:
     runner (the core picks ``num_blocks``: the smallest that every rank can hold),
     ``execute(step)`` runs one step."""
 
-    def __init__(self, config: EngineConfig, rank: int = 0, device_index: int | None = None,
-                 remote_media: bool = False):
+    def __init__(self, config: EngineConfig, device_index: int | None = None, remote_media: bool = False):
         self.config = config
         self.platform = platform_for(config.device)
-        self.device = self.platform.device(config.rank_device(rank) if device_index is None else device_index)
+        # The rank's device (``Rank`` chose it); a lone worker takes rank 0's.
+        self.device = self.platform.device(config.rank_device(0) if device_index is None else device_index)
         self.remote_media = remote_media
         self.model = self.pooler = self.runner = None
 
@@ -226,7 +226,7 @@ class Rank:
                              timeout_s, same_node=placement.same_node, expert_parallel=config.enable_expert_parallel)
         torch.manual_seed(_GLOBAL_SEED)
         self.rank = placement.rank
-        self.worker = Worker(config, placement.rank, device, remote_media=placement.remote_media)
+        self.worker = Worker(config, device, remote_media=placement.remote_media)
         self.mirror = RequestMirror()
 
     def load(self) -> WorkerInfo:

@@ -129,10 +129,10 @@ def load_router(config: EngineConfig, shm_store=None, media_config=None, chat_te
     from routers import get_router
 
     media = media_config or MediaConfig()
-    videos = config.limit_videos_per_prompt
-    if media.max_videos_per_prompt is not None and videos is not None:
+    videos = config.limit_videos_per_prompt  # resolved to an int by EngineConfig
+    if media.max_videos_per_prompt is not None:
         videos = min(videos, media.max_videos_per_prompt)
-    media = dataclasses.replace(media, max_videos_per_prompt=videos if videos is not None else media.max_videos_per_prompt,
+    media = dataclasses.replace(media, max_videos_per_prompt=videos,
                                 max_video_frames=min(media.max_video_frames, config.max_video_frames))
     router = get_router(config.model, shm_store=shm_store, media_config=media,
                         max_images_per_prompt=config.limit_mm_per_prompt, mm_wire_dtype=config.mm_wire_dtype)

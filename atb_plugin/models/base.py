@@ -40,6 +40,14 @@ class PretrainedModel(nn.Module):
         own = self._own_name(f"{layer}.weight")
         return own if own in (None, IGNORE) else f"{own.rpartition('.')[0]}.{kind}"
 
+    def checkpoint_target(self, name: str, fused: FusedWeights | None = None):
+        """What checkpoint tensor ``name`` fills (``FusedWeights.target`` of its own name, through
+        ``fused``, by default the model's loader), or None for a tensor the model ignores or lacks."""
+        own = self.checkpoint_own_name(name)
+        if own in (None, IGNORE):
+            return None
+        return (self._fused if fused is None else fused).target(own)
+
     def accepts_weight(self, name: str) -> bool:
         return self._fused.accepts(self.checkpoint_own_name(name))
 

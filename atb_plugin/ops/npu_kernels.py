@@ -392,20 +392,26 @@ _DERIVED_ATTR = "_atb_plugin_npu_derived"
 
 
 def _derived_once(t: torch.Tensor, key, derive):
-    """``derive(t)`` computed once per (tensor version, ``key``) and kept on ``t``. Inference
-    tensors have no version counter (they cannot be modified in place outside inference mode)."""
+    """``derive(t)`` computed once per (parameter version, ``key``, view) and kept on the parameter
+    ``t`` is or views: a layer that hands its op a fresh view each call (``weight_scale.view(-1)``)
+    still hits the cache. Only for parameters: the data of a step's inputs can change without a
+    version bump (numpy-filled buffers), which is why ``_host_copy_once`` keys on the object.
+    Inference tensors have no version counter (they cannot be modified in place outside
+    inference mode)."""
+    owner = t if t._base is None else t._base
     try:
-        counter = t._version
+        counter = owner._version
     except RuntimeError:
         counter = None
-    version = (counter, t.data_ptr(), tuple(t.shape), t.dtype)
-    cache = getattr(t, _DERIVED_ATTR, None)
+    version = (counter, owner.data_ptr(), tuple(owner.shape), owner.dtype)
+    cache = getattr(owner, _DERIVED_ATTR, None)
     if cache is None or cache[0] != version:
         cache = (version, {})
-        setattr(t, _DERIVED_ATTR, cache)
-    if key not in cache[1]:
-        cache[1][key] = derive(t)
-    return cache[1][key]
+        setattr(owner, _DERIVED_ATTR, cache)
+    entry = (key, t.data_ptr(), tuple(t.shape), t.stride())
+    if entry not in cache[1]:
+        cache[1][entry] = derive(t)
+    return cache[1][entry]
 
 
 def _as_dtype(t, dtype):

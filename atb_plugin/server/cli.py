@@ -345,15 +345,18 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                           data_parallel_size=values["data_parallel_size"], runner=values["runner"],
                           convert=values["convert"], hf_overrides=values["hf_overrides"])
     _check_mm_modality(parser, values["limit_mm_per_prompt"], engine)
+    changes = {}  # applied in one replace: each one validates the whole config again
     videos = _video_limit(parser, values["limit_mm_per_prompt"], engine)
     if videos is not None:  # the engine's start-up memory profile runs this many worst-case videos
-        engine = engine.replace(limit_videos_per_prompt=videos)
+        changes["limit_videos_per_prompt"] = videos
     if values["num_threads"] is None and engine.limit_mm_per_prompt > 0:
         # Images keep the tokenizer workers busy: leave them their cores. An OpenMP pool sharing
         # a core with a busy process stalls at every barrier (docs/architecture.md "Threads";
         # benchmarks/RESULTS.md, bench_engine first round, the --busy-frontend table).
         workers = values["tokenizer_workers"] or default_tokenizer_workers()
-        engine = engine.replace(num_threads=max(1, (available_cores() - workers) // engine.data_parallel_size))
+        changes["num_threads"] = max(1, (available_cores() - workers) // engine.data_parallel_size)
+    if changes:
+        engine = engine.replace(**changes)
     return ServerConfig(
         engine=engine, served_model_name=values["served_model_name"], host=values["host"], port=values["port"],
         api_key=values["api_key"], tokenizer_workers=values["tokenizer_workers"],

@@ -882,7 +882,6 @@ def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=N
     return y, scale
 
 
-_WQBMM_MAX_DIM = 65535  # npu_weight_quant_batchmatmul: K, N in [1, 65535]
 
 
 def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=None, quant_scale=None,
@@ -923,7 +922,7 @@ def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=No
     _require(weight.shape[0] == k, op,
              f"weight must be (K={k}, N): x's K and weight's K differ (weight {tuple(weight.shape)}; pass a "
              "transposed view of an (N, K) weight)")
-    _require(k <= _WQBMM_MAX_DIM and n <= _WQBMM_MAX_DIM, op, f"K and N must be in [1, {_WQBMM_MAX_DIM}]")
+    _require(k <= _QMM_MAX_INNER and n <= _QMM_MAX_INNER, op, f"K and N must be in [1, {_QMM_MAX_INNER}]")
     _require(isinstance(antiquant_scale, torch.Tensor) and antiquant_scale.dtype == x.dtype, op,
              f"antiquant_scale must be in x's dtype ({x.dtype}), got "
              f"{getattr(antiquant_scale, 'dtype', type(antiquant_scale).__name__)} (int64 is not simulated)")

@@ -102,7 +102,7 @@ def export(model_dir, out_dir, method: str, calibration_text: str = CALIBRATION_
            keep_float: Sequence[str] | None = None) -> QuantConfig:
     """Write ``model_dir`` quantized by ``method`` (``EXPORT_METHODS``) to ``out_dir``;
     ``keep_float``: projections (``PROJECTIONS``) left float, default ``DEFAULT_KEEP_FLOAT``."""
-    from atb_plugin.models.weights import IGNORE, iter_weights
+    from atb_plugin.models.weights import iter_weights
     from atb_plugin.models.quantization.quantize import language_model_linears, quantize_weight
 
     if method not in EXPORT_METHODS:
@@ -122,12 +122,9 @@ def export(model_dir, out_dir, method: str, calibration_text: str = CALIBRATION_
     if scheme == W8A8:
         ranges = calibrate(model, slots, _calibration_ids(model_dir, calibration_text,
                                                           model.get_language_model().config.vocab_size))
-    fused = model._fused
-
     def layer_of(name: str) -> tuple[str | None, str]:
         """(quantized module path or None, tensor kind) of checkpoint tensor ``name``."""
-        own = model.checkpoint_own_name(name)
-        found = fused.target(own) if own not in (None, IGNORE) else None
+        found = model.checkpoint_target(name)
         module, _, kind = (found[0] if found else name).rpartition(".")
         return (module if module in paths else None), kind
 

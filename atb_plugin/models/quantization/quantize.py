@@ -27,16 +27,16 @@ from safetensors import safe_open
 from torch import nn
 
 from atb_plugin.distributed import all_gather, tp_size
-from atb_plugin.models.quantization.config import (FLOAT, ON_THE_FLY_SCHEME, W8A8, QuantConfig, QuantizationError,
-                                            check_method)
-from atb_plugin.models.quantization.layers import QUANT_KINDS, QuantLinear, layer_class
+from atb_plugin.models.quantization.config import (FLOAT, ON_THE_FLY_SCHEME, W8A8, W8A8_DYNAMIC, W8A16, QuantConfig,
+                                            QuantizationError, check_method)
+from atb_plugin.models.quantization.layers import QuantLinear, layer_class
 
 logger = logging.getLogger(__name__)
 
 # The tensors each scheme's layer reads from a checkpoint besides ``weight`` (and ``bias``).
 SCHEME_TENSORS = {
-    "W8A16": ("weight_scale", "weight_offset"),
-    "W8A8_DYNAMIC": ("weight_scale", "weight_offset"),
+    W8A16: ("weight_scale", "weight_offset"),
+    W8A8_DYNAMIC: ("weight_scale", "weight_offset"),
     W8A8: ("weight_scale", "weight_offset", "input_scale", "input_offset", "deq_scale", "quant_bias"),
 }
 
@@ -152,14 +152,13 @@ def checkpoint_tensor_dtypes(model_dir) -> dict[str, str]:
 def _layer_groups(model, config: QuantConfig) -> dict[str, tuple[str, list[str]]]:
     """``{module name: (scheme, [checkpoint weight names])}`` for every layer the description
     marks quantized (the pieces of a fused projection together)."""
-    from atb_plugin.models.weights import IGNORE, FusedWeights  # loaded on use (import cycle)
+    from atb_plugin.models.weights import FusedWeights  # loaded on use (import cycle)
 
     # Not the model's cached loader: its parameter names are about to change.
     fused = FusedWeights(model, model.stacked_params)
     groups: dict[str, tuple[str, list[str]]] = {}
     for name, scheme in config.quantized_weights().items():
-        own = model.checkpoint_own_name(name)
-        found = fused.target(own) if own not in (None, IGNORE) else None
+        found = model.checkpoint_target(name, fused)
         if found is None:
             raise QuantizationError(f"{config.path}: {name} is marked {scheme}, but {type(model).__name__} has no "
                                     "such linear layer")
@@ -172,8 +171,7 @@ def _layer_groups(model, config: QuantConfig) -> dict[str, tuple[str, list[str]]
     # A fused projection is quantized whole or not at all.
     for name, scheme in config.tensors.items():
         if scheme == FLOAT and name.endswith(".weight"):
-            own = model.checkpoint_own_name(name)
-            found = fused.target(own) if own not in (None, IGNORE) else None
+            found = model.checkpoint_target(name, fused)
             if found is not None and found[0].rpartition(".")[0] in groups:
                 raise QuantizationError(f"{config.path}: {name} is FLOAT but the other pieces of its fused layer "
                                         f"{found[0].rpartition('.')[0]} are quantized")
@@ -218,4 +216,4 @@ def prepare_checkpoint_layers(model: nn.Module, config: QuantConfig, model_dir) 
     return len(config.quantized_weights())
 
 
-__all__ = ["QUANT_KINDS", "language_model_linears", "prepare_checkpoint_layers", "quantize_model", "quantize_weight"]
+__all__ = ["language_model_linears", "prepare_checkpoint_layers", "quantize_model", "quantize_weight"]
