@@ -12,7 +12,8 @@ Models (--model):
 
 Sides (--precisions): ours float32, bfloat16 (``dtype="bfloat16"``), and W8A16 / W8A8
 (``quantization=``, quantized on the fly at load; ``w8a8/bf16``: the rest of the model in bfloat16,
-so the LM head too, as llama.cpp's Q8_0 quantizes its output matrix). Each side's resident weight
+so the LM head too; ``w8a8+head``: the LM head in int8 as well, ``--quantize-lm-head``, as llama.cpp's
+Q8_0 quantizes its output matrix). Each side's resident weight
 bytes are reported beside its speed. One side
 loaded together (a TinyLlama float32 side is 4 GB: all four sides ~9 GB), then --runs rounds over
 the sides in turn, medians; one torch thread.
@@ -22,13 +23,14 @@ the sides in turn, medians; one torch thread.
            (bench_engine's ``ours_batch``); --batch 0 skips it.
 The quantized layers run the native int8 kernels where they load (torch_kernels hands CPU
 tensors to cpu_native), as a served model does.
-llama.cpp (--llamacpp): benchmarks/peers/llamacpp_bench.py in the peers' own venv
+llama.cpp (--llamacpp): one run per round among ours (its medians, like ours: the machine is
+shared and its speed drifts over minutes), benchmarks/peers/llamacpp_bench.py in the peers' own venv
 ($ATB_PEERS_DIR/llamacpp-venv, made by benchmarks/peers/setup.sh, never this project's), over
 GGUFs converted by llama.cpp's vendored convert_hf_to_gguf.py (setup.sh writes SmolLM2's F32,
 BF16 and Q8_0; the TinyLlama-shaped one is converted here on first use), one thread.
 
     python benchmarks/bench_precision.py [--model smollm2,tinyllama] [--runs 2] [--tokens 64]
-        [--batch 32] [--batch-tokens 128] [--precisions fp32,bf16,w8a16,w8a8,w8a8/bf16] [--llamacpp]
+        [--batch 32] [--batch-tokens 128] [--precisions fp32,bf16,w8a16,w8a8,w8a8/bf16,w8a8+head] [--llamacpp]
 
 Last line: JSON with every side's medians and the ratios to our float32.
 """
@@ -59,7 +61,7 @@ TINYLLAMA = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_head
              "head_dim": 128, "num_hidden_layers": 22}
 PEERS = Path(os.environ.get("ATB_PEERS_DIR") or Path.home() / ".cache" / "atb-plugin" / "peers")
 # our side -> the llama.cpp precision it matches
-GGUF_TYPES = {"bf16": "BF16", "w8a8": "Q8_0", "w8a8/bf16": "Q8_0", "fp32": "F32"}
+GGUF_TYPES = {"bf16": "BF16", "w8a8": "Q8_0", "w8a8/bf16": "Q8_0", "w8a8+head": "Q8_0", "fp32": "F32"}
 
 
 def tinyllama_checkpoint(layers: int) -> Path:
@@ -109,17 +111,22 @@ def tinyllama_checkpoint(layers: int) -> Path:
 def load(model_dir: Path, precision: str, args) -> LLM:
     """``precision``: fp32, bf16, or a scheme (w8a16 / w8a8) with the rest of the model in float32,
     or with ``/bf16`` in bfloat16 (embeddings, LM head, norms, KV cache: ``--dtype bfloat16
-    --quantization w8a8``, the Ascend deployment form)."""
+    --quantization w8a8``, the Ascend deployment form); ``+head``: the LM head in the scheme too
+    (``--quantize-lm-head``, as llama.cpp's Q8_0 quantizes its output matrix)."""
     scheme, _, rest = precision.partition("/")
+    scheme, _, extra = scheme.partition("+")
     kwargs = {"dtype": "bfloat16"} if "bf16" in (scheme, rest) else {}
     if scheme in ("w8a16", "w8a8"):
         kwargs["quantization"] = scheme
+    if extra == "head":
+        kwargs["quantize_lm_head"] = True
     return LLM(str(model_dir), max_num_seqs=max(args.batch, 1), max_num_batched_tokens=2048, num_threads=1, **kwargs)
 
 
-def ours(model: str, model_dir: Path, precisions: list[str], args) -> dict:
+def ours(model: str, model_dir: Path, precisions: list[str], args, peers: dict | None = None) -> dict:
     """Every side loaded at once, then --runs rounds over the sides in turn (the order rotated
-    each round), so that a busy spell on the machine falls on all of them; medians."""
+    each round), so that a busy spell on the machine falls on all of them; medians. ``peers``:
+    ``{name: run()}`` measured once per round between ours (llama.cpp, one process per run)."""
     llms = {}
     for precision in precisions:
         try:
@@ -134,15 +141,30 @@ def ours(model: str, model_dir: Path, precisions: list[str], args) -> dict:
         prompts = [first.router.input_builder.make_context(0, chat) for chat in chats(max(args.batch, 1))]
         for precision, llm in llms.items():  # warm-up
             ours_single(llm, prompts[0], 4)
+        peer_runs = {name: [] for name in peers or {}}
         for run in range(args.runs):
-            order = list(llms)[run % len(llms):] + list(llms)[:run % len(llms)]
+            names = [*llms, *peer_runs]
+            order = names[run % len(names):] + names[:run % len(names)]
             for precision in order:
+                if precision in peer_runs:
+                    result = peers[precision]()
+                    if result is not None:
+                        peer_runs[precision].append(result)
+                    continue
                 _, rate, tokens[precision] = ours_single(llms[precision], prompts[0], args.tokens)
                 singles[precision].append(rate)
                 if args.batch:
                     batches[precision].append(ours_batch(llms[precision], prompts[:args.batch],
                                                          args.batch_tokens)[0])
         sides = {}
+        for name, results in peer_runs.items():
+            if not results:
+                print(f"{model} {name}: not available (run benchmarks/peers/setup.sh)", flush=True)
+                continue
+            sides[name] = {measure: statistics.median(r[measure] for r in results) if results[0][measure] else None
+                           for measure in ("single_tok_s", "batch_tok_s")}
+            sides[name]["runs_single"] = [round(r["single_tok_s"], 2) for r in results]
+            print(f"{model} {name}: {json.dumps(sides[name])}", flush=True)
         for precision, llm in llms.items():
             runner = llm.engine.core.runner
             capture = runner.decode_capture
@@ -228,18 +250,12 @@ def main() -> None:
     report = {}
     for model in args.model.split(","):
         model_dir = default_model_dir() if model == "smollm2" else tinyllama_checkpoint(args.tinyllama_layers)
-        sides = {}
-        precisions = args.precisions.split(",")
-        sides = ours(model, model_dir, precisions, args)
+        peers = {}
         if args.llamacpp:
             for gguf_type in args.llamacpp_types.split(","):
                 gguf = gguf_for(model, model_dir, gguf_type)
-                result = llamacpp(gguf, args) if gguf else None
-                if result is None:
-                    print(f"{model} llama.cpp {gguf_type}: not available (run benchmarks/peers/setup.sh)", flush=True)
-                    continue
-                sides[f"llama.cpp {gguf_type}"] = result
-                print(f"{model} llama.cpp {gguf_type}: {json.dumps(result)}", flush=True)
+                peers[f"llama.cpp {gguf_type}"] = (lambda gguf=gguf: llamacpp(gguf, args) if gguf else None)
+        sides = ours(model, model_dir, args.precisions.split(","), args, peers)
         base = sides.get("fp32")
         ratios = {}
         for name, side in sides.items():

@@ -66,6 +66,59 @@ def test_cli_quantization_flag(capsys):
     assert "--quantization: invalid choice: 'int4'" in err and "w8a16" in err and "w8a8" in err
 
 
+def test_quantize_lm_head_is_checked_and_reaches_the_model(exported_w8a16):
+    from atb_plugin.server.cli import parse_config
+
+    path = str(tiny_checkpoint("qwen2"))
+    assert EngineConfig(model=path, quantization="w8a8", quantize_lm_head=True).quantize_lm_head is True
+    with pytest.raises(ValueError, match="quantize_lm_head .* needs quantization = 'w8a16' or 'w8a8'"):
+        EngineConfig(model=path, quantize_lm_head=True)
+    with pytest.raises(ValueError, match="quant_model_description.json already says which layers are int8"):
+        EngineConfig(model=str(exported_w8a16), quantize_lm_head=True)
+    parsed = parse_config(["--model", path, "--quantization", "w8a8", "--quantize-lm-head"]).engine
+    assert (parsed.quantization, parsed.quantize_lm_head) == ("w8a8", True)
+    assert parse_config(["--model", path, "--quantization", "w8a8"]).engine.quantize_lm_head is False
+
+
+@pytest.mark.parametrize("family", ["qwen2", "llama"])  # a tied head (qwen2's tiny checkpoint) and an untied one
+@pytest.mark.parametrize("quantization", ["w8a16", "w8a8"])
+def test_quantized_lm_head_holds_the_quantized_float_head(family, quantization):
+    """The head becomes the scheme's layer over the float head's rows quantized per channel (a
+    tied head: a copy of the embedding's rows; the embedding itself stays float and unchanged),
+    and the logits are that layer's product of the final hidden states."""
+    from routers import get_router
+    from atb_plugin import ops
+    from atb_plugin.models.quantization.quantize import quantize_weight
+
+    model_dir = tiny_checkpoint(family)
+    model_cls = get_router(model_dir).model_cls
+    float_model = model_cls.from_pretrained(model_dir)
+    model = model_cls.from_pretrained(model_dir, quantization=quantization, quantize_lm_head=True)
+    assert not isinstance(model_cls.from_pretrained(model_dir, quantization=quantization).get_language_model().lm_head,
+                          QuantLinear)
+    language_model = model.get_language_model()
+    head = language_model.lm_head
+    assert isinstance(head, QuantLinear) and head.scheme == {"w8a16": "W8A16", "w8a8": "W8A8_DYNAMIC"}[quantization]
+    float_lm = float_model.get_language_model()
+    float_head = float_lm.model.embed_tokens.weight if float_lm.lm_head is None else float_lm.lm_head.weight
+    q, scale = quantize_weight(float_head)
+    assert torch.equal(head.weight, q) and torch.equal(head.weight_scale, scale)
+    assert torch.equal(language_model.model.embed_tokens.weight, float_lm.model.embed_tokens.weight)
+    assert language_model.model.embed_tokens.weight.dtype == torch.float32
+    hidden = torch.randn(3, model.get_language_model().config.hidden_size, generator=torch.Generator().manual_seed(0))
+    forward = (ops.w8a16_linear(hidden, q, scale.view(-1), torch.zeros(q.shape[0]), None) if quantization == "w8a16"
+               else ops.w8a8_dynamic_linear(hidden, q, scale.view(-1), None))
+    vocab = language_model.config.vocab_size
+    torch.testing.assert_close(language_model.compute_logits(hidden), forward[:, :vocab], rtol=0, atol=0)
+    with pytest.raises(ValueError, match="quantize_lm_head quantizes a float checkpoint's LM head on the fly"):
+        model_cls.from_pretrained(model_dir, quantize_lm_head=True)
+
+
+def test_llm_with_a_quantized_lm_head_generates():
+    tokens = greedy_tokens(tiny_checkpoint("qwen2"), quantization="w8a8", quantize_lm_head=True)
+    assert len(tokens) == len(PROMPTS) and all(len(t) == GREEDY["max_tokens"] for t in tokens)
+
+
 # -- generation ----------------------------------------------------------------------------------
 
 

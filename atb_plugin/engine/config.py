@@ -171,6 +171,9 @@ class EngineConfig:
     # checkpoint (quant_model_description*.json beside its weights) sets it; a float checkpoint
     # is quantized on the fly at load. Resolved: the method the engine runs.
     quantization: str | None = None
+    # The LM head in int8 too (on-the-fly quantization only): off by default, as in vLLM and
+    # msModelSlim; it is the largest matrix of a small model (docs/quantization.md, "The LM head").
+    quantize_lm_head: bool = False
     # Resolved from config.json in __post_init__:
     architecture: str = field(init=False)
     tasks: tuple[str, ...] = field(init=False)  # what the model serves: ("generate",) or pooling tasks
@@ -243,7 +246,13 @@ class EngineConfig:
         set_(self, "tasks", choice.tasks)
         from atb_plugin.models.quantization import resolve_quantization  # reads the checkpoint's description
 
-        set_(self, "quantization", resolve_quantization(self.model, self.quantization)[0])
+        method, described = resolve_quantization(self.model, self.quantization)
+        set_(self, "quantization", method)
+        if self.quantize_lm_head and (method is None or described is not None):
+            raise ValueError("EngineConfig.quantize_lm_head quantizes a float checkpoint's LM head on the fly: it needs "
+                             "quantization = 'w8a16' or 'w8a8'" + (
+                                 f" and a float checkpoint ({described.path.name} already says which layers are int8)"
+                                 if described is not None else ""))
         if self.quantization is not None and self.runner == "pooling":
             raise ValueError(f"EngineConfig.quantization = {self.quantization!r}: quantized layers serve generative "
                              "models only (the pooling runner keeps float weights)")

@@ -52,7 +52,7 @@ def load_model(config: EngineConfig, device):
     if pooling:
         model_cls = as_pooling_model(model_cls, config.convert, hf_config)
     model = model_cls.from_pretrained(config.model, dtype=_TORCH_DTYPES[config.dtype], device=device,
-                                      quantization=config.quantization)
+                                      quantization=config.quantization, quantize_lm_head=config.quantize_lm_head)
     if not pooling:
         model.get_language_model().share_tied_lm_head()  # a swapped-in head (packing) is the tied one too
     # Before the pooler is built: it must hold the modules the platform swapped in.

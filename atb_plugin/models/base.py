@@ -61,10 +61,11 @@ class PretrainedModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, model_dir, dtype: torch.dtype = torch.float32, device=None,
-                        quantization: str | None = None) -> "PretrainedModel":
+                        quantization: str | None = None, quantize_lm_head: bool = False) -> "PretrainedModel":
         """``quantization`` (docs/quantization.md): an msModelSlim checkpoint's quantized layers
         are built before its weights load (the flag may be None or must agree); a float
-        checkpoint's language-model projections are quantized after they load (w8a16 / w8a8)."""
+        checkpoint's language-model projections are quantized after they load (w8a16 / w8a8),
+        and its LM head with ``quantize_lm_head``."""
         from atb_plugin.models.quantization import quantize, resolve_quantization  # loaded on use
 
         raw = json.loads((Path(model_dir) / "config.json").read_text())
@@ -80,8 +81,13 @@ class PretrainedModel(nn.Module):
         model.init_non_persistent(device)
         load_checkpoint(model, model_dir, dtype)
         model.read_checkpoint_files(Path(model_dir))
+        if quantize_lm_head and (method is None or described is not None):
+            raise quantize.QuantizationError(
+                "quantize_lm_head quantizes a float checkpoint's LM head on the fly: it needs --quantization "
+                "w8a16|w8a8" + (" and a float checkpoint (an msModelSlim description says which layers are int8)"
+                                if described is not None else ""))
         if method is not None and described is None:
-            quantize.quantize_model(model, method)
+            quantize.quantize_model(model, method, lm_head=quantize_lm_head)
         return model.eval()
 
     def init_non_persistent(self, device) -> None:

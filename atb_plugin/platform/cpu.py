@@ -32,6 +32,11 @@ class CpuPlatform(Platform):
             from atb_plugin.ops.packed_linear import pack_linear_layers  # torch ops: load on use
 
             pack_linear_layers(model)
+        # After packing (the panels are what the kernels read), before the captured decode step
+        # records any weight's address.
+        from atb_plugin.ops.huge_pages import move_weights_to_huge_pages
+
+        move_weights_to_huge_pages(model)
         # Build (or load from the cache) the native kernels now, before the memory profile, rather
         # than inside the first request's step; with ATB_PLUGIN_CPU_KERNELS=native a missing
         # compiler fails start-up here.

@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="int8 linear layers (docs/quantization.md): w8a16 (int8 weights) or w8a8 (int8 weights and "
              "activations), applied on the fly to a float checkpoint; an msModelSlim checkpoint "
              "(quant_model_description.json) is detected without it, and must agree with it when given")
+    add("--quantize-lm-head", action="store_true",
+        help="with --quantization on a float checkpoint: the LM head in int8 too (off by default, as in vLLM; "
+             "on a small model it is the largest matrix a decode step reads)")
     add("--max-model-len", type=int, help="prompt + output tokens per request (default: the checkpoint's)")
     add("--max-num-seqs", type=int, default=64, help="requests running at once")
     add("--max-num-batched-tokens", type=int, default=2048, help="tokens per engine step (chunked prefill)")
@@ -329,7 +332,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
 
             values["served_model_name"] = EMBEDDING_MODEL_NAME
     engine = EngineConfig(model=values["model"], dtype=values["dtype"], device=values["device"],
-                          quantization=values["quantization"],
+                          quantization=values["quantization"], quantize_lm_head=values["quantize_lm_head"],
                           max_model_len=values["max_model_len"], block_size=values["block_size"],
                           kv_cache_bytes=values["kv_cache_memory"], max_num_seqs=values["max_num_seqs"],
                           max_num_batched_tokens=values["max_num_batched_tokens"],

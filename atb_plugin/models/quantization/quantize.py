@@ -4,8 +4,10 @@ msModelSlim checkpoint loads (``prepare_checkpoint_layers``: the loader then fil
 
 Which layers, on the fly: the language model's decoder projections, ``qkv_proj``, ``o_proj``,
 ``gate_up_proj``, ``down_proj`` of every dense decoder layer (every family's language model is a
-``decoder.DecoderForCausalLM``). Vision and audio towers, projectors, embeddings, the LM head
-and mixture-of-experts layers (experts, shared expert, router) stay float (docs/quantization.md).
+``decoder.DecoderForCausalLM``), and the LM head only when asked (``quantize_lm_head``: vLLM and
+msModelSlim leave it float by default, as llama.cpp's Q8_0 does not). Vision and audio towers,
+projectors, the input embedding and mixture-of-experts layers (experts, shared expert, router)
+stay float (docs/quantization.md).
 
 Weights: symmetric per output channel, ``scale = max|W[n, :]| / 127`` (1 for an all-zero row),
 ``W_q = clamp(round(W / scale), -127, 127)``, offset zero; ``export.py`` writes exactly these
@@ -113,9 +115,10 @@ def language_model_linears(model: nn.Module) -> list[LinearSlot]:
     return slots
 
 
-def quantize_model(model: nn.Module, method: str) -> int:
+def quantize_model(model: nn.Module, method: str, lm_head: bool = False) -> int:
     """Swap the language model's float projections for ``method``'s layers (``--quantization``
-    on a float checkpoint), after the weights loaded; returns how many were swapped."""
+    on a float checkpoint), after the weights loaded, and its LM head too with ``lm_head``
+    (``--quantize-lm-head``); returns how many were swapped."""
     check_method(method)
     scheme = ON_THE_FLY_SCHEME[method]
     slots = language_model_linears(model)
@@ -128,8 +131,25 @@ def quantize_model(model: nn.Module, method: str) -> int:
         if slot.row_parallel:  # each rank holds some columns of every row: the row's maximum over all ranks
             absmax = all_gather(absmax, dim=1).amax(dim=1, keepdim=True)
         setattr(slot.parent, slot.name, quantized_from_float(linear, scheme, absmax))
-    logger.info("quantized %d linear layers on the fly (%s)", len(slots), scheme)
-    return len(slots)
+    if lm_head:
+        quantize_lm_head(model, scheme)
+    logger.info("quantized %d linear layers on the fly (%s)%s", len(slots), scheme,
+                ", and the LM head" if lm_head else "")
+    return len(slots) + int(lm_head)
+
+
+def quantize_lm_head(model: nn.Module, scheme: str) -> None:
+    """The language model's LM head in ``scheme``'s layer. A tied head gets an int8 copy of the
+    embedding's rows; the embedding keeps its float rows (a lookup reads a row per token, the
+    head all of them every step). Vocabulary-parallel shards hold whole rows: their scales are
+    the unsplit head's without any exchange."""
+    language_model = model.get_language_model()
+    language_model.share_tied_lm_head()  # a tied head becomes a module over the embedding's weight
+    head = language_model.lm_head
+    if type(head) is not nn.Linear:
+        raise QuantizationError(f"the LM head is a {type(head).__name__}, not a float nn.Linear: "
+                                "quantize before the platform rewrites the model")
+    language_model.lm_head = quantized_from_float(head, scheme)
 
 
 # --------------------------------------------------------------------------------------------

@@ -25,6 +25,12 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#else
+static inline int omp_get_num_threads(void) { return 1; }
+static inline int omp_get_thread_num(void) { return 0; }
+#endif
 
 #define LANES 16
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
@@ -557,6 +563,8 @@ int w8a8_variant(void) {
 }
 
 #define OT 8 /* weight rows per block (a thread's unit of work) */
+#define STACK_ROWS 64        /* rows of x whose int8 scratch may live on the stack */
+#define STACK_Q_BYTES 16384  /* ... and no more quantised bytes than this */
 #define TO 2 /* weight rows per tile */
 #define RT 4 /* rows of x per tile: RT x TO sums, TO weight vectors (and their |w|) in registers */
 #define TILES_AHEAD 2
@@ -618,23 +626,42 @@ static inline int32_t hsum_epi32(__m256i v) {
  * -127..127: a symmetric per-token scale never makes -128 from finite x, so negating q cannot
  * overflow): |w| * (q * sign(w)) = q * w, and a pair's sum is at most 2 * 128 * 127 = 32512 <
  * 32767: never saturates. madd with ones then widens the pairs into int32. The VNNI variants do
- * the same in one instruction (vpdpbusd: u8 x s8, four products into each int32, no saturation). */
+ * the same in one instruction (vpdpbusd: u8 x s8, four products into each int32, no saturation).
+ *
+ * Narrow weights (none is -128, as our quantiser makes them: the caller says so) swap the roles:
+ * |q|, computed once per call, is the unsigned operand and w takes q's sign, which cannot
+ * overflow when w > -128. One instruction less per weight vector (the abs), which a decode step,
+ * reading each weight once, notices (benchmarks/RESULTS.md, "Low precision"). */
 #define W8A8_TILE(R, O, DOT)                                                                                \
     do {                                                                                                    \
         __m256i acc[R][O];                                                                                  \
         for (int r = 0; r < R; r++)                                                                         \
             for (int o = 0; o < O; o++) acc[r][o] = _mm256_setzero_si256();                                \
         int64_t k = 0;                                                                                      \
-        for (; k + 32 <= K; k += 32) {                                                                      \
-            PREFETCH_TILES_AHEAD(O, K, k, 32);                                                              \
-            __m256i wv[O], aw[O];                                                                           \
-            for (int o = 0; o < O; o++) {                                                                   \
-                wv[o] = _mm256_loadu_si256((const __m256i *)(w + o * K + k));                               \
-                aw[o] = _mm256_abs_epi8(wv[o]);                                                             \
+        if (aq0) {                                                                                          \
+            for (; k + 32 <= K; k += 32) {                                                                  \
+                PREFETCH_TILES_AHEAD(O, K, k, 32);                                                          \
+                __m256i wv[O];                                                                              \
+                for (int o = 0; o < O; o++) wv[o] = _mm256_loadu_si256((const __m256i *)(w + o * K + k)); \
+                for (int r = 0; r < R; r++) {                                                               \
+                    const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + r * q_stride + k));         \
+                    const __m256i av = _mm256_loadu_si256((const __m256i *)(aq + r * q_stride + k));        \
+                    for (int o = 0; o < O; o++) acc[r][o] = DOT(acc[r][o], av, _mm256_sign_epi8(wv[o], qv)); \
+                }                                                                                           \
             }                                                                                               \
-            for (int r = 0; r < R; r++) {                                                                   \
-                const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + r * q_stride + k));             \
-                for (int o = 0; o < O; o++) acc[r][o] = DOT(acc[r][o], aw[o], _mm256_sign_epi8(qv, wv[o])); \
+        } else {                                                                                            \
+            for (; k + 32 <= K; k += 32) {                                                                  \
+                PREFETCH_TILES_AHEAD(O, K, k, 32);                                                          \
+                __m256i wv[O], aw[O];                                                                       \
+                for (int o = 0; o < O; o++) {                                                               \
+                    wv[o] = _mm256_loadu_si256((const __m256i *)(w + o * K + k));                           \
+                    aw[o] = _mm256_abs_epi8(wv[o]);                                                         \
+                }                                                                                           \
+                for (int r = 0; r < R; r++) {                                                               \
+                    const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + r * q_stride + k));         \
+                    for (int o = 0; o < O; o++)                                                             \
+                        acc[r][o] = DOT(acc[r][o], aw[o], _mm256_sign_epi8(qv, wv[o]));                    \
+                }                                                                                           \
             }                                                                                               \
         }                                                                                                   \
         for (int r = 0; r < R; r++)                                                                         \
@@ -671,22 +698,24 @@ static void w8a16_block(const float *x0, int64_t M, int64_t K, int64_t x_stride,
 }
 
 #define W8A8_BLOCK(NAME, ATTR, DOT)                                                                        \
-    static ATTR void NAME(const int8_t *q0, int64_t M, int64_t K, int64_t q_stride, const int8_t *w0, int count, \
-                          int32_t *sums) {                                                                  \
+    static ATTR void NAME(const int8_t *q0, const int8_t *aq0, int64_t M, int64_t K, int64_t q_stride,     \
+                          const int8_t *w0, int count, int32_t *sums) {                                     \
         BLOCK_TILES(W8A8_AT(RT, TO, DOT), W8A8_AT(1, TO, DOT), W8A8_AT(RT, 1, DOT), W8A8_AT(1, 1, DOT))     \
     }
-#define W8A8_AT(R, O, DOT) do { const int8_t *q = q0 + m * q_stride; const int8_t *w = w0 + o0 * K; \
+#define W8A8_AT(R, O, DOT) do { const int8_t *q = q0 + m * q_stride, *aq = aq0 ? aq0 + m * q_stride : NULL; \
+                                const int8_t *w = w0 + o0 * K; (void)aq; \
                                 int32_t *out = sums + m * OT + o0; W8A8_TILE(R, O, DOT); } while (0)
 W8A8_BLOCK(w8a8_block_avx2, , DOT_AVX2)
 W8A8_BLOCK(w8a8_block_avx_vnni, __attribute__((target("avx2,fma,avxvnni"))), DOT_AVX_VNNI)
 W8A8_BLOCK(w8a8_block_avx512_vnni, __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"))),
            DOT_AVX512_VNNI)
 
-static void w8a8_block(const int8_t *q, int64_t M, int64_t K, int64_t q_stride, const int8_t *w, int count,
-                       int32_t *sums) {
-    if (g_features & FEATURE_AVX512_VNNI) w8a8_block_avx512_vnni(q, M, K, q_stride, w, count, sums);
-    else if (g_features & FEATURE_AVX_VNNI) w8a8_block_avx_vnni(q, M, K, q_stride, w, count, sums);
-    else w8a8_block_avx2(q, M, K, q_stride, w, count, sums);
+/* aq: |q| (narrow weights), or NULL. */
+static void w8a8_block(const int8_t *q, const int8_t *aq, int64_t M, int64_t K, int64_t q_stride, const int8_t *w,
+                       int count, int32_t *sums) {
+    if (g_features & FEATURE_AVX512_VNNI) w8a8_block_avx512_vnni(q, aq, M, K, q_stride, w, count, sums);
+    else if (g_features & FEATURE_AVX_VNNI) w8a8_block_avx_vnni(q, aq, M, K, q_stride, w, count, sums);
+    else w8a8_block_avx2(q, aq, M, K, q_stride, w, count, sums);
 }
 
 #else /* portable C: what the compiler makes of plain loops */
@@ -701,8 +730,9 @@ static void w8a16_block(const float *x, int64_t M, int64_t K, int64_t x_stride, 
         }
 }
 
-static void w8a8_block(const int8_t *q, int64_t M, int64_t K, int64_t q_stride, const int8_t *w, int count,
-                       int32_t *sums) {
+static void w8a8_block(const int8_t *q, const int8_t *aq, int64_t M, int64_t K, int64_t q_stride, const int8_t *w,
+                       int count, int32_t *sums) {
+    (void)aq;
     for (int64_t m = 0; m < M; m++)
         for (int o = 0; o < count; o++) {
             int32_t sum = 0;
@@ -764,14 +794,24 @@ void quantize_rows_s8(const float *x, int64_t M, int64_t K, int64_t x_stride, in
         const float *xr = x + m * x_stride;
         int8_t *qr = q + m * q_stride;
         float top = 0.f;
-        for (int64_t k = 0; k < K; k++) top = fmaxf(top, fabsf(xr[k]));
+        int64_t k = 0;
+#if defined(__x86_64__) && defined(__AVX2__)
+        /* max_ps(v, acc) returns acc where v is NaN: NaNs are skipped, as fmaxf skips them */
+        __m256 tops = _mm256_setzero_ps();
+        const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+        for (; k + 8 <= K; k += 8) tops = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(xr + k), magnitude), tops);
+        float lanes[8];
+        _mm256_storeu_ps(lanes, tops);
+        for (int l = 0; l < 8; l++) top = fmaxf(top, lanes[l]);
+#endif
+        for (; k < K; k++) top = fmaxf(top, fabsf(xr[k]));
         const float scale = top / 127.f;
         s[m] = scale;
         if (scale == 0.f) {
             memset(qr, 0, K);
             continue;
         }
-        int64_t k = 0;
+        k = 0;
 #if defined(__x86_64__) && defined(__AVX2__)
         const __m256 sv = _mm256_set1_ps(scale), lo = _mm256_set1_ps(-128.f), hi = _mm256_set1_ps(127.f);
         for (; k + 32 <= K; k += 32) {
@@ -794,39 +834,67 @@ void quantize_rows_s8(const float *x, int64_t M, int64_t K, int64_t x_stride, in
     }
 }
 
+/* Blocks lo .. hi-1 of OT weight rows of w8a8_dynamic_linear_f32 (q, s: x quantised per row).
+ * Returns 0, or 1 when scratch failed. */
+static int w8a8_blocks(const int8_t *q, const int8_t *aq, int64_t M, int64_t K, const int8_t *w, int64_t N,
+                       const float *w_scale, const float *bias, float *y, int64_t y_stride, const float *s, int64_t lo,
+                       int64_t hi) {
+    int32_t sums_stack[STACK_ROWS * OT];
+    int32_t *sums = M <= STACK_ROWS ? sums_stack : malloc(sizeof(int32_t) * M * OT);
+    if (!sums) return 1;
+    for (int64_t b = lo; b < hi; b++) {
+        const int64_t o0 = b * OT;
+        const int count = N - o0 < OT ? (int)(N - o0) : OT;
+        w8a8_block(q, aq, M, K, K, w + o0 * K, count, sums);
+        for (int64_t m = 0; m < M; m++)
+            for (int o = 0; o < count; o++) {
+                const float v = (float)sums[m * OT + o] * s[m] * w_scale[o0 + o];
+                y[m * y_stride + o0 + o] = bias ? v + bias[o0 + o] : v;
+            }
+    }
+    if (sums != sums_stack) free(sums);
+    return 0;
+}
+
 /* y = (sum_k q[m][k] * w[o][k]) * s[m] * w_scale[o] + bias[o], the sum exact in int32 (|q|, |w|
  * <= 128: exact for K < 2^31 / 128^2 = 131072). x (M, K) float32 rows x_stride apart, quantised
  * per row first (quantize_rows_s8); w (N, K) int8; w_scale (N); bias (N) or NULL; y (M, N) rows
- * y_stride apart. Returns 0, or 1 when scratch failed. */
+ * y_stride apart. narrow: the caller knows no weight is -128 (a faster kernel, the same sums).
+ * Returns 0, or 1 when scratch failed. */
 int w8a8_dynamic_linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const int8_t *w, int64_t N,
-                            const float *w_scale, const float *bias, float *y, int64_t y_stride, int num_threads) {
+                            const float *w_scale, const float *bias, float *y, int64_t y_stride, int narrow,
+                            int num_threads) {
     const int64_t blocks = (N + OT - 1) / OT;
-    int8_t *q = malloc((size_t)(M * K));
-    if (!q) return 1;
-    float *s = (float *)malloc(sizeof(float) * M);
-    if (!s) { free(q); return 1; }
-    quantize_rows_s8(x, M, K, x_stride, q, K, s);
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) if (blocks > 1) reduction(| : failed)
-    {
-        int32_t *sums = malloc(sizeof(int32_t) * M * OT);
-        if (!sums) failed = 1;
-#pragma omp for schedule(static)
-        for (int64_t b = 0; b < blocks; b++) {
-            if (!sums) continue;
-            const int64_t o0 = b * OT;
-            const int count = N - o0 < OT ? (int)(N - o0) : OT;
-            w8a8_block(q, M, K, K, w + o0 * K, count, sums);
-            for (int64_t m = 0; m < M; m++)
-                for (int o = 0; o < count; o++) {
-                    const float v = (float)sums[m * OT + o] * s[m] * w_scale[o0 + o];
-                    y[m * y_stride + o0 + o] = bias ? v + bias[o0 + o] : v;
-                }
+    /* A decode step's few rows quantise into the stack: a step makes ~4 of these calls per layer,
+     * and heap scratch and a thread team per call were a few percent of a one-request step. */
+    int8_t q_stack[2 * STACK_Q_BYTES] __attribute__((aligned(64)));
+    float s_stack[STACK_ROWS];
+    const int small = M <= STACK_ROWS && M * K <= STACK_Q_BYTES;
+    int8_t *q = small ? q_stack : malloc((size_t)(2 * M * K)); /* q, then |q| */
+    float *s = small ? s_stack : malloc(sizeof(float) * M);
+    int failed = !q || !s;
+    if (!failed) {
+        quantize_rows_s8(x, M, K, x_stride, q, K, s);
+        int8_t *aq = NULL;
+        if (narrow) {
+            aq = q + M * K;
+            for (int64_t i = 0; i < M * K; i++) aq[i] = (int8_t)(q[i] < 0 ? -q[i] : q[i]); /* q > -128 */
         }
-        free(sums);
+        if (num_threads <= 1 || blocks <= 1) {
+            failed = w8a8_blocks(q, aq, M, K, w, N, w_scale, bias, y, y_stride, s, 0, blocks);
+        } else {
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+            {
+                const int64_t share = (blocks + omp_get_num_threads() - 1) / omp_get_num_threads();
+                const int64_t lo = share * omp_get_thread_num(), hi = lo + share < blocks ? lo + share : blocks;
+                if (lo < hi) failed |= w8a8_blocks(q, aq, M, K, w, N, w_scale, bias, y, y_stride, s, lo, hi);
+            }
+        }
     }
-    free(q);
-    free(s);
+    if (!small) {
+        free(q);
+        free(s);
+    }
     return failed;
 }
 
@@ -854,7 +922,7 @@ int w8a8_dynamic_linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stri
  * Scratch (floats), rows * each of: hidden (x), qkv_n (qkv), q_size (q), kv_size (k), q_size (a),
  * hidden (proj), 2 * intermediate (gate_up), intermediate (act), hidden (the residual stream):
  * decode_scratch_floats. */
-enum { LINEAR_F32 = 0, LINEAR_BF16 = 1, LINEAR_W8A16 = 2, LINEAR_W8A8_DYNAMIC = 3 };
+enum { LINEAR_F32 = 0, LINEAR_BF16 = 1, LINEAR_W8A16 = 2, LINEAR_W8A8_DYNAMIC = 3, LINEAR_W8A8_DYNAMIC_NARROW = 4 };
 
 typedef struct {
     int64_t format;      /* LINEAR_*: what `weight` holds */
@@ -891,7 +959,9 @@ static int decode_linear_rows(const decode_linear *L, const float *x, int64_t ro
         case LINEAR_W8A16:
             return w8a16_linear_f32(x, rows, K, K, L->weight, N, L->scale, L->offset, L->bias, y, N, num_threads);
         case LINEAR_W8A8_DYNAMIC:
-            return w8a8_dynamic_linear_f32(x, rows, K, K, L->weight, N, L->scale, L->bias, y, N, num_threads);
+        case LINEAR_W8A8_DYNAMIC_NARROW:
+            return w8a8_dynamic_linear_f32(x, rows, K, K, L->weight, N, L->scale, L->bias, y, N,
+                                           L->format == LINEAR_W8A8_DYNAMIC_NARROW, num_threads);
         default:
             linear_f32(x, rows, K, K, L->weight, N, L->bias, y, N, num_threads);
             return 0;

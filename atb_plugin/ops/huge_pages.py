@@ -1,0 +1,105 @@
+"""A CPU model's large weights moved into memory the kernel backs with transparent huge pages.
+
+Why: a decode step reads every weight once, from DRAM, in order; on 4 KiB pages that stream
+misses the TLB every 4 KiB (a 135 MB int8 SmolLM2 step: ~33,000 page walks) and the hardware
+prefetchers restart at every page. In 2 MiB pages the same kernels stream faster
+(benchmarks/RESULTS.md, "Low precision": huge pages). Linux gives anonymous memory huge pages
+only where ``madvise(MADV_HUGEPAGE)`` asks for them when THP is in its ``madvise`` mode (a common
+default), and torch's allocator never asks; so the weights are copied, once, into one anonymous
+mapping advised before its first touch, and each tensor is re-pointed at its copy.
+
+Which tensors: parameters and buffers on the CPU of at least ``MIN_BYTES`` that own their whole
+storage (a view into a larger storage stays where it is: moving it would keep both copies).
+Tensors that are the same object, or hold the same storage, get the same copy. It runs after
+packing and before anything records a weight's address (the captured decode step), at load.
+Where the kernel has no ``MADV_HUGEPAGE`` (not Linux) or THP is ``never``, nothing moves; nor
+with ``ATB_PLUGIN_HUGE_PAGES=off`` (``auto``, the default: move where THP allows).
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+HUGE_PAGE = 2 << 20
+MIN_BYTES = 64 << 10  # smaller ones (scales, norms) are read in a few cache lines: left where they are
+THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+HUGE_PAGES_ENV = "ATB_PLUGIN_HUGE_PAGES"
+HUGE_PAGES_CHOICES = ("auto", "off")
+
+
+@dataclass(frozen=True)
+class HugePageSummary:
+    moved: int = 0  # tensors now in the advised mapping
+    moved_bytes: int = 0
+    reason: str = ""  # why nothing moved, if nothing did
+
+
+def thp_mode() -> str | None:
+    """The kernel's THP mode ("always", "madvise", "never"), or None where it has no THP."""
+    try:
+        text = THP_MODE.read_text()
+    except OSError:
+        return None
+    return next((word[1:-1] for word in text.split() if word.startswith("[")), None)
+
+
+def _owns_storage(tensor: torch.Tensor) -> bool:
+    return (tensor.layout == torch.strided and tensor.device.type == "cpu" and tensor.is_contiguous()
+            and tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes)
+
+
+def move_weights_to_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) -> HugePageSummary:
+    """Copy ``model``'s large weights into one ``MADV_HUGEPAGE`` mapping and point them at it
+    (module docstring). The values are unchanged, bit for bit."""
+    choice = os.environ.get(HUGE_PAGES_ENV) or "auto"
+    if choice not in HUGE_PAGES_CHOICES:
+        raise ValueError(f"{HUGE_PAGES_ENV}={choice!r}: expected one of {', '.join(HUGE_PAGES_CHOICES)}")
+    if choice == "off":
+        return HugePageSummary(reason=f"{HUGE_PAGES_ENV}=off")
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    mode = thp_mode()
+    if advice is None or mode in (None, "never"):
+        return HugePageSummary(reason=f"transparent huge pages unavailable (THP mode: {mode})")
+    groups: dict[int, list[torch.Tensor]] = {}  # storage address -> the tensors on it
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if tensor.nbytes >= min_bytes and _owns_storage(tensor):
+            group = groups.setdefault(tensor.data_ptr(), [])
+            if all(t is not tensor for t in group):
+                group.append(tensor)
+    if not groups:
+        return HugePageSummary(reason=f"no weight of {min_bytes} bytes or more")
+    sizes = {address: group[0].nbytes for address, group in groups.items()}
+    total = sum(-(-size // 4096) * 4096 for size in sizes.values())
+    # Private: shared anonymous memory is shmem, whose huge pages follow another setting.
+    region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region.madvise(advice)
+    arena = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive while any view does
+    offset = -arena.data_ptr() % HUGE_PAGE  # start on a huge-page boundary
+    moved = 0
+    for address, group in groups.items():
+        first = group[0]
+        copy = arena[offset:offset + first.nbytes].view(first.dtype).view(first.shape)
+        offset += -(-first.nbytes // 4096) * 4096
+        copy.copy_(first.detach())
+        for tensor in group:
+            if tensor.dtype != first.dtype or tensor.shape != first.shape:
+                raise RuntimeError(f"tensors sharing storage {address:#x} differ in dtype or shape: "
+                                   f"{tensor.dtype} {tuple(tensor.shape)} and {first.dtype} {tuple(first.shape)}")
+            tensor.data = copy
+        moved += len(group)
+    summary = HugePageSummary(moved=moved, moved_bytes=sum(sizes.values()))
+    logger.info("weights in transparent huge pages (THP %s): %d tensors, %.1f MiB", mode, summary.moved,
+                summary.moved_bytes / 2**20)
+    return summary
+
+
+__all__ = ["HugePageSummary", "move_weights_to_huge_pages", "thp_mode"]
