@@ -1,10 +1,11 @@
 """Output quality of the low-precision modes against fp32 on SmolLM2-135M-Instruct (the default
 model, real weights; docs/quantization.md, "Quality")::
 
-    python benchmarks/quality_precision.py [--model DIR] [--tokens 32]
+    python benchmarks/quality_precision.py [--model DIR] [--tokens 32] [--variants w8a8,w8a8+head]
 
 Rows: fp32 (the reference), bf16, w8a16 and w8a8 (quantized on the fly from the fp32
-checkpoint, fp32 activations), w8a8-static (the checkpoint exported with
+checkpoint, fp32 activations), w8a16+head and w8a8+head (the LM head quantized too:
+``quantize_lm_head``), w8a8-static (the checkpoint exported with
 ``atb_plugin.models.quantization.export --method w8a8``, calibrated on its built-in paragraph).
 Columns, over ``PROMPTS``:
 
@@ -61,10 +62,11 @@ PPL_TEXT = (
 )
 
 
-def load(model_dir: Path, dtype: torch.dtype, quantization: str | None = None):
+def load(model_dir: Path, dtype: torch.dtype, quantization: str | None = None, head: bool = False):
     from routers import get_router
 
-    return get_router(model_dir).model_cls.from_pretrained(model_dir, dtype=dtype, quantization=quantization)
+    return get_router(model_dir).model_cls.from_pretrained(model_dir, dtype=dtype, quantization=quantization,
+                                                           quantize_lm_head=head)
 
 
 def sequence_logprobs(model, ids: list[int]) -> torch.Tensor:
@@ -93,6 +95,7 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--free-running", action="store_true", help="also decode each variant greedily")
+    parser.add_argument("--variants", default=None, help="comma-separated rows besides fp32 (default: all)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -110,14 +113,21 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="atb-quality-") as scratch:
         static_dir = Path(scratch) / "w8a8-static"
-        export(args.model, static_dir, "w8a8")
         variants = {
             "fp32": lambda: load(args.model, torch.float32),
             "bf16": lambda: load(args.model, torch.bfloat16),
             "w8a16": lambda: load(args.model, torch.float32, "w8a16"),
             "w8a8": lambda: load(args.model, torch.float32, "w8a8"),
-            "w8a8-static": lambda: load(static_dir, torch.float32),
+            "w8a16+head": lambda: load(args.model, torch.float32, "w8a16", head=True),
+            "w8a8+head": lambda: load(args.model, torch.float32, "w8a8", head=True),
+            "w8a8-static": lambda: load(export(args.model, static_dir, "w8a8").path.parent, torch.float32),
         }
+        if args.variants:
+            unknown = set(args.variants.split(",")) - set(variants)
+            if unknown:
+                parser.error(f"--variants: unknown {', '.join(sorted(unknown))} (choices: {', '.join(variants)})")
+            variants = {name: build for name, build in variants.items()
+                        if name == "fp32" or name in args.variants.split(",")}
         reference = None
         rows = []
         for name, build in variants.items():
