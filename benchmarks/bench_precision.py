@@ -108,19 +108,27 @@ def tinyllama_checkpoint(layers: int) -> Path:
     return out
 
 
-def load(model_dir: Path, precision: str, args) -> LLM:
-    """``precision``: fp32, bf16, or a scheme (w8a16 / w8a8) with the rest of the model in float32,
-    or with ``/bf16`` in bfloat16 (embeddings, LM head, norms, KV cache: ``--dtype bfloat16
-    --quantization w8a8``, the Ascend deployment form); ``+head``: the LM head in the scheme too
-    (``--quantize-lm-head``, as llama.cpp's Q8_0 quantizes its output matrix)."""
+def precision_kwargs(precision: str) -> dict:
+    """``LLM`` keyword arguments for ``precision``: fp32, bf16, or a scheme (w8a16 / w8a8) with the
+    rest of the model in float32, or with ``/bf16`` in bfloat16 (embeddings, LM head, norms, KV
+    cache: ``--dtype bfloat16 --quantization w8a8``, the Ascend deployment form); ``+head``: the
+    LM head in the scheme too (``--quantize-lm-head``, as llama.cpp's Q8_0 quantizes its output
+    matrix)."""
     scheme, _, rest = precision.partition("/")
     scheme, _, extra = scheme.partition("+")
+    if scheme not in ("fp32", "bf16", "w8a16", "w8a8") or rest not in ("", "bf16") or extra not in ("", "head"):
+        raise ValueError(f"precision {precision!r}: expected fp32, bf16, or w8a16 / w8a8 [+head] [/bf16]")
     kwargs = {"dtype": "bfloat16"} if "bf16" in (scheme, rest) else {}
     if scheme in ("w8a16", "w8a8"):
         kwargs["quantization"] = scheme
     if extra == "head":
         kwargs["quantize_lm_head"] = True
-    return LLM(str(model_dir), max_num_seqs=max(args.batch, 1), max_num_batched_tokens=2048, num_threads=1, **kwargs)
+    return kwargs
+
+
+def load(model_dir: Path, precision: str, args) -> LLM:
+    return LLM(str(model_dir), max_num_seqs=max(args.batch, 1), max_num_batched_tokens=2048, num_threads=1,
+               **precision_kwargs(precision))
 
 
 def ours(model: str, model_dir: Path, precisions: list[str], args, peers: dict | None = None) -> dict:

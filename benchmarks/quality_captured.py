@@ -5,7 +5,9 @@ models' own forward (teacher-forced, no engine); this measures what a user of ``
 gets: free-running greedy continuations of quality_precision's prompts, through the engine, each
 variant captured and ``enforce_eager``, against the float32 engine's.
 
-    python benchmarks/quality_captured.py [--model DIR] [--tokens 32] [--variants bf16,w8a16,w8a8]
+    python benchmarks/quality_captured.py [--model DIR] [--tokens 32] [--variants bf16,w8a16,w8a8,w8a8+head]
+
+Variants are spelled as bench_precision.py's --precisions.
 
 Per variant and path: agree = the share of the --tokens positions of every prompt where the
 variant's greedy token equals float32's (an early flip counts against every later position: the
@@ -23,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch  # noqa: E402
+from bench_precision import precision_kwargs  # noqa: E402
 from quality_precision import PROMPTS  # noqa: E402
 
 from atb_plugin import LLM, SamplingParams  # noqa: E402
@@ -30,7 +33,7 @@ from atb_plugin.default_model import default_model_dir  # noqa: E402
 
 
 def continuations(model: Path, tokens: int, enforce_eager: bool, variant: str | None) -> tuple[list[list[int]], str]:
-    kwargs = {"dtype": "bfloat16"} if variant == "bf16" else {"quantization": variant} if variant else {}
+    kwargs = precision_kwargs(variant) if variant else {}
     with LLM(str(model), enforce_eager=enforce_eager, num_threads=torch.get_num_threads(), **kwargs) as llm:
         params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
         outputs = llm.generate(PROMPTS, params)

@@ -190,23 +190,14 @@ def test_quantize_per_token_equals_torch_bit_for_bit(library):
     assert q.abs().max() <= 127  # a symmetric scale never makes -128 from finite x
 
 
-# Weights over the whole int8 range (an msModelSlim checkpoint's may hold -128), or narrow ones
-# (our quantiser's, -127..127), which the kernel multiplies another way (cpu_native.narrow_int8).
-WEIGHT_LOW = {"full": -128, "narrow": -127}
-
-
-@pytest.mark.parametrize("weights", WEIGHT_LOW)
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("in_features, out_features", SHAPES)
-def test_w8a8_dynamic_equals_float64_of_the_exact_int32_sum(library, int8_variant, rows, in_features, out_features,
-                                                             weights):
+def test_w8a8_dynamic_equals_float64_of_the_exact_int32_sum(library, int8_variant, rows, in_features, out_features):
     gen = _gen(rows * 7 + out_features)
     x = torch.randn(rows, in_features, generator=gen) * 3
     if rows > 2:
         x[1] = 0.0
-    weight = torch.randint(WEIGHT_LOW[weights], 128, (out_features, in_features), generator=gen, dtype=torch.int8)
-    weight[0, 0] = WEIGHT_LOW[weights]
-    assert cpu_native.narrow_int8(weight) == (weights == "narrow")
+    weight = torch.randint(-128, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
     weight_scale = torch.rand(out_features, generator=gen) / 100
     bias = torch.randn(out_features, generator=gen)
     y = cpu_native.w8a8_dynamic_linear(library, x, weight, weight_scale, bias)
@@ -216,29 +207,48 @@ def test_w8a8_dynamic_equals_float64_of_the_exact_int32_sum(library, int8_varian
     _within(y, scaled + bias.double(), scaled.abs() + bias.double().abs(), 2.4e-7)
 
 
-@pytest.mark.parametrize("weights", WEIGHT_LOW)
 @pytest.mark.parametrize("in_features", [31, 32, 1000, 4099])
-def test_w8a8_int32_sums_are_exact_at_the_extremes(library, int8_variant, in_features, weights):
+def test_w8a8_int32_sums_are_exact_at_the_extremes(library, int8_variant, in_features):
     """x integer-valued with max |x| = 127 (so s = 1 and q = x), weight_scale 1, no bias: the
     result is float(acc) (rounded as torch rounds int64 -> float32: exact below 2^24, to the
     nearest 8 at K = 4099's 6.7e7), so any lost or saturated product (>= 1 below 2^24, here
     ~16000: a saturated int16 pair in maddubs, a sign slip at -128) shows. Weights at -128 against
-    q at +-127 are the worst case (-127 for narrow weights)."""
-    low = WEIGHT_LOW[weights]
+    q at +-127 are the worst case."""
     gen = _gen(in_features)
     x = torch.randint(-127, 128, (5, in_features), generator=gen).float()
     x[:, 0] = 127.0
     x[0] = 127.0
     x[1] = -127.0
     x[1, 0] = 127.0
-    weight = torch.randint(low, 128, (7, in_features), generator=gen, dtype=torch.int8)
-    weight[0] = low
+    weight = torch.randint(-128, 128, (7, in_features), generator=gen, dtype=torch.int8)
+    weight[0] = -128
     weight[1] = 127
-    weight[2, ::2] = low
-    assert cpu_native.narrow_int8(weight) == (weights == "narrow")
+    weight[2, ::2] = -128
     y = cpu_native.w8a8_dynamic_linear(library, x, weight, torch.ones(7), None)
     acc = x.to(torch.int64) @ weight.to(torch.int64).T
     assert torch.equal(y, acc.float())
+
+
+@pytest.mark.parametrize("rows, in_features", [(1, 576), (3, 5000), (64, 256), (65, 256), (40, 1000)])
+def test_w8a8_one_thread_and_a_team_give_the_same_bits(library, rows, in_features):
+    """One thread runs without an OpenMP team and, for few rows, with its scratch on the stack
+    (rows x in within 64 x 16 KiB); more threads split the blocks. Same sums, same order each."""
+    gen = _gen(rows + in_features)
+    x = torch.randn(rows, in_features, generator=gen)
+    weight = torch.randint(-128, 128, (77, in_features), generator=gen, dtype=torch.int8)
+    weight_scale, bias = torch.rand(77, generator=gen) / 50, torch.randn(77, generator=gen)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = cpu_native.w8a8_dynamic_linear(library, x, weight, weight_scale, bias)
+        torch.set_num_threads(2)
+        team = cpu_native.w8a8_dynamic_linear(library, x, weight, weight_scale, bias)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, team)
+    q, s = _reference_quantize(x)
+    acc = (q.to(torch.int64) @ weight.to(torch.int64).T).double() * s.double()[:, None] * weight_scale.double()
+    _within(single, acc + bias.double(), acc.abs() + bias.double().abs(), 2.4e-7)
 
 
 def test_w8a8_equals_the_torch_reference_kernel(library, int8_variant, monkeypatch):
@@ -255,21 +265,6 @@ def test_w8a8_equals_the_torch_reference_kernel(library, int8_variant, monkeypat
     monkeypatch.setenv("ATB_PLUGIN_CPU_KERNELS", "torch")  # the torch formula, not the native kernel it hands over to
     reference = torch_kernels.w8a8_dynamic_linear(x, weight, weight_scale, bias)
     torch.testing.assert_close(native, reference, rtol=1e-6, atol=1e-6)
-
-
-def test_narrow_int8_is_checked_once_per_weight_version(library):
-    """The -128 scan runs on a weight's first call and again only after the weight changed in
-    place (its version counter moved): a stale answer would let the narrow kernel meet a -128."""
-    weight = torch.nn.Parameter(torch.full((4, 64), -127, dtype=torch.int8), requires_grad=False)
-    x, scale = torch.full((1, 64), -127.0), torch.ones(4)  # s = 1, q = -127: every sum exact in float32
-    assert cpu_native.narrow_int8(weight)
-    assert torch.equal(cpu_native.w8a8_dynamic_linear(library, x, weight, scale, None),
-                       torch.full((1, 4), 127.0 * 127 * 64))
-    with torch.no_grad():
-        weight[1, 3] = -128
-    assert not cpu_native.narrow_int8(weight)
-    expected = torch.tensor([[127.0 * 127 * 64, 127.0 * 127 * 63 + 127 * 128, 127.0 * 127 * 64, 127.0 * 127 * 64]])
-    assert torch.equal(cpu_native.w8a8_dynamic_linear(library, x, weight, scale, None), expected)
 
 
 # -- bfloat16 panels ----------------------------------------------------------------------------

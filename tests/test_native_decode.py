@@ -82,8 +82,8 @@ def test_captured_decode_equals_eager_greedy_tokens_and_logprobs(family, capture
 @pytest.mark.parametrize("family, quantization, head", [("qwen2", "w8a8", False), ("qwen2", "w8a16", False),
                                                         ("llama", "w8a8", False), ("qwen2", "w8a8", True)])
 def test_captured_int8_decode_equals_eager(family, quantization, head, captured_calls):
-    # The quantized layers' eager forward calls the same native int8 kernels the plan calls (our
-    # quantiser's weights are narrow: both take the narrow W8A8 kernel). head: the LM head in int8.
+    # The quantized layers' eager forward calls the same native int8 kernels the plan calls.
+    # head: the LM head in int8 too (outside the plan: compute_logits runs it eagerly).
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     outcome, captured = _generate(family, False, params, quantization=quantization, quantize_lm_head=head)
     assert outcome == "captured" and captured_calls
@@ -265,10 +265,6 @@ def test_linear_operands_are_checked_when_made():
     weight = torch.zeros(4, 8, dtype=torch.int8)
     scale = torch.ones(4)
     cpu_native.LinearOperands(cpu_native.LINEAR_W8A8_DYNAMIC, weight, scale=scale)  # well-formed
-    cpu_native.LinearOperands(cpu_native.LINEAR_W8A8_DYNAMIC_NARROW, weight, scale=scale)
-    with pytest.raises(ValueError, match="NARROW with a weight holding -128"):
-        cpu_native.LinearOperands(cpu_native.LINEAR_W8A8_DYNAMIC_NARROW, torch.full((4, 8), -128, dtype=torch.int8),
-                                  scale=scale)
     with pytest.raises(ValueError, match="with a torch.int8 weight"):
         cpu_native.LinearOperands(cpu_native.LINEAR_F32, weight)
     with pytest.raises(ValueError, match="an offset for W8A16 only"):

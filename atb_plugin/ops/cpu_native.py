@@ -57,8 +57,6 @@ from pathlib import Path
 
 import torch
 
-from atb_plugin.ops.param_cache import derived_once
-
 logger = logging.getLogger(__name__)
 
 KERNELS_ENV = "ATB_PLUGIN_CPU_KERNELS"
@@ -163,7 +161,7 @@ _SIGNATURES = {  # name: (restype, argtypes), as in csrc/cpu_kernels.c
     "w8a8_variant": (_INT, []),
     "w8a16_linear_f32": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _INT]),
     "quantize_rows_s8": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR]),
-    "w8a8_dynamic_linear_f32": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _INT]),
+    "w8a8_dynamic_linear_f32": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT]),
 }
 
 
@@ -452,13 +450,6 @@ def quantize_per_token(library, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return q, s
 
 
-def narrow_int8(weight: torch.Tensor) -> bool:
-    """Whether no value of the int8 ``weight`` is -128 (checked once per parameter: ``derived_once``).
-    Our quantiser never writes -128 (``clamp(-127, 127)``), an msModelSlim checkpoint may; the W8A8
-    kernel takes a faster form where none is (csrc/cpu_kernels.c, ``W8A8_TILE``)."""
-    return derived_once(weight, "narrow_int8", lambda w: w.numel() == 0 or bool(w.min() > -128))
-
-
 def w8a8_dynamic_linear(library, x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor,
                         bias: torch.Tensor | None) -> torch.Tensor:
     """``(q @ weight.T) * s[:, None] * weight_scale[None, :] + bias`` with ``q, s`` each row of ``x``
@@ -471,7 +462,7 @@ def w8a8_dynamic_linear(library, x: torch.Tensor, weight: torch.Tensor, weight_s
     failed = library.w8a8_dynamic_linear_f32(rows.data_ptr(), rows.shape[0], weight.shape[1], stride,
                                              weight.data_ptr(), weight.shape[0], weight_scale.data_ptr(),
                                              None if bias is None else bias.data_ptr(), out.data_ptr(),
-                                             weight.shape[0], int(narrow_int8(weight)), torch.get_num_threads())
+                                             weight.shape[0], torch.get_num_threads())
     if failed:
         raise MemoryError("the W8A8 kernel could not allocate its scratch buffer")
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
@@ -533,8 +524,7 @@ def argmax(library, x: torch.Tensor) -> torch.Tensor:
 # -- the captured decode step (decode_step_f32; built from a model by models/native_decode.py) --------
 
 # What a DecodeLinear's weight holds, as LINEAR_* in csrc/cpu_kernels.c.
-# LINEAR_W8A8_DYNAMIC_NARROW: dynamic W8A8 whose weights hold no -128 (``narrow_int8``).
-LINEAR_F32, LINEAR_BF16, LINEAR_W8A16, LINEAR_W8A8_DYNAMIC, LINEAR_W8A8_DYNAMIC_NARROW = range(5)
+LINEAR_F32, LINEAR_BF16, LINEAR_W8A16, LINEAR_W8A8_DYNAMIC = range(4)
 
 
 class DecodeLinear(ctypes.Structure):
@@ -545,8 +535,7 @@ class DecodeLinear(ctypes.Structure):
 
 
 _LINEAR_WEIGHT_DTYPES = {LINEAR_F32: torch.float32, LINEAR_BF16: torch.bfloat16, LINEAR_W8A16: torch.int8,
-                         LINEAR_W8A8_DYNAMIC: torch.int8, LINEAR_W8A8_DYNAMIC_NARROW: torch.int8}
-_W8A8_DYNAMIC_FORMATS = (LINEAR_W8A8_DYNAMIC, LINEAR_W8A8_DYNAMIC_NARROW)
+                         LINEAR_W8A8_DYNAMIC: torch.int8}
 
 
 @dataclass(frozen=True)
@@ -565,11 +554,9 @@ class LinearOperands:
     def __post_init__(self):
         if _LINEAR_WEIGHT_DTYPES.get(self.format) != self.weight.dtype:
             raise ValueError(f"linear format {self.format} with a {self.weight.dtype} weight")
-        int8 = self.format in (LINEAR_W8A16, *_W8A8_DYNAMIC_FORMATS)
-        if int8 and (self.scale is None or (self.offset is None) != (self.format in _W8A8_DYNAMIC_FORMATS)):
+        int8 = self.format in (LINEAR_W8A16, LINEAR_W8A8_DYNAMIC)
+        if int8 and (self.scale is None or (self.offset is None) != (self.format == LINEAR_W8A8_DYNAMIC)):
             raise ValueError(f"linear format {self.format}: scale, and an offset for W8A16 only")
-        if self.format == LINEAR_W8A8_DYNAMIC_NARROW and not narrow_int8(self.weight):
-            raise ValueError("linear format LINEAR_W8A8_DYNAMIC_NARROW with a weight holding -128")
         rows = self.weight.shape[0]
         for name, tensor in (("weight", self.weight), ("bias", self.bias), ("scale", self.scale),
                              ("offset", self.offset)):

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import torch
 
-from atb_plugin.ops.param_cache import derived_once
 from atb_plugin.platform.npu import torch_npu
 
 BLOCK_SIZE_MULTIPLE = 16  # ATB PagedAttention: "due to hardware restrictions, block_size % 16 == 0"
@@ -386,14 +385,40 @@ def moe_experts(hidden, weights, ids, w13, w2, first_expert: int) -> torch.Tenso
 # memory, and the module keeps the checkpoint layout the CPU path reads. (vllm-ascend copies the
 # transpose at load because it then casts to the FRACTAL_NZ format, which is not done here.)
 # What the ops need in another dtype or shape than the module stores (scales, bias, the repeated
-# activation scale) is derived once per parameter and cached on it (``ops.param_cache.derived_once``), like
+# activation scale) is derived once per parameter and cached on it (``_derived_once``), like
 # ``_host_copy_once``: a step pays no per-layer conversion after the first.
+
+_DERIVED_ATTR = "_atb_plugin_npu_derived"
+
+
+def _derived_once(t: torch.Tensor, key, derive):
+    """``derive(t)`` computed once per (parameter version, ``key``, view) and kept on the parameter
+    ``t`` is or views: a layer that hands its op a fresh view each call (``weight_scale.view(-1)``)
+    still hits the cache. Only for parameters: the data of a step's inputs can change without a
+    version bump (numpy-filled buffers), which is why ``_host_copy_once`` keys on the object.
+    Inference tensors have no version counter (they cannot be modified in place outside
+    inference mode)."""
+    owner = t if t._base is None else t._base
+    try:
+        counter = owner._version
+    except RuntimeError:
+        counter = None
+    version = (counter, owner.data_ptr(), tuple(owner.shape), owner.dtype)
+    cache = getattr(owner, _DERIVED_ATTR, None)
+    if cache is None or cache[0] != version:
+        cache = (version, {})
+        setattr(owner, _DERIVED_ATTR, cache)
+    entry = (key, t.data_ptr(), tuple(t.shape), t.stride())
+    if entry not in cache[1]:
+        cache[1][entry] = derive(t)
+    return cache[1][entry]
+
 
 def _as_dtype(t, dtype):
     """``t`` (a parameter) in ``dtype``, converted once; None stays None."""
     if t is None or t.dtype == dtype:
         return t
-    return derived_once(t, ("dtype", dtype), lambda v: v.to(dtype).contiguous())
+    return _derived_once(t, ("dtype", dtype), lambda v: v.to(dtype).contiguous())
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor:
@@ -441,9 +466,9 @@ def _static_quant_params(input_scale, input_offset, in_features):
     """``npu_quantize``'s multiplier and zero point for the msModelSlim per-tensor activation
     quantisation, as vllm-ascend builds them (1 / input_scale and input_offset repeated over the
     in-features, div_mode=False), kept in float32 rather than the model dtype."""
-    reciprocal = derived_once(input_scale, ("reciprocal", in_features),
+    reciprocal = _derived_once(input_scale, ("reciprocal", in_features),
                                lambda s: (1.0 / s.float().reshape(-1)).repeat(in_features // s.numel()).contiguous())
-    zero = derived_once(input_offset, ("zero", in_features),
+    zero = _derived_once(input_offset, ("zero", in_features),
                          lambda o: o.float().reshape(-1).repeat(in_features // o.numel()).contiguous())
     return reciprocal, zero
 
@@ -453,7 +478,7 @@ def _deq_scale_float(deq_scale: torch.Tensor) -> torch.Tensor:
     and float32 for bfloat16 ones; npu_quant_matmul takes float32 for either output dtype."""
     if deq_scale.dtype != torch.int64:
         return _as_dtype(deq_scale, torch.float32)
-    return derived_once(deq_scale, "float32",
+    return _derived_once(deq_scale, "float32",
                          lambda d: (d & 0xFFFFFFFF).to(torch.int32).view(torch.float32).contiguous())
 
 

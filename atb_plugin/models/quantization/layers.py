@@ -132,9 +132,7 @@ class W8A8DynamicLinear(QuantLinear):
 
     def native_operands(self) -> cpu_native.LinearOperands | str:
         """As ``W8A16Linear.native_operands``."""
-        narrow = self.weight.device.type == "cpu" and cpu_native.narrow_int8(self.weight)
-        return _int8_operands(self, cpu_native.LINEAR_W8A8_DYNAMIC_NARROW if narrow else cpu_native.LINEAR_W8A8_DYNAMIC,
-                              None)
+        return _int8_operands(self, cpu_native.LINEAR_W8A8_DYNAMIC, None)
 
 
 class W8A8StaticLinear(QuantLinear):

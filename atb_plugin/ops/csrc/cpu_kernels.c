@@ -626,42 +626,23 @@ static inline int32_t hsum_epi32(__m256i v) {
  * -127..127: a symmetric per-token scale never makes -128 from finite x, so negating q cannot
  * overflow): |w| * (q * sign(w)) = q * w, and a pair's sum is at most 2 * 128 * 127 = 32512 <
  * 32767: never saturates. madd with ones then widens the pairs into int32. The VNNI variants do
- * the same in one instruction (vpdpbusd: u8 x s8, four products into each int32, no saturation).
- *
- * Narrow weights (none is -128, as our quantiser makes them: the caller says so) swap the roles:
- * |q|, computed once per call, is the unsigned operand and w takes q's sign, which cannot
- * overflow when w > -128. One instruction less per weight vector (the abs), which a decode step,
- * reading each weight once, notices (benchmarks/RESULTS.md, "Low precision"). */
+ * the same in one instruction (vpdpbusd: u8 x s8, four products into each int32, no saturation). */
 #define W8A8_TILE(R, O, DOT)                                                                                \
     do {                                                                                                    \
         __m256i acc[R][O];                                                                                  \
         for (int r = 0; r < R; r++)                                                                         \
             for (int o = 0; o < O; o++) acc[r][o] = _mm256_setzero_si256();                                \
         int64_t k = 0;                                                                                      \
-        if (aq0) {                                                                                          \
-            for (; k + 32 <= K; k += 32) {                                                                  \
-                PREFETCH_TILES_AHEAD(O, K, k, 32);                                                          \
-                __m256i wv[O];                                                                              \
-                for (int o = 0; o < O; o++) wv[o] = _mm256_loadu_si256((const __m256i *)(w + o * K + k)); \
-                for (int r = 0; r < R; r++) {                                                               \
-                    const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + r * q_stride + k));         \
-                    const __m256i av = _mm256_loadu_si256((const __m256i *)(aq + r * q_stride + k));        \
-                    for (int o = 0; o < O; o++) acc[r][o] = DOT(acc[r][o], av, _mm256_sign_epi8(wv[o], qv)); \
-                }                                                                                           \
+        for (; k + 32 <= K; k += 32) {                                                                      \
+            PREFETCH_TILES_AHEAD(O, K, k, 32);                                                              \
+            __m256i wv[O], aw[O];                                                                           \
+            for (int o = 0; o < O; o++) {                                                                   \
+                wv[o] = _mm256_loadu_si256((const __m256i *)(w + o * K + k));                               \
+                aw[o] = _mm256_abs_epi8(wv[o]);                                                             \
             }                                                                                               \
-        } else {                                                                                            \
-            for (; k + 32 <= K; k += 32) {                                                                  \
-                PREFETCH_TILES_AHEAD(O, K, k, 32);                                                          \
-                __m256i wv[O], aw[O];                                                                       \
-                for (int o = 0; o < O; o++) {                                                               \
-                    wv[o] = _mm256_loadu_si256((const __m256i *)(w + o * K + k));                           \
-                    aw[o] = _mm256_abs_epi8(wv[o]);                                                         \
-                }                                                                                           \
-                for (int r = 0; r < R; r++) {                                                               \
-                    const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + r * q_stride + k));         \
-                    for (int o = 0; o < O; o++)                                                             \
-                        acc[r][o] = DOT(acc[r][o], aw[o], _mm256_sign_epi8(qv, wv[o]));                    \
-                }                                                                                           \
+            for (int r = 0; r < R; r++) {                                                                   \
+                const __m256i qv = _mm256_loadu_si256((const __m256i *)(q + r * q_stride + k));             \
+                for (int o = 0; o < O; o++) acc[r][o] = DOT(acc[r][o], aw[o], _mm256_sign_epi8(qv, wv[o])); \
             }                                                                                               \
         }                                                                                                   \
         for (int r = 0; r < R; r++)                                                                         \
@@ -698,24 +679,22 @@ static void w8a16_block(const float *x0, int64_t M, int64_t K, int64_t x_stride,
 }
 
 #define W8A8_BLOCK(NAME, ATTR, DOT)                                                                        \
-    static ATTR void NAME(const int8_t *q0, const int8_t *aq0, int64_t M, int64_t K, int64_t q_stride,     \
-                          const int8_t *w0, int count, int32_t *sums) {                                     \
+    static ATTR void NAME(const int8_t *q0, int64_t M, int64_t K, int64_t q_stride, const int8_t *w0, int count, \
+                          int32_t *sums) {                                                                  \
         BLOCK_TILES(W8A8_AT(RT, TO, DOT), W8A8_AT(1, TO, DOT), W8A8_AT(RT, 1, DOT), W8A8_AT(1, 1, DOT))     \
     }
-#define W8A8_AT(R, O, DOT) do { const int8_t *q = q0 + m * q_stride, *aq = aq0 ? aq0 + m * q_stride : NULL; \
-                                const int8_t *w = w0 + o0 * K; (void)aq; \
+#define W8A8_AT(R, O, DOT) do { const int8_t *q = q0 + m * q_stride; const int8_t *w = w0 + o0 * K; \
                                 int32_t *out = sums + m * OT + o0; W8A8_TILE(R, O, DOT); } while (0)
 W8A8_BLOCK(w8a8_block_avx2, , DOT_AVX2)
 W8A8_BLOCK(w8a8_block_avx_vnni, __attribute__((target("avx2,fma,avxvnni"))), DOT_AVX_VNNI)
 W8A8_BLOCK(w8a8_block_avx512_vnni, __attribute__((target("avx2,fma,avx512f,avx512bw,avx512vl,avx512vnni"))),
            DOT_AVX512_VNNI)
 
-/* aq: |q| (narrow weights), or NULL. */
-static void w8a8_block(const int8_t *q, const int8_t *aq, int64_t M, int64_t K, int64_t q_stride, const int8_t *w,
-                       int count, int32_t *sums) {
-    if (g_features & FEATURE_AVX512_VNNI) w8a8_block_avx512_vnni(q, aq, M, K, q_stride, w, count, sums);
-    else if (g_features & FEATURE_AVX_VNNI) w8a8_block_avx_vnni(q, aq, M, K, q_stride, w, count, sums);
-    else w8a8_block_avx2(q, aq, M, K, q_stride, w, count, sums);
+static void w8a8_block(const int8_t *q, int64_t M, int64_t K, int64_t q_stride, const int8_t *w, int count,
+                       int32_t *sums) {
+    if (g_features & FEATURE_AVX512_VNNI) w8a8_block_avx512_vnni(q, M, K, q_stride, w, count, sums);
+    else if (g_features & FEATURE_AVX_VNNI) w8a8_block_avx_vnni(q, M, K, q_stride, w, count, sums);
+    else w8a8_block_avx2(q, M, K, q_stride, w, count, sums);
 }
 
 #else /* portable C: what the compiler makes of plain loops */
@@ -730,9 +709,8 @@ static void w8a16_block(const float *x, int64_t M, int64_t K, int64_t x_stride, 
         }
 }
 
-static void w8a8_block(const int8_t *q, const int8_t *aq, int64_t M, int64_t K, int64_t q_stride, const int8_t *w,
-                       int count, int32_t *sums) {
-    (void)aq;
+static void w8a8_block(const int8_t *q, int64_t M, int64_t K, int64_t q_stride, const int8_t *w, int count,
+                       int32_t *sums) {
     for (int64_t m = 0; m < M; m++)
         for (int o = 0; o < count; o++) {
             int32_t sum = 0;
@@ -836,16 +814,15 @@ void quantize_rows_s8(const float *x, int64_t M, int64_t K, int64_t x_stride, in
 
 /* Blocks lo .. hi-1 of OT weight rows of w8a8_dynamic_linear_f32 (q, s: x quantised per row).
  * Returns 0, or 1 when scratch failed. */
-static int w8a8_blocks(const int8_t *q, const int8_t *aq, int64_t M, int64_t K, const int8_t *w, int64_t N,
-                       const float *w_scale, const float *bias, float *y, int64_t y_stride, const float *s, int64_t lo,
-                       int64_t hi) {
+static int w8a8_blocks(const int8_t *q, int64_t M, int64_t K, const int8_t *w, int64_t N, const float *w_scale,
+                       const float *bias, float *y, int64_t y_stride, const float *s, int64_t lo, int64_t hi) {
     int32_t sums_stack[STACK_ROWS * OT];
     int32_t *sums = M <= STACK_ROWS ? sums_stack : malloc(sizeof(int32_t) * M * OT);
     if (!sums) return 1;
     for (int64_t b = lo; b < hi; b++) {
         const int64_t o0 = b * OT;
         const int count = N - o0 < OT ? (int)(N - o0) : OT;
-        w8a8_block(q, aq, M, K, K, w + o0 * K, count, sums);
+        w8a8_block(q, M, K, K, w + o0 * K, count, sums);
         for (int64_t m = 0; m < M; m++)
             for (int o = 0; o < count; o++) {
                 const float v = (float)sums[m * OT + o] * s[m] * w_scale[o0 + o];
@@ -859,35 +836,29 @@ static int w8a8_blocks(const int8_t *q, const int8_t *aq, int64_t M, int64_t K, 
 /* y = (sum_k q[m][k] * w[o][k]) * s[m] * w_scale[o] + bias[o], the sum exact in int32 (|q|, |w|
  * <= 128: exact for K < 2^31 / 128^2 = 131072). x (M, K) float32 rows x_stride apart, quantised
  * per row first (quantize_rows_s8); w (N, K) int8; w_scale (N); bias (N) or NULL; y (M, N) rows
- * y_stride apart. narrow: the caller knows no weight is -128 (a faster kernel, the same sums).
- * Returns 0, or 1 when scratch failed. */
+ * y_stride apart. Returns 0, or 1 when scratch failed. */
 int w8a8_dynamic_linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const int8_t *w, int64_t N,
-                            const float *w_scale, const float *bias, float *y, int64_t y_stride, int narrow,
-                            int num_threads) {
+                            const float *w_scale, const float *bias, float *y, int64_t y_stride, int num_threads) {
     const int64_t blocks = (N + OT - 1) / OT;
-    /* A decode step's few rows quantise into the stack: a step makes ~4 of these calls per layer,
-     * and heap scratch and a thread team per call were a few percent of a one-request step. */
-    int8_t q_stack[2 * STACK_Q_BYTES] __attribute__((aligned(64)));
+    /* A decode step's few rows quantise into the stack and one thread runs without a team: a
+     * step makes ~4 of these calls per layer, and heap scratch and an OpenMP region per call
+     * were host time a one-request step paid for nothing. */
+    int8_t q_stack[STACK_Q_BYTES] __attribute__((aligned(64)));
     float s_stack[STACK_ROWS];
     const int small = M <= STACK_ROWS && M * K <= STACK_Q_BYTES;
-    int8_t *q = small ? q_stack : malloc((size_t)(2 * M * K)); /* q, then |q| */
+    int8_t *q = small ? q_stack : malloc((size_t)(M * K));
     float *s = small ? s_stack : malloc(sizeof(float) * M);
     int failed = !q || !s;
     if (!failed) {
         quantize_rows_s8(x, M, K, x_stride, q, K, s);
-        int8_t *aq = NULL;
-        if (narrow) {
-            aq = q + M * K;
-            for (int64_t i = 0; i < M * K; i++) aq[i] = (int8_t)(q[i] < 0 ? -q[i] : q[i]); /* q > -128 */
-        }
         if (num_threads <= 1 || blocks <= 1) {
-            failed = w8a8_blocks(q, aq, M, K, w, N, w_scale, bias, y, y_stride, s, 0, blocks);
+            failed = w8a8_blocks(q, M, K, w, N, w_scale, bias, y, y_stride, s, 0, blocks);
         } else {
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
             {
                 const int64_t share = (blocks + omp_get_num_threads() - 1) / omp_get_num_threads();
                 const int64_t lo = share * omp_get_thread_num(), hi = lo + share < blocks ? lo + share : blocks;
-                if (lo < hi) failed |= w8a8_blocks(q, aq, M, K, w, N, w_scale, bias, y, y_stride, s, lo, hi);
+                if (lo < hi) failed |= w8a8_blocks(q, M, K, w, N, w_scale, bias, y, y_stride, s, lo, hi);
             }
         }
     }
@@ -922,7 +893,7 @@ int w8a8_dynamic_linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stri
  * Scratch (floats), rows * each of: hidden (x), qkv_n (qkv), q_size (q), kv_size (k), q_size (a),
  * hidden (proj), 2 * intermediate (gate_up), intermediate (act), hidden (the residual stream):
  * decode_scratch_floats. */
-enum { LINEAR_F32 = 0, LINEAR_BF16 = 1, LINEAR_W8A16 = 2, LINEAR_W8A8_DYNAMIC = 3, LINEAR_W8A8_DYNAMIC_NARROW = 4 };
+enum { LINEAR_F32 = 0, LINEAR_BF16 = 1, LINEAR_W8A16 = 2, LINEAR_W8A8_DYNAMIC = 3 };
 
 typedef struct {
     int64_t format;      /* LINEAR_*: what `weight` holds */
@@ -959,9 +930,7 @@ static int decode_linear_rows(const decode_linear *L, const float *x, int64_t ro
         case LINEAR_W8A16:
             return w8a16_linear_f32(x, rows, K, K, L->weight, N, L->scale, L->offset, L->bias, y, N, num_threads);
         case LINEAR_W8A8_DYNAMIC:
-        case LINEAR_W8A8_DYNAMIC_NARROW:
-            return w8a8_dynamic_linear_f32(x, rows, K, K, L->weight, N, L->scale, L->bias, y, N,
-                                           L->format == LINEAR_W8A8_DYNAMIC_NARROW, num_threads);
+            return w8a8_dynamic_linear_f32(x, rows, K, K, L->weight, N, L->scale, L->bias, y, N, num_threads);
         default:
             linear_f32(x, rows, K, K, L->weight, N, L->bias, y, N, num_threads);
             return 0;
