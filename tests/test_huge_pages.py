@@ -68,3 +68,12 @@ def test_the_switch_and_where_nothing_moves(monkeypatch):
     address = model.int8.data_ptr()
     assert move_weights_to_huge_pages(model, min_bytes=1 << 30).reason == f"no weight of {1 << 30} bytes or more"
     assert model.int8.data_ptr() == address
+
+
+def test_an_unknown_setting_fails_the_engine_config(monkeypatch):
+    from atb_plugin.engine.config import EngineConfig
+    from atb_plugin.testing.tiny import tiny_checkpoint
+
+    monkeypatch.setenv(HUGE_PAGES_ENV, "yes")
+    with pytest.raises(ValueError, match=f"{HUGE_PAGES_ENV}='yes': expected one of auto, off"):
+        EngineConfig(model=str(tiny_checkpoint("qwen2")), device="cpu")

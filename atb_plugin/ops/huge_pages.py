@@ -57,13 +57,18 @@ def _owns_storage(tensor: torch.Tensor) -> bool:
             and tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes)
 
 
+def choice() -> str:
+    """``ATB_PLUGIN_HUGE_PAGES`` ("auto" when unset); ValueError naming the choices otherwise."""
+    value = os.environ.get(HUGE_PAGES_ENV) or "auto"
+    if value not in HUGE_PAGES_CHOICES:
+        raise ValueError(f"{HUGE_PAGES_ENV}={value!r}: expected one of {', '.join(HUGE_PAGES_CHOICES)}")
+    return value
+
+
 def move_weights_to_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) -> HugePageSummary:
     """Copy ``model``'s large weights into one ``MADV_HUGEPAGE`` mapping and point them at it
     (module docstring). The values are unchanged, bit for bit."""
-    choice = os.environ.get(HUGE_PAGES_ENV) or "auto"
-    if choice not in HUGE_PAGES_CHOICES:
-        raise ValueError(f"{HUGE_PAGES_ENV}={choice!r}: expected one of {', '.join(HUGE_PAGES_CHOICES)}")
-    if choice == "off":
+    if choice() == "off":
         return HugePageSummary(reason=f"{HUGE_PAGES_ENV}=off")
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     mode = thp_mode()
@@ -102,4 +107,4 @@ def move_weights_to_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) -> 
     return summary
 
 
-__all__ = ["HugePageSummary", "move_weights_to_huge_pages", "thp_mode"]
+__all__ = ["HugePageSummary", "choice", "move_weights_to_huge_pages", "thp_mode"]

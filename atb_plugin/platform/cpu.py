@@ -25,7 +25,10 @@ class CpuPlatform(Platform):
     def check_environment(self) -> None:
         from atb_plugin.ops import cpu_native  # loads nothing until asked
 
+        from atb_plugin.ops import huge_pages
+
         cpu_native.choice()  # an unknown ATB_PLUGIN_CPU_KERNELS fails the config, not the first step
+        huge_pages.choice()  # so does an unknown ATB_PLUGIN_HUGE_PAGES, not the model's load
 
     def prepare_model(self, model, *, pack_weights: bool) -> None:
         if pack_weights:
