@@ -60,8 +60,8 @@ from atb_plugin.default_model import default_model_dir  # noqa: E402
 TINYLLAMA = {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 32, "num_key_value_heads": 4,
              "head_dim": 128, "num_hidden_layers": 22}
 PEERS = Path(os.environ.get("ATB_PEERS_DIR") or Path.home() / ".cache" / "atb-plugin" / "peers")
-# our side -> the llama.cpp precision it matches
-GGUF_TYPES = {"bf16": "BF16", "w8a8": "Q8_0", "w8a8/bf16": "Q8_0", "w8a8+head": "Q8_0", "fp32": "F32"}
+# our side's scheme (a precision's part before "+" and "/") -> the llama.cpp precision it matches
+GGUF_TYPES = {"fp32": "F32", "bf16": "BF16", "w8a8": "Q8_0"}
 
 
 def tinyllama_checkpoint(layers: int) -> Path:
@@ -274,10 +274,11 @@ def main() -> None:
                 for part in ("total", "linear"):
                     ratios[f"{name} {part} weight bytes / ours fp32"] = round(
                         side["weight_mib"][part] / base["weight_mib"][part], 3)
-            peer = sides.get(f"llama.cpp {GGUF_TYPES.get(name, '')}")
+            gguf_type = GGUF_TYPES.get(name.partition("/")[0].partition("+")[0])
+            peer = sides.get(f"llama.cpp {gguf_type}")
             for measure, label in (("single_tok_s", "single"), ("batch_tok_s", "batch")):
                 if peer and peer.get(measure) and side.get(measure):
-                    ratios[f"ours {name} {label} / llama.cpp {GGUF_TYPES[name]}"] = round(
+                    ratios[f"ours {name} {label} / llama.cpp {gguf_type}"] = round(
                         side[measure] / peer[measure], 3)
         report[model] = {"sides": sides, "ratios": ratios}
         for key, value in ratios.items():

@@ -246,13 +246,7 @@ class EngineConfig:
         set_(self, "tasks", choice.tasks)
         from atb_plugin.models.quantization import resolve_quantization  # reads the checkpoint's description
 
-        method, described = resolve_quantization(self.model, self.quantization)
-        set_(self, "quantization", method)
-        if self.quantize_lm_head and (method is None or described is not None):
-            raise ValueError("EngineConfig.quantize_lm_head quantizes a float checkpoint's LM head on the fly: it needs "
-                             "quantization = 'w8a16' or 'w8a8'" + (
-                                 f" and a float checkpoint ({described.path.name} already says which layers are int8)"
-                                 if described is not None else ""))
+        set_(self, "quantization", resolve_quantization(self.model, self.quantization, self.quantize_lm_head)[0])
         if self.quantization is not None and self.runner == "pooling":
             raise ValueError(f"EngineConfig.quantization = {self.quantization!r}: quantized layers serve generative "
                              "models only (the pooling runner keeps float weights)")

@@ -70,7 +70,7 @@ class PretrainedModel(nn.Module):
 
         raw = json.loads((Path(model_dir) / "config.json").read_text())
         device = torch.device(device or "cpu")
-        method, described = resolve_quantization(model_dir, quantization)
+        method, described = resolve_quantization(model_dir, quantization, quantize_lm_head)
         # Built on the meta device: no time spent initialising weights the checkpoint overwrites
         # (load_checkpoint refuses to leave any parameter unfilled).
         with torch.device("meta"):
@@ -81,11 +81,6 @@ class PretrainedModel(nn.Module):
         model.init_non_persistent(device)
         load_checkpoint(model, model_dir, dtype)
         model.read_checkpoint_files(Path(model_dir))
-        if quantize_lm_head and (method is None or described is not None):
-            raise quantize.QuantizationError(
-                "quantize_lm_head quantizes a float checkpoint's LM head on the fly: it needs --quantization "
-                "w8a16|w8a8" + (" and a float checkpoint (an msModelSlim description says which layers are int8)"
-                                if described is not None else ""))
         if method is not None and described is None:
             quantize.quantize_model(model, method, lm_head=quantize_lm_head)
         return model.eval()

@@ -52,6 +52,10 @@ def thp_mode() -> str | None:
     return next((word[1:-1] for word in text.split() if word.startswith("[")), None)
 
 
+def _page_padded(size: int) -> int:
+    return -(-size // 4096) * 4096
+
+
 def _owns_storage(tensor: torch.Tensor) -> bool:
     return (tensor.layout == torch.strided and tensor.device.type == "cpu" and tensor.is_contiguous()
             and tensor.storage_offset() == 0 and tensor.untyped_storage().nbytes() == tensor.nbytes)
@@ -75,33 +79,24 @@ def move_weights_to_huge_pages(model: nn.Module, min_bytes: int = MIN_BYTES) -> 
     if advice is None or mode in (None, "never"):
         return HugePageSummary(reason=f"transparent huge pages unavailable (THP mode: {mode})")
     groups: dict[int, list[torch.Tensor]] = {}  # storage address -> the tensors on it
-    for tensor in [*model.parameters(), *model.buffers()]:
+    for tensor in [*model.parameters(), *model.buffers()]:  # each object once
         if tensor.nbytes >= min_bytes and _owns_storage(tensor):
-            group = groups.setdefault(tensor.data_ptr(), [])
-            if all(t is not tensor for t in group):
-                group.append(tensor)
+            groups.setdefault(tensor.data_ptr(), []).append(tensor)
     if not groups:
         return HugePageSummary(reason=f"no weight of {min_bytes} bytes or more")
-    sizes = {address: group[0].nbytes for address, group in groups.items()}
-    total = sum(-(-size // 4096) * 4096 for size in sizes.values())
+    sizes = [group[0].nbytes for group in groups.values()]
     # Private: shared anonymous memory is shmem, whose huge pages follow another setting.
-    region = mmap.mmap(-1, total + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    region = mmap.mmap(-1, sum(map(_page_padded, sizes)) + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     region.madvise(advice)
     arena = torch.frombuffer(region, dtype=torch.uint8)  # keeps the mapping alive while any view does
     offset = -arena.data_ptr() % HUGE_PAGE  # start on a huge-page boundary
-    moved = 0
-    for address, group in groups.items():
-        first = group[0]
-        copy = arena[offset:offset + first.nbytes].view(first.dtype).view(first.shape)
-        offset += -(-first.nbytes // 4096) * 4096
-        copy.copy_(first.detach())
-        for tensor in group:
-            if tensor.dtype != first.dtype or tensor.shape != first.shape:
-                raise RuntimeError(f"tensors sharing storage {address:#x} differ in dtype or shape: "
-                                   f"{tensor.dtype} {tuple(tensor.shape)} and {first.dtype} {tuple(first.shape)}")
-            tensor.data = copy
-        moved += len(group)
-    summary = HugePageSummary(moved=moved, moved_bytes=sum(sizes.values()))
+    for group, size in zip(groups.values(), sizes):
+        block = arena[offset:offset + size]
+        offset += _page_padded(size)
+        block.copy_(group[0].detach().reshape(-1).view(torch.uint8))
+        for tensor in group:  # tensors on one storage stay on one (each as its own dtype and shape)
+            tensor.data = block.view(tensor.dtype).view(tensor.shape)
+    summary = HugePageSummary(moved=sum(map(len, groups.values())), moved_bytes=sum(sizes))
     logger.info("weights in transparent huge pages (THP %s): %d tensors, %.1f MiB", mode, summary.moved,
                 summary.moved_bytes / 2**20)
     return summary

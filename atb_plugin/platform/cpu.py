@@ -23,9 +23,7 @@ class CpuPlatform(Platform):
         return True
 
     def check_environment(self) -> None:
-        from atb_plugin.ops import cpu_native  # loads nothing until asked
-
-        from atb_plugin.ops import huge_pages
+        from atb_plugin.ops import cpu_native, huge_pages  # load nothing until asked
 
         cpu_native.choice()  # an unknown ATB_PLUGIN_CPU_KERNELS fails the config, not the first step
         huge_pages.choice()  # so does an unknown ATB_PLUGIN_HUGE_PAGES, not the model's load

@@ -882,8 +882,6 @@ def npu_dynamic_quant(input, *, smooth_scales=None, group_index=None, dst_type=N
     return y, scale
 
 
-
-
 def npu_weight_quant_batchmatmul(x, weight, antiquant_scale, antiquant_offset=None, quant_scale=None,
                                  quant_offset=None, bias=None, antiquant_group_size=0, inner_precise=0,
                                  weight_dtype=None):

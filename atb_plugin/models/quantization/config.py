@@ -115,12 +115,19 @@ def read_quant_config(model_dir) -> QuantConfig | None:
     return QuantConfig.from_dict(raw, path)
 
 
-def resolve_quantization(model_dir, method: str | None) -> tuple[str | None, QuantConfig | None]:
+def resolve_quantization(model_dir, method: str | None,
+                         quantize_lm_head: bool = False) -> tuple[str | None, QuantConfig | None]:
     """``(method, checkpoint description)`` for ``--quantization method`` on ``model_dir``: the
     checkpoint's method when it is an msModelSlim one (the flag may be omitted, or must agree),
-    else the flag (None: float; otherwise the float weights are quantized on the fly)."""
+    else the flag (None: float; otherwise the float weights are quantized on the fly).
+    ``quantize_lm_head`` (``--quantize-lm-head``) needs the latter: a method and a float checkpoint."""
     check_method(method)
     config = read_quant_config(model_dir)
+    if quantize_lm_head and (method is None or config is not None):
+        raise QuantizationError(
+            "quantize_lm_head quantizes a float checkpoint's LM head on the fly: it needs quantization = 'w8a16' "
+            "or 'w8a8'" + (f" and a float checkpoint ({config.path.name} already says which layers are int8)"
+                           if config is not None else ""))
     if config is None:
         return method, None
     if method is not None and method != config.method:
