@@ -61,7 +61,7 @@ setup(
             # tests/test_deploy.py parses the Kubernetes manifests.
             "pyyaml==6.0.4",
         ],
-        # --distributed-executor-backend ray: ranks as Ray actors, across nodes (engine/ray_executor.py).
+        # --distributed-executor-backend ray: ranks as Ray actors, across nodes (engine/executor/ray.py).
         # Pinned: the executor uses Ray's placement-group and actor APIs, and every node of a
         # cluster must run the same Ray version. scripts/bootstrap.sh installs it for the tests.
         "ray": ["ray==2.60.0"],

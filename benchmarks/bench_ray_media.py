@@ -3,7 +3,7 @@
     python benchmarks/bench_ray_media.py [--repeats 15]
 
 ``/dev/shm`` is per node, so the engine core ships media to ranks on other nodes
-(``multimodal/shipped.py``, ``engine/ray_executor.py``). Two ways were possible:
+(``multimodal/shipped.py``, ``engine/executor/ray.py``). Two ways were possible:
 
 - object store (what the executor does): the core ``ray.put``s the step with the pixels in it and
   every actor's ``step`` call receives it; timed from the put to the remote actor holding the

@@ -1,6 +1,6 @@
 """Claim: per step, the tensor-parallel executor's way of reaching every rank — the scheduler
 output pickled once and the same bytes written to each rank's Unix socket pair, rank 0 answering
-on its socket (atb_plugin/engine/executor.py) — costs less than the collective alternative: the
+on its socket (atb_plugin/engine/executor/multiproc.py) — costs less than the collective alternative: the
 core as rank 0 of a gloo group that ``broadcast_object_list``s the same object to the ranks and
 gathers the answer back (what a "driver in the group" design does).
 

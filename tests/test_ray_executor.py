@@ -1,4 +1,4 @@
-"""Multi-node ranks on Ray (``--distributed-executor-backend ray``, engine/ray_executor.py).
+"""Multi-node ranks on Ray (``--distributed-executor-backend ray``, engine/executor/ray.py).
 
 The cluster checks run in ``tests/ray_netns_checks.py`` inside a network namespace with only a
 loopback interface (``unshare -n``, then ``ip link set lo up``): Ray would otherwise advertise

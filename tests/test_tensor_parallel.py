@@ -340,13 +340,14 @@ def rank_pids(llm) -> list[int]:
 
 
 def worker_processes() -> list:
-    """Rank processes (``python -m atb_plugin.engine.worker``) descending from this test process."""
+    """Rank processes (``python -m atb_plugin.engine.executor.multiproc``) descending from this test process."""
     import psutil
 
     found = []
     for child in psutil.Process().children(recursive=True):
         with contextlib.suppress(psutil.Error):
-            if "atb_plugin.engine.worker" in " ".join(child.cmdline()) and child.status() != psutil.STATUS_ZOMBIE:
+            command = " ".join(child.cmdline())
+            if "atb_plugin.engine.executor.multiproc" in command and child.status() != psutil.STATUS_ZOMBIE:
                 found.append(child)
     return found
 

@@ -164,8 +164,8 @@ class EngineConfig:
     # the CPU) cores (docs/architecture.md, "Data parallelism"); this engine's index among them.
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
-    # How the ranks are started (atb_plugin/engine/executor.py): "mp", processes of this node;
-    # "ray", Ray actors in a placement group, on any node of the cluster (engine/ray_executor.py).
+    # How the ranks are started (atb_plugin/engine/executor/): "mp", processes of this node;
+    # "ray", Ray actors in a placement group, on any node of the cluster (engine/executor/ray.py).
     distributed_executor_backend: str = "mp"
     # Low-precision linear layers (docs/quantization.md): None, "w8a16" or "w8a8". An msModelSlim
     # checkpoint (quant_model_description*.json beside its weights) sets it; a float checkpoint

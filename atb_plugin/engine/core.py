@@ -39,7 +39,7 @@ _COMPILE_WAIT_S = 0.05
 class EngineCore:
     def __init__(self, config: EngineConfig):
         self.config = config
-        # The model runs in this process (TP = 1) or on tensor-parallel ranks (engine/executor.py).
+        # The model runs in this process (TP = 1) or on tensor-parallel ranks (engine/executor/).
         self.executor = make_executor(config)
         try:
             self.kv_cache_blocks = self.executor.kv_cache_blocks

@@ -1,7 +1,7 @@
 """``Worker``: the device side of one tensor-parallel rank — its model shard, its shard of the
 KV cache and the model runner. The engine core drives it through an executor
-(``atb_plugin.engine.executor``): in its own process at TP = 1, in a rank process otherwise
-(``run_rank``, started by ``MultiprocExecutor``).
+(``atb_plugin.engine.executor``): in its own process at TP = 1 (``UniprocExecutor``), else as a
+``Rank`` in a rank process (``executor/multiproc.py``) or a Ray actor (``executor/ray.py``).
 
 Every rank runs the whole step on the same inputs: the same scheduler output, the same
 all-gathered logits, the same sampler with the same per-request generators (seeded) or the same
@@ -13,11 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
-import sys
-import threading
-import time
-import traceback
 from dataclasses import dataclass
 
 import torch
@@ -157,26 +152,6 @@ class RequestMirror:
                 request.append_output_token(result.sampled[request_id])
 
 
-# -- the rank process ----------------------------------------------------------------------------
-
-def _die_with_parent() -> None:
-    """End this rank when the engine core (its parent) is gone, however it went: a daemon thread
-    notices the rank being re-parented within half a second, whatever the main thread is doing.
-    Not ``PR_SET_PDEATHSIG``: that fires when the *thread* that started the rank exits, which
-    killed the ranks of an offline ``LLM`` built in a short-lived thread."""
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(0.5)
-        try:  # stderr is a pipe to the core: it may be broken now
-            print(f"the engine core (pid {parent}) is gone; rank pid {os.getpid()} exits", file=sys.stderr, flush=True)
-        finally:
-            os._exit(1)  # not sys.exit: the main thread may be inside a collective that never returns
-
-    threading.Thread(target=watch, name="engine-core-watch", daemon=True).start()
-
-
 @dataclass(frozen=True)
 class RankPlacement:
     """Where a rank runs, as its executor placed it. ``local_rank`` / ``local_size``: its index
@@ -210,9 +185,10 @@ def _bind_cpu_threads(config: EngineConfig, placement: RankPlacement) -> None:
 
 class Rank:
     """One tensor-parallel rank from joining its group to leaving it, whatever process hosts it:
-    the ``mp`` rank process (``run_rank``) and the Ray actor (``ray_executor``) both drive one.
-    ``load`` / ``initialize`` are the executor's two start-up stages; ``step`` runs one step on
-    this rank's mirror of the running requests."""
+    the ``mp`` rank process (``executor/multiproc.py``) and the Ray actor (``executor/ray.py``)
+    both drive one. ``load`` / ``initialize`` are the executor's two start-up stages, ``execute``
+    runs one step on this rank's mirror of the running requests (the calls a ``Worker`` answers
+    in the core's process at TP = 1)."""
 
     def __init__(self, config: EngineConfig, placement: RankPlacement, init_method: str, timeout_s: float):
         platform = platform_for(config.device)
@@ -235,7 +211,7 @@ class Rank:
     def initialize(self, num_blocks: int) -> str:
         return self.worker.initialize(num_blocks)
 
-    def step(self, output: SchedulerOutput) -> RunnerOutput:
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
         self.mirror.before(output)
         result = self.worker.execute(output)
         self.mirror.after(output, result)
@@ -243,47 +219,3 @@ class Rank:
 
     def close(self) -> None:
         destroy_tensor_parallel()
-
-
-def run_rank(fd: int, rank: int) -> None:
-    """A rank process (``python -m atb_plugin.engine.worker FD RANK``, started by the core's
-    ``MultiprocExecutor`` with one end of a socket pair as ``FD``): join the process group, load
-    the shard, then run steps until told to stop or the core is gone."""
-    from multiprocessing.connection import Connection
-
-    _die_with_parent()
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the core decides when ranks stop
-    conn = Connection(fd)
-    config, init_method, timeout_s, log_level = conn.recv()
-    logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s [rank {rank}] %(message)s")
-    try:
-        session = Rank(config, RankPlacement.on_one_node(rank, config.tensor_parallel_size), init_method, timeout_s)
-        conn.send(("READY", session.load()))
-        kind, num_blocks = conn.recv()
-        conn.send(("INITIALIZED", session.initialize(num_blocks)))
-    except BaseException:
-        conn.send(("FAILED", traceback.format_exc()))
-        raise
-    try:
-        while True:
-            output = conn.recv()
-            if output is None:  # stop
-                break
-            result = session.step(output)
-            if rank == 0:
-                conn.send(result)
-    except EOFError:
-        logger.error("the engine core is gone; rank %d exits", rank)
-    except BaseException:
-        logger.exception("rank %d failed", rank)
-        sys.exit(1)
-    finally:
-        session.close()
-
-
-if __name__ == "__main__":
-    # Through the module's real name, not __main__: what a rank pickles (WorkerInfo, results)
-    # must unpickle in the core as atb_plugin.engine.worker's classes.
-    from atb_plugin.engine.worker import run_rank as main
-
-    main(int(sys.argv[1]), int(sys.argv[2]))

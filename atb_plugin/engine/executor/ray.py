@@ -1,7 +1,7 @@
 """``RayExecutor`` (``--distributed-executor-backend ray``): tensor-parallel ranks as Ray actors,
 which may sit on other nodes than the engine core (docs/architecture.md, "Multi-node ranks on Ray").
 
-    EngineCore ── SchedulerOutput (+ shipped media) ── ray.put once ──► rank actors' step()
+    EngineCore ── SchedulerOutput (+ shipped media) ── ray.put once ──► rank actors' execute()
                                                      ◄── rank 0's RunnerOutput ──
 
 Ray places the processes, torch.distributed does the collectives: the core (the Ray driver)
@@ -26,7 +26,7 @@ import logging
 import os
 
 from atb_plugin.engine.config import EngineConfig
-from atb_plugin.engine.executor import DIST_TIMEOUT_S, STOP_WAIT_S, RankFailed, free_port
+from atb_plugin.engine.executor.base import DIST_TIMEOUT_S, STOP_WAIT_S, Executor, free_port, weights_per_rank
 from atb_plugin.engine.model_runner import RunnerOutput, readable_instances
 from atb_plugin.engine.scheduler import SchedulerOutput
 from atb_plugin.engine.worker import Rank, RankPlacement, WorkerInfo
@@ -54,10 +54,12 @@ def import_ray():
 
 class RankActor:
     """The Ray actor hosting one rank (a Ray remote class once ``RayExecutor`` wraps it: Ray is an
-    optional import). Its methods are the executor's stages, run in the actor's process."""
+    optional import). ``start`` joins the group, ``load`` / ``initialize`` / ``execute`` are the
+    driver's calls, run in the actor's process."""
 
     def __init__(self):
         self.rank: Rank | None = None
+        self.start_args: tuple | None = None
 
     def where(self) -> tuple[str, str, int]:
         """(Ray node id, the node's address, pid): where Ray placed this actor."""
@@ -68,18 +70,23 @@ class RankActor:
         return free_port(address)
 
     def start(self, config: EngineConfig, placement: RankPlacement, init_method: str, env: dict[str, str],
-              log_level: int) -> WorkerInfo:
+              log_level: int) -> None:
         os.environ.update(env)
         logging.basicConfig(level=log_level,
                             format=f"%(asctime)s %(levelname)s [ray rank {placement.rank}] %(message)s")
-        self.rank = Rank(config, placement, init_method, DIST_TIMEOUT_S)
+        self.start_args = (config, placement, init_method)
+
+    def load(self) -> WorkerInfo:
+        # Joining the group is part of the load stage, as for an mp rank: a failure to join is
+        # reported as that stage's.
+        self.rank = Rank(*self.start_args, DIST_TIMEOUT_S)
         return self.rank.load()
 
     def initialize(self, num_blocks: int) -> str:
         return self.rank.initialize(num_blocks)
 
-    def step(self, output: SchedulerOutput) -> RunnerOutput | None:
-        result = self.rank.step(output)
+    def execute(self, output: SchedulerOutput) -> RunnerOutput | None:
+        result = self.rank.execute(output)
         return result if self.rank.rank == 0 else None
 
     def stop(self) -> None:
@@ -87,34 +94,26 @@ class RankActor:
             self.rank.close()
 
 
-class RayExecutor:
+class RayExecutor(Executor):
     """``tensor_parallel_size`` rank actors in one placement group; the core keeps scheduling."""
 
-    runner = None  # it runs on the actors
-
     def __init__(self, config: EngineConfig):
-        ray = self.ray = import_ray()
-        self.config = config
-        self._closed = False
-        self._failure: str | None = None
+        self.ray = import_ray()
         self.placement_group = None
         self.actors: list = []
-        self._owns_ray = not ray.is_initialized()
-        if self._owns_ray:
-            # RAY_ADDRESS (Ray's own variable) names the cluster to join; unset, Ray starts a
-            # local one that ends with this process.
-            ray.init(address=os.environ.get("RAY_ADDRESS") or None, logging_level=logging.WARNING)
-        try:
-            self._start()
-        except BaseException:
-            self.shutdown(graceful=False)
-            raise
+        self.remote_ranks: list[int] = []
+        self._owns_ray = not self.ray.is_initialized()
+        super().__init__(config)
 
-    def _start(self) -> None:
+    def _start_ranks(self) -> None:
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         ray, config = self.ray, self.config
+        if self._owns_ray:
+            # RAY_ADDRESS (Ray's own variable) names the cluster to join; unset, Ray starts a
+            # local one that ends with this process.
+            ray.init(address=os.environ.get("RAY_ADDRESS") or None, logging_level=logging.WARNING)
         size = config.tensor_parallel_size
         threads = max(1, config.num_threads // size)
         device = _DEVICE_RESOURCE.get(platform_for(config.device).name)
@@ -143,6 +142,7 @@ class RayExecutor:
         self.actors = [actors[i] for i in order]
         where = [where[i] for i in order]
         nodes = [node for node, _, _ in where]
+        self.nodes = len(set(nodes))
         self.remote_ranks = [rank for rank, node in enumerate(nodes) if node != core_node]
         address = where[0][1]
         port = ray.get(self.actors[0].free_port.remote(address))
@@ -151,28 +151,34 @@ class RayExecutor:
         # across machines it takes the interface the node's host name resolves to, or the
         # GLOO_SOCKET_IFNAME the nodes were started with.
         env = {"GLOO_SOCKET_IFNAME": "lo"} if all(ip.startswith("127.") for _, ip, _ in where) else {}
-        placements = [RankPlacement(rank, local_rank=nodes[:rank].count(nodes[rank]), local_size=nodes.count(nodes[rank]),
-                                    same_node=len(set(nodes)) == 1, remote_media=rank in self.remote_ranks,
-                                    device_index=0 if device else None)
+        placements = [RankPlacement(rank, local_rank=nodes[:rank].count(nodes[rank]),
+                                    local_size=nodes.count(nodes[rank]), same_node=self.nodes == 1,
+                                    remote_media=rank in self.remote_ranks, device_index=0 if device else None)
                       for rank in range(size)]
         for rank, (node, ip, pid) in enumerate(where):
             logger.info("ray rank %d: pid %d on node %s (%s)%s", rank, pid, node[:12], ip,
                         "" if node == core_node else ", media shipped with each step")
         level = logging.getLogger().level or logging.INFO
-        infos: list[WorkerInfo] = self._gather(
-            [actor.start.remote(config, placement, init_method, env, level)
-             for actor, placement in zip(self.actors, placements)], "failed to load its shard")
-        self.kv_cache_blocks = min(info.available_kv_blocks for info in infos)
-        self.weight_bytes = [info.weight_bytes for info in infos]
-        self.decode_capture = self._gather([actor.initialize.remote(self.kv_cache_blocks) for actor in self.actors],
-                                           "failed to allocate its KV cache")[0]
-        logger.info("tensor parallel on Ray: %d ranks on %d node(s), weights per rank %s MiB", size, len(set(nodes)),
-                    ", ".join(f"{b / 2**20:.1f}" for b in self.weight_bytes))
+        ray.get([actor.start.remote(config, placement, init_method, env, level)
+                 for actor, placement in zip(self.actors, placements)])
 
-    def _gather(self, refs: list, what: str) -> list:
+    def _started(self) -> None:
+        logger.info("tensor parallel on Ray: %d ranks on %d node(s), weights per rank %s MiB", len(self.actors),
+                    self.nodes, weights_per_rank(self.weight_bytes))
+
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        if self.remote_ranks and output.new_requests and not self.failed:
+            output.shipped_media = ship((request.prompt_token_ids, readable_instances(self.config, request))
+                                        for request in output.new_requests if min(request.prompt_token_ids) < 0)
+        return super().execute(output)
+
+    def _rpc(self, method: str, args: tuple, what: str, leader_only: bool) -> list:
         """Every rank's answer, in rank order; as soon as any rank's call fails (its actor died, or
-        it raised), RankFailed naming that rank, with the others stopped."""
+        it raised), ``fail`` naming that rank. Every rank is waited for, even when only rank 0
+        answers: a failure is seen as soon as any call ends."""
         ray = self.ray
+        args = [ray.put(arg) for arg in args]  # serialised once, read by every actor
+        refs = [getattr(actor, method).remote(*args) for actor in self.actors]
         rank_of = {ref: rank for rank, ref in enumerate(refs)}
         answers: dict[int, object] = {}
         pending = list(refs)
@@ -182,16 +188,16 @@ class RayExecutor:
             try:
                 answers[rank] = ray.get(ready[0])
             except ray.exceptions.RayActorError as error:
-                self._fail(f"tensor-parallel rank {rank} (a Ray actor) {what}: its actor died: {error}")
+                self.fail(f"tensor-parallel rank {rank} (a Ray actor) {what}: its actor died: {error}")
             except ray.exceptions.RayError as error:
                 # A rank whose peer died fails in its collective first (gloo: connection closed);
                 # the dead peer is the cause: name it when Ray reports it within moments.
                 dead = self._dead_rank(pending, rank_of)
                 if dead is not None:
-                    self._fail(f"tensor-parallel rank {dead[0]} (a Ray actor) {what}: its actor died: {dead[1]}; "
-                               f"rank {rank} then failed in a collective")
-                self._fail(f"tensor-parallel rank {rank} (a Ray actor) {what}:\n{error}")
-        return [answers[rank] for rank in range(len(refs))]
+                    self.fail(f"tensor-parallel rank {dead[0]} (a Ray actor) {what}: its actor died: {dead[1]}; "
+                              f"rank {rank} then failed in a collective")
+                self.fail(f"tensor-parallel rank {rank} (a Ray actor) {what}:\n{error}")
+        return [answers[0]] if leader_only else [answers[rank] for rank in range(len(refs))]
 
     def _dead_rank(self, pending: list, rank_of: dict, wait_s: float = 5.0):
         """``(rank, error)`` of a pending call whose actor died, seen within ``wait_s``, else None."""
@@ -206,26 +212,9 @@ class RayExecutor:
                 continue
         return None
 
-    def _fail(self, why: str):
-        self._failure = why
-        self.shutdown(graceful=False)  # the survivors wait in a collective that never ends
-        raise RankFailed(why)
-
-    def execute(self, output: SchedulerOutput) -> RunnerOutput:
-        if self._failure is not None:
-            raise RankFailed(f"the engine already failed: {self._failure}")
-        if self.remote_ranks and output.new_requests:
-            output.shipped_media = ship((request.prompt_token_ids, readable_instances(self.config, request))
-                                        for request in output.new_requests if min(request.prompt_token_ids) < 0)
-        step = self.ray.put(output)  # serialised once, read by every actor
-        return self._gather([actor.step.remote(step) for actor in self.actors], "failed during a step")[0]
-
-    def shutdown(self, graceful: bool = True) -> None:
+    def _stop_ranks(self, graceful: bool) -> None:
         """Stop the actors (asked to leave the process group first when ``graceful``), release the
         placement group, and end the local Ray this executor started, if it did."""
-        if self._closed:
-            return
-        self._closed = True
         ray = self.ray
         if graceful and self.actors:
             try:
