@@ -135,7 +135,7 @@ class MultiprocExecutor(Executor):
         expected = _ANSWERS[method]
         if leader_only:
             return [self._leader_answer(expected, what)]
-        answers: dict[int, RankMessage] = {}
+        answers: dict[int, object] = {}
         pending = {rank.conn: rank for rank in self.ranks}
         while pending:
             for conn in wait(list(pending)):
