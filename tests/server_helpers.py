@@ -40,23 +40,33 @@ class ServerProcess:
                  client_tls=None):
         """``client_tls`` (an ``ssl.SSLContext``): the server serves HTTPS (its args say how) and
         the helpers' clients connect with this context (the CA they trust, their certificate)."""
-        self.port = free_port()
         self.api_key = api_key
         self.verify = client_tls if client_tls is not None else True
-        self.base_url = f"{'https' if client_tls is not None else 'http'}://127.0.0.1:{self.port}"
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"atb-plugin-test-server-{self.port}.log"
-        command = [sys.executable, "-m", "atb_plugin.server", "--model", str(model_dir), "--port", str(self.port),
-                   "--tokenizer-workers", str(workers), "--block-size", "16", "--kv-cache-memory", "64M",
-                   "--shutdown-timeout", "5", *args]
-        if api_key:
-            command += ["--api-key", api_key]
-        self._log = open(self.log_path, "w")
         self._final_log: str | None = None
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
         env.pop("ATB_PLUGIN_API_KEY", None)
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
-                                        start_new_session=True)
-        self._wait_ready(start_timeout)
+        for attempt in range(3):
+            # free_port() only finds a port free now: another process on the machine may bind it
+            # before the server does (uvicorn then exits with "address already in use"); take another.
+            self.port = free_port()
+            self.base_url = f"{'https' if client_tls is not None else 'http'}://127.0.0.1:{self.port}"
+            self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"atb-plugin-test-server-{self.port}.log"
+            command = [sys.executable, "-m", "atb_plugin.server", "--model", str(model_dir), "--port", str(self.port),
+                       "--tokenizer-workers", str(workers), "--block-size", "16", "--kv-cache-memory", "64M",
+                       "--shutdown-timeout", "5", *args]
+            if api_key:
+                command += ["--api-key", api_key]
+            self._log = open(self.log_path, "w")
+            self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                            env=env, start_new_session=True)
+            try:
+                self._wait_ready(start_timeout)
+                return
+            except RuntimeError:
+                if attempt == 2 or "address already in use" not in self.log(tail=None):
+                    raise
+                self.stop()
+                self.log_path.unlink(missing_ok=True)
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout

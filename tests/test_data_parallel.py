@@ -128,8 +128,9 @@ def engine_metric(server, name: str) -> dict[str, float]:
 
 @pytest.fixture(scope="module")
 def server(serve):
+    # The module's last test kills an engine core and checks the service's exit code (1) itself.
     with serve(tiny_checkpoint("qwen2"), "--data-parallel-size", "2", "--num-threads", "1",
-               "--block-size", str(BLOCK)) as server:
+               "--block-size", str(BLOCK), check_exit=False) as server:
         yield server
 
 

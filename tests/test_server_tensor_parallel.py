@@ -29,7 +29,8 @@ IMAGE = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url":
 
 @pytest.fixture(scope="module")
 def server(serve):
-    with serve(tiny_checkpoint("qwen2_vl"), "--tensor-parallel-size", "2") as server:
+    # The module's last test kills a rank and checks the service's exit code (1) itself.
+    with serve(tiny_checkpoint("qwen2_vl"), "--tensor-parallel-size", "2", check_exit=False) as server:
         yield server
 
 
