@@ -60,6 +60,8 @@ setup(
             "jsonschema==4.26.0",
             # tests/test_deploy.py parses the Kubernetes manifests.
             "pyyaml==6.0.4",
+            # scripts/run_tests.sh lints the tree (ruff.toml) before the whole suite.
+            "ruff==0.17.6",
         ],
         # --distributed-executor-backend ray: ranks as Ray actors, across nodes (engine/executor/ray.py).
         # Pinned: the executor uses Ray's placement-group and actor APIs, and every node of a

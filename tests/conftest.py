@@ -1,11 +1,18 @@
-"""Suite-wide rules: every test leaves /dev/shm as it found it.
+"""Suite-wide rules and the fixtures several test modules share.
 
-A running service or benchmark beside the suite is fine (live owners are ignored); two test
-runs at once on one machine are not supported: each would see the other's crashed-on-purpose
-children as its own leaks, and the reaper tests would reap each other's fixtures.
+- Every test leaves /dev/shm as it found it. A running service or benchmark beside the suite is
+  fine (live owners are ignored); two test runs at once on one machine are not supported: each
+  would see the other's crashed-on-purpose children as its own leaks, and the reaper tests would
+  reap each other's fixtures.
+- A test that starts a real server is slow, so ``-m "not slow"`` starts none: a test whose
+  fixtures include ``serve`` (every server fixture requests it) or that is marked ``server`` (one
+  that starts a server in its body) is marked ``slow`` at collection, and any other test that
+  starts one fails on the spot.
 """
 
 from __future__ import annotations
+
+import subprocess
 
 import pytest
 
@@ -14,9 +21,67 @@ import shm
 from shm.errors import ShmHandleError
 from shm.process import ProcessIdentity
 from shm.segment import list_segment_names, marker_name, parse_name, read_header, unlink_segment
+from tests import server_helpers
 from tests.helpers import write_test_images
 
 _ME = ProcessIdentity.current()
+
+
+# -- servers only in slow tests ------------------------------------------------------------------
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "server: starts a real server in its body (marked slow with it)")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects: the slow marker must already be there
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if "serve" in item.fixturenames or item.get_closest_marker("server"):
+            item.add_marker(pytest.mark.slow)
+
+
+_running: list = [None]  # the test whose setup, call or teardown runs now
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running[0] = item
+    try:
+        return (yield)
+    finally:
+        _running[0] = None
+
+
+class _GuardedPopen(subprocess.Popen):
+    """subprocess.Popen that refuses to start the service for a test not marked slow (a server
+    fixture that forgot ``serve``, a test body that forgot ``server``): the quick loop would
+    silently grow by a server start per test."""
+
+    def __init__(self, *args, **kwargs):
+        command = args[0] if args else kwargs.get("args", ())
+        item = _running[0]
+        if item is not None and item.get_closest_marker("slow") is None and server_helpers.starts_a_server(command):
+            pytest.fail(f"{item.nodeid} starts a server but is not slow: request the `serve` fixture "
+                        f"(a server fixture) or mark the test `@pytest.mark.server`", pytrace=False)
+        super().__init__(*args, **kwargs)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def servers_only_in_slow_tests():
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(subprocess, "Popen", _GuardedPopen)
+        yield
+
+
+@pytest.fixture(scope="session")
+def serve():
+    """``with serve(model_dir, *flags, **kwargs) as server:`` a real server, stopped and its exit
+    code checked at the block's end (tests/server_helpers.py). Requesting it marks the test slow."""
+    return server_helpers.serve
+
+
+# -- shared fixtures -------------------------------------------------------------------------------
 
 
 def _left_by_this_run(name: str) -> bool:
@@ -84,6 +149,14 @@ def fake_npu(clean_platform):
         handle.uninstall()
         reset_current_platform()
     assert "torch_npu" not in sys.modules
+
+
+@pytest.fixture
+def atb_kernel_set(monkeypatch):
+    """The ATB kernel set for the simulated NPU, which on its default A2 chip would pick the
+    fused-infer-attention set (tests/test_npu_fia_kernels.py covers that one). A module whose
+    tests exercise the ATB set: ``pytestmark = pytest.mark.usefixtures("atb_kernel_set")``."""
+    monkeypatch.setenv("ATB_PLUGIN_NPU_KERNELS", "atb")
 
 
 @pytest.fixture(scope="module")

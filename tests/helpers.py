@@ -1,5 +1,5 @@
 """Helpers shared by the tests: run a snippet in a fresh interpreter, tamper with segment files,
-write test images, copy a checkpoint to modify it."""
+write test images, copy a checkpoint to modify it, load our model next to transformers' reference."""
 
 from __future__ import annotations
 
@@ -55,6 +55,26 @@ def copy_checkpoint(source: Path, target: Path, exclude: tuple[str, ...] = ()) -
         if item.is_file() and item.name not in exclude:
             shutil.copy(item, Path(target) / item.name)
     return Path(target)
+
+
+def model_pair(checkpoint) -> tuple:
+    """Our model and transformers' reference (float32, eval mode) loaded from one checkpoint: a
+    tiny family's name (a str) or a checkpoint directory (a Path). The reference is the class the checkpoint's
+    config.json names (``architectures[0]``), as transformers itself would pick. A fresh pair per
+    call: a module whose tests only read the models caches it (``functools.cache(model_pair)``)."""
+    import json
+
+    import torch
+    import transformers
+
+    from atb_plugin.testing.tiny import tiny_checkpoint
+    from routers import get_router
+
+    path = tiny_checkpoint(checkpoint) if isinstance(checkpoint, str) else Path(checkpoint)
+    architecture = json.loads((path / "config.json").read_text())["architectures"][0]
+    ours = get_router(path).model_cls.from_pretrained(path)
+    reference = getattr(transformers, architecture).from_pretrained(path, dtype=torch.float32).eval()
+    return ours, reference
 
 
 def chunkings(text: str):

@@ -1,8 +1,14 @@
-"""Start the real service (``python -m atb_plugin.server``) on a free localhost port for a test module."""
+"""Start the real service (``python -m atb_plugin.server``) on a free localhost port for a test module.
+
+Tests reach it through ``serve`` (the fixture of that name in tests/conftest.py hands out
+:func:`serve`): requesting it is what marks a test as one that starts a server, so ``-m "not slow"``
+starts none.
+"""
 
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import os
 import signal
@@ -11,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import numpy as np
@@ -33,23 +40,33 @@ class ServerProcess:
                  client_tls=None):
         """``client_tls`` (an ``ssl.SSLContext``): the server serves HTTPS (its args say how) and
         the helpers' clients connect with this context (the CA they trust, their certificate)."""
-        self.port = free_port()
         self.api_key = api_key
         self.verify = client_tls if client_tls is not None else True
-        self.base_url = f"{'https' if client_tls is not None else 'http'}://127.0.0.1:{self.port}"
-        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"atb-plugin-test-server-{self.port}.log"
-        command = [sys.executable, "-m", "atb_plugin.server", "--model", str(model_dir), "--port", str(self.port),
-                   "--tokenizer-workers", str(workers), "--block-size", "16", "--kv-cache-memory", "64M",
-                   "--shutdown-timeout", "5", *args]
-        if api_key:
-            command += ["--api-key", api_key]
-        self._log = open(self.log_path, "w")
         self._final_log: str | None = None
         env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
         env.pop("ATB_PLUGIN_API_KEY", None)
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT, env=env,
-                                        start_new_session=True)
-        self._wait_ready(start_timeout)
+        for attempt in range(3):
+            # free_port() only finds a port free now: another process on the machine may bind it
+            # before the server does (uvicorn then exits with "address already in use"); take another.
+            self.port = free_port()
+            self.base_url = f"{'https' if client_tls is not None else 'http'}://127.0.0.1:{self.port}"
+            self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"atb-plugin-test-server-{self.port}.log"
+            command = [sys.executable, "-m", "atb_plugin.server", "--model", str(model_dir), "--port", str(self.port),
+                       "--tokenizer-workers", str(workers), "--block-size", "16", "--kv-cache-memory", "64M",
+                       "--shutdown-timeout", "5", *args]
+            if api_key:
+                command += ["--api-key", api_key]
+            self._log = open(self.log_path, "w")
+            self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT, cwd=REPO_ROOT,
+                                            env=env, start_new_session=True)
+            try:
+                self._wait_ready(start_timeout)
+                return
+            except RuntimeError:
+                if attempt == 2 or "address already in use" not in self.log(tail=None):
+                    raise
+                self.stop()
+                self.log_path.unlink(missing_ok=True)
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -128,6 +145,34 @@ class ServerProcess:
             self._final_log = self.log_path.read_text(errors="replace")
             self.log_path.unlink(missing_ok=True)
         return self.process.returncode
+
+
+@contextlib.contextmanager
+def serve(model_dir, *args: str, check_exit: bool = True, **kwargs) -> Iterator[ServerProcess]:
+    """A started, healthy server (``ServerProcess``'s arguments) for the ``with`` block, stopped
+    at its end. A server that crashed, or whose SIGTERM stop exits non-zero, fails the block with
+    the tail of its log (in a module fixture: an error at the module's teardown), so a test that
+    passed against a dying server is not green. ``check_exit=False`` for tests that kill parts of
+    the server on purpose and check its exit code themselves."""
+    server = ServerProcess(model_dir, *args, **kwargs)
+    try:
+        yield server
+    finally:
+        code = server.stop()
+    if check_exit and code != 0:
+        import pytest
+
+        pytest.fail(f"the server ({model_dir} {' '.join(args)}) exited with {code}:\n{server.log()}", pytrace=False)
+
+
+def starts_a_server(args) -> bool:
+    """Whether a subprocess command line starts the service (``python -m atb_plugin.server``,
+    ``atb-plugin serve`` or the launch script); ``--help`` only prints."""
+    words = [str(a) for a in args] if isinstance(args, (list, tuple)) else str(args).split()
+    text = " ".join(words)
+    starts = ("atb_plugin.server" in words or "launch_npu_server.sh" in text
+              or (any(Path(w).name == "atb-plugin" for w in words) and "serve" in words))
+    return starts and "--help" not in words
 
 
 def data_url(height: int = 64, width: int = 96, seed: int = 0, fmt: str = "PNG") -> str:

@@ -26,6 +26,7 @@ from input_builders.audio import AudioRef, load_audio
 from input_builders.conversation import UnsupportedContentError
 from input_builders.media import MediaConfig
 from routers import get_router
+from tests.helpers import model_pair
 
 pytest.importorskip("av")
 
@@ -34,20 +35,8 @@ BF16_LOGPROB_TOL = 0.15  # tests/test_npu_engine.py: bf16 through a few layers o
 FAMILY = "qwen2_audio"
 
 
-@pytest.fixture(autouse=True)
-def atb_kernel_set(monkeypatch):
-    """The ATB kernel set (tests/test_npu_fia_kernels.py covers the fused-infer-attention one)."""
-    monkeypatch.setenv("ATB_PLUGIN_NPU_KERNELS", "atb")
-
-
-@functools.cache
-def load_pair():
-    import transformers
-
-    path = tiny_checkpoint(FAMILY)
-    ours = get_router(path).model_cls.from_pretrained(path)
-    reference = transformers.Qwen2AudioForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
-    return ours, reference
+pytestmark = pytest.mark.usefixtures("atb_kernel_set")
+load_pair = functools.cache(functools.partial(model_pair, FAMILY))
 
 
 @functools.cache

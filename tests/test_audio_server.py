@@ -15,7 +15,6 @@ from atb_plugin import LLM, SamplingParams
 from atb_plugin.testing import audio_signals as sig
 from atb_plugin.testing.tiny import tiny_checkpoint
 from shm.segment import list_segment_names
-from tests.server_helpers import ServerProcess
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("av")
@@ -24,10 +23,9 @@ FAMILY = "qwen2_audio"
 
 
 @pytest.fixture(scope="module")
-def server():
-    server = ServerProcess(tiny_checkpoint(FAMILY), "--limit-mm-per-prompt", "audio=2")
-    yield server
-    assert server.stop() == 0, server.log()
+def server(serve):
+    with serve(tiny_checkpoint(FAMILY), "--limit-mm-per-prompt", "audio=2") as server:
+        yield server
 
 
 def part(data: bytes, fmt: str) -> dict:

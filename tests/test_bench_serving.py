@@ -23,7 +23,7 @@ from PIL import Image
 from atb_plugin.server.metrics import ServerMetrics
 from atb_plugin.testing.tiny import tiny_checkpoint
 from tests.helpers import load_benchmark
-from tests.server_helpers import ServerProcess, free_port
+from tests.server_helpers import free_port
 
 
 bench = load_benchmark("bench_serving")
@@ -427,10 +427,9 @@ def test_managed_server_that_exits_early_is_an_error(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def server():
-    process = ServerProcess(tiny_checkpoint("qwen2"))
-    yield process
-    process.stop()
+def server(serve):
+    with serve(tiny_checkpoint("qwen2")) as process:
+        yield process
 
 
 def test_a_real_run_against_our_server(server, capsys, tmp_path):

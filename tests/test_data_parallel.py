@@ -25,7 +25,6 @@ from atb_plugin.engine.config import EngineConfig
 from atb_plugin.engine.dp_client import CacheAwareRouting, RoundRobinRouting
 from atb_plugin.engine.messages import EngineCoreRequest
 from atb_plugin.testing.tiny import tiny_checkpoint
-from tests.server_helpers import ServerProcess
 from tests.test_server_lifecycle import StreamInThread, segments_of, wait_until, wait_until_group_gone
 
 BLOCK = 16
@@ -128,11 +127,11 @@ def engine_metric(server, name: str) -> dict[str, float]:
 
 
 @pytest.fixture(scope="module")
-def server():
-    server = ServerProcess(tiny_checkpoint("qwen2"), "--data-parallel-size", "2", "--num-threads", "1",
-                           "--block-size", str(BLOCK))
-    yield server
-    server.stop()
+def server(serve):
+    # The module's last test kills an engine core and checks the service's exit code (1) itself.
+    with serve(tiny_checkpoint("qwen2"), "--data-parallel-size", "2", "--num-threads", "1",
+               "--block-size", str(BLOCK), check_exit=False) as server:
+        yield server
 
 
 @pytest.mark.slow  # a real server with two engine-core processes

@@ -27,10 +27,9 @@ CHAT = [{"role": "user", "content": "Tell me a story about a fox."}]
 
 
 @pytest.fixture(scope="module")
-def text_server():
-    server = ServerProcess(tiny_checkpoint("qwen2"), "--max-model-len", "128")
-    yield server
-    assert server.stop() == 0, server.log()
+def text_server(serve):
+    with serve(tiny_checkpoint("qwen2"), "--max-model-len", "128") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -120,7 +119,7 @@ def test_without_a_served_model_name_the_public_name_is_the_checkpoints_not_its_
         assert str(path.parent) not in answer.text, answer.text
 
 
-@pytest.mark.slow  # a real server
+@pytest.mark.server
 def test_an_image_chat_is_the_same_through_both_doors():
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(seed=5)}},
                                              {"type": "text", "text": "What is in this picture?"}]}]
@@ -137,7 +136,7 @@ def test_an_image_chat_is_the_same_through_both_doors():
     assert answer.usage.prompt_tokens == len(offline.prompt_token_ids)
 
 
-@pytest.mark.slow  # a real server
+@pytest.mark.server
 def test_a_pooling_request_is_the_same_through_both_doors():
     texts = ["a fox jumps over the lazy dog"]
     server = ServerProcess(tiny_checkpoint("bert"))

@@ -61,7 +61,7 @@ def _rss_mb(pid: int) -> float:
         return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
 
 
-@pytest.mark.slow  # real servers
+@pytest.mark.server
 @pytest.mark.parametrize("family, route, body", [
     ("qwen2", "/v1/chat/completions", lambda text: {"messages": [{"role": "user", "content": text}], "max_tokens": 2}),
     ("bert", "/v1/embeddings", lambda text: {"input": text}),

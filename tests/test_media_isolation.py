@@ -199,7 +199,7 @@ def test_a_job_fetching_media_lets_the_jobs_behind_it_run_and_a_departed_job_is_
 
 # -- through the service -------------------------------------------------------------------------------
 
-@pytest.mark.slow  # a real server and two 10 s deadlines
+@pytest.mark.server  # and two 10 s deadlines
 def test_slow_media_hosts_delay_only_their_own_requests():
     server = ServerProcess(tiny_checkpoint("qwen2_vl"), "--allowed-media-domains", "127.0.0.1", workers=1)
     chat = {"messages": [{"role": "user", "content": "Say something."}], "max_tokens": 4, "temperature": 0}

@@ -16,18 +16,13 @@ from safetensors.torch import load_file, save_file
 from atb_plugin.models.bert import BertModel
 from atb_plugin.models.weights import WeightLoadingError
 from atb_plugin.testing.tiny import tiny_checkpoint
-from routers import get_router
-from tests.helpers import copy_checkpoint
+from tests.helpers import copy_checkpoint, model_pair
 
 TOLERANCE = 1e-5
 LENGTHS = (9, 3, 17)
 
 
-@pytest.fixture(autouse=True)
-def atb_kernel_set(monkeypatch):
-    """These tests exercise the ATB kernel set; the simulated A2 chip would default to the
-    fused-infer-attention set (tests/test_npu_fia_kernels.py covers that one)."""
-    monkeypatch.setenv("ATB_PLUGIN_NPU_KERNELS", "atb")
+pytestmark = pytest.mark.usefixtures("atb_kernel_set")
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +31,20 @@ def path():
 
 
 @pytest.fixture(scope="module")
-def ours(path):
-    model = get_router(path).model_cls.from_pretrained(path)
+def pair(path):
+    return model_pair(path)
+
+
+@pytest.fixture(scope="module")
+def ours(pair):
+    model = pair[0]
     assert isinstance(model, BertModel)
     return model
 
 
 @pytest.fixture(scope="module")
-def reference(path):
-    import transformers
-
-    return transformers.BertModel.from_pretrained(path, dtype=torch.float32).eval()
+def reference(pair):
+    return pair[1]
 
 
 def batch(vocab: int, seed: int = 0):

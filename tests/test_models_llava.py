@@ -25,7 +25,7 @@ from atb_plugin.models.llava import LlavaConfig, LlavaForConditionalGeneration
 from atb_plugin.models.weights import WeightLoadingError
 from atb_plugin.multimodal import MultimodalPrompt
 from atb_plugin.testing.sequence import SequenceRunner
-from tests.helpers import copy_checkpoint, write_test_images
+from tests.helpers import copy_checkpoint, model_pair, write_test_images
 from atb_plugin.testing.tiny import tiny_checkpoint
 from input_builders.media import MediaConfig
 from routers import get_router
@@ -34,11 +34,7 @@ TOLERANCE = 1e-4
 QUESTION = "What is in the picture?"
 
 
-@pytest.fixture(autouse=True)
-def atb_kernel_set(monkeypatch):
-    """These tests exercise the ATB kernel set; the simulated A2 chip would default to the
-    fused-infer-attention set (tests/test_npu_fia_kernels.py covers that one)."""
-    monkeypatch.setenv("ATB_PLUGIN_NPU_KERNELS", "atb")
+pytestmark = pytest.mark.usefixtures("atb_kernel_set")
 
 
 @pytest.fixture(scope="module")
@@ -47,17 +43,20 @@ def path():
 
 
 @pytest.fixture(scope="module")
-def ours(path):
-    model = get_router(path).model_cls.from_pretrained(path)
+def pair(path):
+    return model_pair(path)
+
+
+@pytest.fixture(scope="module")
+def ours(pair):
+    model = pair[0]
     assert isinstance(model, LlavaForConditionalGeneration)
     return model
 
 
 @pytest.fixture(scope="module")
-def reference(path):
-    import transformers
-
-    return transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32).eval()
+def reference(pair):
+    return pair[1]
 
 
 @pytest.fixture

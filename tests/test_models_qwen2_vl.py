@@ -24,31 +24,19 @@ from atb_plugin.testing.sequence import SequenceRunner
 from atb_plugin.testing.tiny import tiny_checkpoint
 from input_builders.media import MediaConfig
 from routers import get_router
-from tests.helpers import copy_checkpoint, write_test_images
+from tests.helpers import copy_checkpoint, model_pair, write_test_images
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
-REFERENCE = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 TOLERANCE = 1e-4
 # (height, width) in pixels. Qwen2.5's windows are 4x4 merged tokens = 112 pixels: the second
 # image (252x168 after smart_resize, 9x6 merged tokens) has windows cut by both edges.
 IMAGE_SIZES = [(60, 90), (250, 170)]
 
 
-@functools.cache
-def load_pair(family):
-    import transformers
-
-    path = tiny_checkpoint(family)
-    ours = get_router(path).model_cls.from_pretrained(path)
-    reference = getattr(transformers, REFERENCE[family]).from_pretrained(path, dtype=torch.float32).eval()
-    return ours, reference
+load_pair = functools.cache(model_pair)
 
 
-@pytest.fixture(autouse=True)
-def atb_kernel_set(monkeypatch):
-    """These tests exercise the ATB kernel set; the simulated A2 chip would default to the
-    fused-infer-attention set (tests/test_npu_fia_kernels.py covers that one)."""
-    monkeypatch.setenv("ATB_PLUGIN_NPU_KERNELS", "atb")
+pytestmark = pytest.mark.usefixtures("atb_kernel_set")
 
 
 @pytest.fixture

@@ -31,11 +31,7 @@ TOLERANCE = 1e-4  # whole-model logits, fp32
 TIGHT = 1e-5  # one component (vision tower, one decoder layer)
 
 
-@pytest.fixture(autouse=True)
-def atb_kernel_set(monkeypatch):
-    """These tests exercise the ATB kernel set; the simulated A2 chip would default to the
-    fused-infer-attention set (tests/test_npu_fia_kernels.py covers that one)."""
-    monkeypatch.setenv("ATB_PLUGIN_NPU_KERNELS", "atb")
+pytestmark = pytest.mark.usefixtures("atb_kernel_set")
 
 
 @pytest.fixture(scope="module")

@@ -14,30 +14,19 @@ from atb_plugin.testing.sequence import SequenceRunner, check_simulated_npu
 from atb_plugin.testing.tiny import tiny_checkpoint
 from routers import get_router
 from tests.helpers import copy_checkpoint
+from tests.helpers import model_pair as load_pair
 
 FAMILIES = ["qwen2", "llama"]
 TOLERANCE = 1e-4
 
 
-def load_pair(family):
-    import transformers
-
-    path = tiny_checkpoint(family)
-    reference_cls = getattr(transformers, {"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[family])
-    reference = reference_cls.from_pretrained(path, dtype=torch.float32).eval()
-    ours = get_router(path).model_cls.from_pretrained(path)
-    return ours, reference
 
 
 def prompt(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.fixture(autouse=True)
-def atb_kernel_set(monkeypatch):
-    """These tests exercise the ATB kernel set; the simulated A2 chip would default to the
-    fused-infer-attention set (tests/test_npu_fia_kernels.py covers that one)."""
-    monkeypatch.setenv("ATB_PLUGIN_NPU_KERNELS", "atb")
+pytestmark = pytest.mark.usefixtures("atb_kernel_set")
 
 
 @pytest.mark.parametrize("family", FAMILIES)

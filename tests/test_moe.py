@@ -25,6 +25,7 @@ from atb_plugin.ops import torch_kernels
 from atb_plugin.testing.sequence import SequenceRunner, check_simulated_npu
 from atb_plugin.testing.tiny import build_qwen3_moe, tiny_checkpoint
 from routers import get_router
+from tests.helpers import model_pair as load_pair
 
 FP32_ATOL = 1e-4
 OP_ATOL = 1e-5
@@ -32,11 +33,9 @@ NPU_MODEL_TOL = 5e-2
 NPU_OP_TOL = 3e-2
 
 
-@pytest.fixture(autouse=True)
-def atb_kernel_set(monkeypatch):
-    """The simulated A2 chip defaults to the FIA attention set; the MoE ops are the same in both
-    sets (``npu_fia_kernels`` delegates them), and the ATB set's attention takes block size 16."""
-    monkeypatch.setenv("ATB_PLUGIN_NPU_KERNELS", "atb")
+# The simulated A2 chip defaults to the FIA attention set; the MoE ops are the same in both sets
+# (``npu_fia_kernels`` delegates them), and the ATB set's attention takes block size 16.
+pytestmark = pytest.mark.usefixtures("atb_kernel_set")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -277,13 +276,6 @@ def checkpoints(tmp_path_factory):
     return paths
 
 
-def load_pair(path):
-    import transformers
-
-    reference = transformers.Qwen3MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return get_router(path).model_cls.from_pretrained(path), reference
-
-
 def prompt(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed))
 
@@ -310,13 +302,10 @@ def test_qwen2_moe_with_its_shared_expert_matches_transformers():
     """Qwen2-MoE: the Qwen2 decoder (q/k/v biases) with the sparse layers plus a shared expert
     behind a sigmoid gate; chunked prefill and decode against transformers' full forward; greedy
     tokens against its generate."""
-    import transformers
-
     from atb_plugin import LLM, SamplingParams
 
     path = tiny_checkpoint("qwen2_moe")
-    reference = transformers.Qwen2MoeForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ours = get_router(path).model_cls.from_pretrained(path)
+    ours, reference = load_pair(path)
     assert ours.config.qkv_bias and ours.config.moe.shared_expert_intermediate_size == 48
     assert ours.model.layers[0].mlp.shared_expert is not None and not hasattr(ours.model.layers[2].mlp, "experts")
     ids = prompt(23, ours.config.vocab_size)

@@ -56,11 +56,7 @@ HALF_DTYPES = pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], 
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(autouse=True)
-def atb_kernel_set(monkeypatch):
-    """These tests exercise the ATB kernel set; the simulated A2 chip would default to the
-    fused-infer-attention set (tests/test_npu_fia_kernels.py covers that one)."""
-    monkeypatch.setenv("ATB_PLUGIN_NPU_KERNELS", "atb")
+pytestmark = pytest.mark.usefixtures("atb_kernel_set")
 
 
 @pytest.fixture

@@ -11,6 +11,7 @@ order), 5e-2 of the largest logit for the bfloat16 NPU path.
 
 from __future__ import annotations
 
+import functools
 
 import pytest
 import torch
@@ -18,24 +19,15 @@ import torch
 from atb_plugin import LLM, SamplingParams
 from atb_plugin.testing.sequence import SequenceRunner, check_simulated_npu
 from atb_plugin.testing.tiny import tiny_checkpoint
-from routers import get_router
+from tests.helpers import model_pair
 
 TOLERANCE = 1e-4
 NPU_TOL = 5e-2
 THINK_OFF = "<think>\n\n</think>\n\n"
 
 
-@pytest.fixture(autouse=True)
-def atb_kernel_set(monkeypatch):
-    monkeypatch.setenv("ATB_PLUGIN_NPU_KERNELS", "atb")
-
-
-def load_pair():
-    import transformers
-
-    path = tiny_checkpoint("qwen3")
-    reference = transformers.Qwen3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    return get_router(path).model_cls.from_pretrained(path), reference
+pytestmark = pytest.mark.usefixtures("atb_kernel_set")
+load_pair = functools.partial(model_pair, "qwen3")  # uncached: a test removes the model's norms
 
 
 def prompt(n: int, vocab: int, seed: int = 0) -> torch.Tensor:
@@ -156,12 +148,9 @@ def test_the_qwen3_reasoning_parser_reads_qwen3_output(llm):
 
 
 @pytest.fixture(scope="module")
-def server():
-    from tests.server_helpers import ServerProcess
-
-    server = ServerProcess(tiny_checkpoint("qwen3_moe"), "--reasoning-parser", "qwen3", "--max-model-len", "256")
-    yield server
-    assert server.stop() == 0, server.log()
+def server(serve):
+    with serve(tiny_checkpoint("qwen3_moe"), "--reasoning-parser", "qwen3", "--max-model-len", "256") as server:
+        yield server
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from atb_plugin.testing.tiny import tiny_checkpoint
 from tests.helpers import write_test_images
-from tests.server_helpers import ServerProcess, data_url
+from tests.server_helpers import data_url
 
 API_KEY = "test-key"
 MAX_IMAGE_BYTES = 200_000
@@ -68,16 +68,15 @@ def media(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(media):
+def server(serve, media):
     model = tiny_checkpoint("qwen2_vl")
     assert json.loads((model / "config.json").read_text())["max_position_embeddings"] >= MAX_MODEL_LEN
-    server = ServerProcess(model, "--allowed-local-media-path", str(media.allowed), "--limit-mm-per-prompt", "2",
-                           "--max-image-bytes", str(MAX_IMAGE_BYTES), "--max-image-pixels", str(MAX_IMAGE_PIXELS),
-                           "--max-request-pixels", str(MAX_REQUEST_PIXELS),
-                           "--max-request-body-bytes", str(MAX_BODY_BYTES), "--max-model-len", str(MAX_MODEL_LEN),
-                           api_key=API_KEY)
-    yield server
-    assert server.stop() == 0, server.log()
+    with serve(model, "--allowed-local-media-path", str(media.allowed), "--limit-mm-per-prompt", "2",
+               "--max-image-bytes", str(MAX_IMAGE_BYTES), "--max-image-pixels", str(MAX_IMAGE_PIXELS),
+               "--max-request-pixels", str(MAX_REQUEST_PIXELS),
+               "--max-request-body-bytes", str(MAX_BODY_BYTES), "--max-model-len", str(MAX_MODEL_LEN),
+               api_key=API_KEY) as server:
+        yield server
 
 
 def metrics(server) -> dict[str, float]:

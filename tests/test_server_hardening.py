@@ -38,11 +38,10 @@ TOOLS_WARNING = "--enable-auto-tool-choice is set but the chat template of"
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(serve):
     # The tiny qwen2's own template is Qwen2's ChatML, which ignores `tools`.
-    server = ServerProcess(tiny_checkpoint("qwen2"), "--served-model-name", NAME, *AUTO_TOOLS, api_key=KEY)
-    yield server
-    server.stop()
+    with serve(tiny_checkpoint("qwen2"), "--served-model-name", NAME, *AUTO_TOOLS, api_key=KEY) as server:
+        yield server
 
 
 def post_raw(server: ServerProcess, path: str, body: bytes, content_type: str | None) -> httpx.Response:

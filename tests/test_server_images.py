@@ -16,12 +16,11 @@ from tests.server_helpers import ServerProcess, data_url
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen_vl", "llava", "qwen2_vl/float32"])
-def family_server(request):
+def family_server(request, serve):
     family, _, wire = request.param.partition("/")
-    server = ServerProcess(tiny_checkpoint(family), *(["--mm-wire-dtype", wire] if wire else []))
-    server.wire_dtype = wire or "uint8"
-    yield family, server
-    assert server.stop() == 0, server.log()
+    with serve(tiny_checkpoint(family), *(["--mm-wire-dtype", wire] if wire else [])) as server:
+        server.wire_dtype = wire or "uint8"
+        yield family, server
 
 
 def image_message(url: str, text: str = "What is in this picture?") -> dict:

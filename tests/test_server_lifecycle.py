@@ -110,10 +110,10 @@ class StreamInThread:
 
 
 @pytest.fixture
-def server():
-    server = ServerProcess(tiny_checkpoint("qwen2_vl"))
-    yield server
-    server.stop()
+def server(serve):
+    # Each test checks the exit code itself (one kills the engine core: the service exits 1).
+    with serve(tiny_checkpoint("qwen2_vl"), check_exit=False) as server:
+        yield server
 
 
 def test_a_client_disconnect_mid_stream_aborts_the_request(server):
@@ -209,6 +209,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(server):
     assert segments_of(server) == []
 
 
+@pytest.mark.server
 def test_a_full_shm_budget_is_a_503_with_retry_after():
     server = ServerProcess(tiny_checkpoint("qwen2_vl"), "--shm-budget-bytes", "4096")
     try:
@@ -225,6 +226,7 @@ def test_a_full_shm_budget_is_a_503_with_retry_after():
     assert segments_of(server) == []
 
 
+@pytest.mark.server
 def test_a_full_queue_is_a_429_and_startup_reaps_a_dead_predecessors_segments():
     from tests.helpers import run_python
 
@@ -250,6 +252,7 @@ def test_a_full_queue_is_a_429_and_startup_reaps_a_dead_predecessors_segments():
         assert server.stop() == 0
 
 
+@pytest.mark.server
 def test_a_failed_start_exits_nonzero_and_leaves_no_process():
     """The engine core cannot start (its KV budget cannot hold one request): the service must
     exit by itself, non-zero, with its tokenizer worker gone (a worker left running used to keep

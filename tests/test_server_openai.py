@@ -8,16 +8,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from atb_plugin import LLM, SamplingParams
 from atb_plugin.testing.tiny import tiny_checkpoint
-from tests.server_helpers import ServerProcess
 
 MESSAGES = [{"role": "user", "content": "Tell me about the cat on the mat."}]
 
 
 @pytest.fixture(scope="module")
-def server():
-    server = ServerProcess(tiny_checkpoint("qwen2"), "--served-model-name", "tiny-qwen2")
-    yield server
-    assert server.stop() == 0, server.log()
+def server(serve):
+    with serve(tiny_checkpoint("qwen2"), "--served-model-name", "tiny-qwen2") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

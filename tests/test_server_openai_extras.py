@@ -36,12 +36,10 @@ TIME = {"type": "function", "function": {
 
 
 @pytest.fixture(scope="module")
-def server():
-    server = ServerProcess(tiny_checkpoint("qwen2_5"), "--served-model-name", MODEL, "--enable-auto-tool-choice",
-                           "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3",
-                           "--max-parallel-samples", "4")
-    yield server
-    assert server.stop() == 0, server.log()
+def server(serve):
+    with serve(tiny_checkpoint("qwen2_5"), "--served-model-name", MODEL, "--enable-auto-tool-choice",
+               "--tool-call-parser", "hermes", "--reasoning-parser", "qwen3", "--max-parallel-samples", "4") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -308,6 +306,7 @@ def test_bad_values_are_400_naming_the_field(server, body, message, param):
     assert message in error["message"] and error["param"] == param, error
 
 
+@pytest.mark.server
 def test_auto_tool_choice_needs_the_server_flags():
     plain = ServerProcess(tiny_checkpoint("qwen2_5"), "--served-model-name", MODEL)
     try:

@@ -35,7 +35,6 @@ from atb_plugin.frontend.input_processor import InputLimits, InputProcessor
 from atb_plugin.server.metrics import ServerMetrics
 from atb_plugin.server.pooling_api import pool_prompts, pooling_window, run_all, scores
 from atb_plugin.testing.tiny import tiny_checkpoint
-from tests.server_helpers import ServerProcess
 
 API_KEY = "pool-key"
 MINILM = "minilm"
@@ -50,26 +49,23 @@ TOL = 1e-5  # float32, the same code path in a different batch
 
 
 @pytest.fixture(scope="module")
-def minilm():
-    server = ServerProcess(embedding_model_dir(), "--served-model-name", MINILM,
-                           "--hf-overrides", json.dumps({"is_matryoshka": True}), api_key=API_KEY)
-    yield server
-    assert server.stop() == 0, server.log()
+def minilm(serve):
+    with serve(embedding_model_dir(), "--served-model-name", MINILM,
+               "--hf-overrides", json.dumps({"is_matryoshka": True}), api_key=API_KEY) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
-def cross_encoder():
-    server = ServerProcess(tiny_checkpoint("bert_cross_encoder"), "--served-model-name", "ce")
-    yield server
-    assert server.stop() == 0, server.log()
+def cross_encoder(serve):
+    with serve(tiny_checkpoint("bert_cross_encoder"), "--served-model-name", "ce") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
-def classifier():
-    server = ServerProcess(tiny_checkpoint("qwen2_seq_cls"), "--served-model-name", "cls",
-                           "--max-queued-requests", "4", "--max-pooling-inputs", "6")
-    yield server
-    assert server.stop() == 0, server.log()
+def classifier(serve):
+    with serve(tiny_checkpoint("qwen2_seq_cls"), "--served-model-name", "cls",
+               "--max-queued-requests", "4", "--max-pooling-inputs", "6") as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

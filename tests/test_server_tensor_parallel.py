@@ -17,7 +17,7 @@ import pytest
 
 from atb_plugin import LLM, SamplingParams
 from atb_plugin.testing.tiny import tiny_checkpoint
-from tests.server_helpers import ServerProcess, data_url
+from tests.server_helpers import data_url
 from tests.test_server_lifecycle import StreamInThread, segments_of, wait_until_gone, wait_until_group_gone
 
 pytestmark = pytest.mark.slow  # a real server with two rank processes
@@ -28,10 +28,10 @@ IMAGE = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url":
 
 
 @pytest.fixture(scope="module")
-def server():
-    server = ServerProcess(tiny_checkpoint("qwen2_vl"), "--tensor-parallel-size", "2")
-    yield server
-    server.stop()
+def server(serve):
+    # The module's last test kills a rank and checks the service's exit code (1) itself.
+    with serve(tiny_checkpoint("qwen2_vl"), "--tensor-parallel-size", "2", check_exit=False) as server:
+        yield server
 
 
 def test_tp2_answers_as_tp1_offline(server):

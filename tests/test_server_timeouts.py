@@ -34,11 +34,10 @@ def image_chat(text: str = "Describe it at length.") -> list[dict]:
 
 
 @pytest.fixture(scope="module")
-def server():
-    server = ServerProcess(tiny_checkpoint("qwen2_vl"), "--max-num-seqs", "1", "--token-timeout", "60",
-                           "--request-timeout", "60")
-    yield server
-    assert server.stop() == 0, server.log()
+def server(serve):
+    with serve(tiny_checkpoint("qwen2_vl"), "--max-num-seqs", "1", "--token-timeout", "60",
+               "--request-timeout", "60") as server:
+        yield server
 
 
 def metric(server: ServerProcess, name: str) -> float:

@@ -123,10 +123,9 @@ def mindie_config(pki, https: bool = True, **tls) -> str:
 # -- mutual TLS from a MindIE config -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def mtls_server(pki):
-    server = ServerProcess(MODEL, "--config", mindie_config(pki), api_key=KEY, client_tls=client_context(pki))
-    yield server
-    assert server.stop() == 0, server.log()
+def mtls_server(serve, pki):
+    with serve(MODEL, "--config", mindie_config(pki), api_key=KEY, client_tls=client_context(pki)) as server:
+        yield server
 
 
 def test_a_mindie_https_config_serves_mutual_tls_to_the_openai_client(mtls_server):

@@ -32,13 +32,12 @@ from atb_plugin.testing.videos import write_video
 from input_builders.media import MediaConfig
 from input_builders.video import decode_all_frames
 from routers import get_router
-from tests.helpers import write_test_images
+from tests.helpers import model_pair, write_test_images
 from tests.test_video import reference_indices, reference_nframes, reference_pixels, reference_size
 
 pytest.importorskip("av")
 
 FAMILIES = ["qwen2_vl", "qwen2_5_vl"]
-REFERENCE = {"qwen2_vl": "Qwen2VLForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
 TOLERANCE = 1e-4
 # 30 frames at 7 fps: 8 frames sampled (4 temporal patches), sample fps 1.87, second_per_grid_t 1.071:
 # Qwen2.5-VL's time positions 0, 2.14, 4.29, 6.43 truncate to 0, 2, 4, 6 (not a plain multiple).
@@ -46,19 +45,8 @@ VIDEO = dict(frames=30, fps=7, size=(64, 96), gop=6, seed=11)
 OPTIONS = {"max_pixels": 28 * 28 * 6, "min_pixels": 28 * 28 * 2}  # small frames: 56x84, 6 tokens a patch
 
 
-@functools.cache
-def load_pair(family):
-    import transformers
-
-    path = tiny_checkpoint(family)
-    ours = get_router(path).model_cls.from_pretrained(path)
-    reference = getattr(transformers, REFERENCE[family]).from_pretrained(path, dtype=torch.float32).eval()
-    return ours, reference
-
-
-@pytest.fixture(autouse=True)
-def atb_kernel_set(monkeypatch):
-    monkeypatch.setenv("ATB_PLUGIN_NPU_KERNELS", "atb")
+pytestmark = pytest.mark.usefixtures("atb_kernel_set")
+load_pair = functools.cache(model_pair)
 
 
 @pytest.fixture

@@ -16,7 +16,6 @@ from atb_plugin.testing.tiny import tiny_checkpoint
 from atb_plugin.testing.videos import video_bytes, write_video
 from input_builders.media import MediaConfig
 from shm.segment import list_segment_names
-from tests.server_helpers import ServerProcess
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("av")
@@ -37,12 +36,11 @@ def video_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(video_dir):
-    server = ServerProcess(tiny_checkpoint("qwen2_5_vl"), "--allowed-local-media-path", str(video_dir),
-                           "--max-video-seconds", str(MAX_SECONDS), "--max-video-frame-pixels", str(MAX_FRAME_PIXELS),
-                           "--limit-mm-per-prompt", "image=4,video=1")
-    yield server
-    assert server.stop() == 0, server.log()
+def server(serve, video_dir):
+    with serve(tiny_checkpoint("qwen2_5_vl"), "--allowed-local-media-path", str(video_dir),
+               "--max-video-seconds", str(MAX_SECONDS), "--max-video-frame-pixels", str(MAX_FRAME_PIXELS),
+               "--limit-mm-per-prompt", "image=4,video=1") as server:
+        yield server
 
 
 def message(url: str, text: str = "What happens in this clip?") -> dict:
