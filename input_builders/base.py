@@ -39,7 +39,7 @@ from input_builders.conversation import (
     parse_conversation,
     parse_prompt,
 )
-from input_builders.image import load_images, LoadedImage
+from input_builders.image import LoadedImage, load_images
 from input_builders.media_config import MediaConfig
 from input_builders.preprocess import ImagePreprocessor
 from shm import ShmHandle, ShmStore

@@ -122,7 +122,7 @@ class ByteCap:
     limit: int
 
     def __post_init__(self):
-        if not (not isinstance(self.limit, bool) and isinstance(self.limit, int) and self.limit > 0):
+        if isinstance(self.limit, bool) or not isinstance(self.limit, int) or self.limit <= 0:
             raise ValueError(f"the {self.kind} byte limit must be a positive integer, got {self.limit!r}")
 
     @property

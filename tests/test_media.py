@@ -1,4 +1,5 @@
-"""input_builders.image / sources / fetch / media_config: every source kind, every mode conversion, every refusal (type + message).
+"""input_builders.image / sources / fetch / media_config: every source kind, every mode conversion,
+every refusal (type + message).
 
 Offline: images are built with Pillow on the fly; http(s) is tested against a local server on
 127.0.0.1 only, and every foreign host is refused before any connection is attempted.
@@ -23,7 +24,7 @@ import pytest
 from PIL import Image, ImageFile
 
 from input_builders.fetch import _host_allowed, _read_capped
-from input_builders.image import load_image, LoadedImage
+from input_builders.image import LoadedImage, load_image
 from input_builders.media_config import MediaConfig
 from input_builders.media_errors import (
     MediaDecodeError,

@@ -304,9 +304,8 @@ def run_job(job_id: int, job: Job, processor, store, media: dict | None = None) 
     """One job on this worker's input processor. A failed job's segments are released."""
     import shm
     from input_builders import InputBuilderError
-    from input_builders.media_errors import MediaError
-
     from input_builders.fetch import prefetched
+    from input_builders.media_errors import MediaError
 
     request_id = getattr(job, "request_id", "")
     try:

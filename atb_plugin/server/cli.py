@@ -180,7 +180,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--allowed-media-domains", action="append", default=[], metavar="HOST",
         help="a host http(s) images may be fetched from (subdomains too); repeatable")
     limits = MediaLimits()  # the defaults, defined there once
-    add("--max-image-bytes", type=_size, default=limits.max_image_bytes, help="encoded bytes per image (data: URLs too)")
+    add("--max-image-bytes", type=_size, default=limits.max_image_bytes,
+        help="encoded bytes per image (data: URLs too)")
     add("--max-image-pixels", type=int, default=limits.max_image_pixels, help="decoded pixels per image")
     add("--max-request-pixels", type=int, default=None,
         help="decoded pixels of all images in one request together, checked from each image's header before "
