@@ -40,7 +40,7 @@ from transformers import WhisperFeatureExtractor  # noqa: E402
 from atb_plugin.testing import audio_signals as sig  # noqa: E402
 from input_builders.audio import _decode  # noqa: E402
 from input_builders.audio_features import WhisperFeatures  # noqa: E402
-from input_builders.media import MediaConfig  # noqa: E402
+from input_builders.media_config import MediaConfig  # noqa: E402
 
 HEADER = 128  # the segment header (docs/wire-format.md, section 2)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from atb_plugin.engine.config import EngineConfig
 from atb_plugin.frontend.tokenizer_pool import TokenizerPool, WorkerSettings
-from input_builders.media import MediaConfig
+from input_builders.media_config import MediaConfig
 
 import bench_image_frontend as frontend  # a sibling script: `python benchmarks/X.py` puts benchmarks/ on sys.path
 

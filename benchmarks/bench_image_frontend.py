@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from anywher
 from atb_plugin.engine.config import EngineConfig  # noqa: E402
 from atb_plugin.frontend.tokenizer_pool import ChatJob, StatsJob, TokenizerPool, WorkerSettings  # noqa: E402
 from atb_plugin.testing.tiny import tiny_checkpoint  # noqa: E402
-from input_builders.media import MediaConfig  # noqa: E402
+from input_builders.media_config import MediaConfig  # noqa: E402
 
 WIRES = ("uint8", "float32")
 

@@ -23,7 +23,7 @@ import time
 import numpy as np
 
 from atb_plugin.testing.videos import video_bytes
-from input_builders.media import MediaConfig
+from input_builders.media_config import MediaConfig
 from input_builders.preprocess import Qwen2VLPreprocessor
 from input_builders.video import decode_all_frames, load_video, resize_frames
 

@@ -1,7 +1,7 @@
 """Audio loading for the input builders: an audio reference from a request -> 16 kHz mono float32
 samples plus a digest, or a ``MediaError`` (HTTP 400) that says what is wrong and how to fix it.
 
-Sources (``input_builders.media.read_media_bytes``, the same policy as images: local files only
+Sources (``input_builders.sources.read_media_bytes``, the same policy as images: local files only
 under the allowed directories, http(s) only from allowed domains, data: URLs of type ``audio/...``,
 raw base64, bytes) and what each request spelling hands us:
 
@@ -34,8 +34,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from input_builders.media import (MediaConfig, MediaDecodeError, MediaError, MediaTooLargeError, knob, pyav,
-                                  read_media_bytes)
+from input_builders.media_config import MediaConfig, knob
+from input_builders.media_errors import MediaDecodeError, MediaError, MediaTooLargeError
+from input_builders.pyav import pyav
+from input_builders.sources import read_media_bytes
 
 __all__ = ["AUDIO_FORMATS", "AudioRef", "LoadedAudio", "SAMPLE_RATE", "load_audio", "load_audios"]
 
@@ -76,11 +78,11 @@ def load_audio(ref, config: MediaConfig) -> LoadedAudio:
     if declared is not None and declared not in AUDIO_FORMATS:
         raise MediaDecodeError(f"input_audio format {declared!r} is not supported; use one of "
                                f"{', '.join(AUDIO_FORMATS)}")
-    data, source = read_media_bytes(raw, config, kind="audio", max_bytes=config.max_audio_bytes)
+    data, source = read_media_bytes(raw, config, kind="audio", max_bytes=config.limits.max_audio_bytes)
     if not data:
         raise MediaDecodeError(f"audio ({source}) is empty; send the audio file's contents")
     digest = hashlib.sha256(data).hexdigest()
-    key = (digest, config.max_audio_seconds)  # the duration was checked under this limit
+    key = (digest, config.limits.max_audio_seconds)  # the duration was checked under this limit
     known = _recently_decoded.get(key)
     if known is None:
         known = _decode(data, source, declared, config)
@@ -121,7 +123,7 @@ def _decode_container(container, source: str, declared: str | None, config: Medi
     _check_declared(name, declared, source)
     if not container.streams.audio:
         raise MediaDecodeError(f"audio ({source}) has no audio stream; send an audio file")
-    limit, max_samples = config.max_audio_seconds, int(config.max_audio_seconds * SAMPLE_RATE)
+    limit, max_samples = config.limits.max_audio_seconds, int(config.limits.max_audio_seconds * SAMPLE_RATE)
     if container.duration is not None and container.duration / av.time_base > limit + 1:
         raise _too_long(source, container.duration / av.time_base, config)
     stream = container.streams.audio[0]
@@ -168,7 +170,7 @@ def _is_cover_art(stream) -> bool:
 
 
 def _too_long(source: str, seconds: float | None, config: MediaConfig) -> MediaTooLargeError:
-    limit = config.max_audio_seconds
+    limit = config.limits.max_audio_seconds
     length = f"{seconds:.1f} s long" if seconds is not None else f"longer than {limit:g} s"
     return MediaTooLargeError(f"audio ({source}) is {length}; the limit is {limit:g} s per clip "
                               f"({knob(config, 'max_audio_seconds')}); send a shorter clip or split it")

@@ -39,7 +39,8 @@ from input_builders.conversation import (
     parse_conversation,
     parse_prompt,
 )
-from input_builders.media import LoadedImage, MediaConfig, load_images
+from input_builders.image import LoadedImage, load_images
+from input_builders.media_config import MediaConfig
 from input_builders.preprocess import ImagePreprocessor
 from shm import ShmHandle, ShmStore
 
@@ -69,8 +70,8 @@ class InputBuilder:
       message names the limit and how to fix the input.
 
     Text-only families use this class as is. Multimodal families set ``model_type`` (whose model
-    class declares how many images a prompt may carry), are given ``image_token_id`` (the anchor,
-    from the model config) and an ``ImagePreprocessor``, and implement ``num_media_tokens`` and
+    class declares how many items of its modality a prompt may carry), are given ``media_token_id``
+    (the anchor of that modality: the image token, or the audio token; from the model config) and an ``ImagePreprocessor``, and implement ``num_media_tokens`` and
     ``media_block`` (and ``grid_thw`` where blocks vary). ``max_images_per_prompt`` (the engine's
     ``limit_mm_per_prompt``) may lower the family's limit, not raise it.
     """
@@ -88,7 +89,7 @@ class InputBuilder:
         media_config: MediaConfig | None = None,
         max_length: int | None = None,
         max_images_per_prompt: int | None = None,
-        image_token_id: int | None = None,
+        media_token_id: int | None = None,
     ):
         self.tokenizer = tokenizer
         self._store = store  # a callable: text-only use never creates a store
@@ -96,6 +97,8 @@ class InputBuilder:
         self.media_config = media_config or MediaConfig()
         self.max_length = max_length
         family_limit = self.family_max_images()
+        if max_images_per_prompt is None:  # the media config's limit, if any (None: the family's)
+            max_images_per_prompt = self.media_config.limits.limit_mm_per_prompt
         if max_images_per_prompt is not None:
             if not 0 <= max_images_per_prompt <= family_limit:
                 raise ValueError(f"max_images_per_prompt = {max_images_per_prompt}: {type(self).__name__} takes "
@@ -103,11 +106,12 @@ class InputBuilder:
             self.max_images_per_prompt = max_images_per_prompt
         else:
             self.max_images_per_prompt = family_limit
-        # The anchor: the one token the template renders per image (from the model config).
-        self.image_anchor_id = image_token_id
-        self.image_anchor = None if image_token_id is None else tokenizer.convert_ids_to_tokens(image_token_id)
-        if self.max_images_per_prompt and image_token_id is None:
-            raise ValueError(f"{type(self).__name__} takes images but got no image_token_id")
+        # The anchor: the one token the template renders per item of the family's own modality
+        # (an image, an audio clip; from the model config).
+        self.media_anchor_id = media_token_id
+        self.media_anchor = None if media_token_id is None else tokenizer.convert_ids_to_tokens(media_token_id)
+        if self.max_images_per_prompt and media_token_id is None:
+            raise ValueError(f"{type(self).__name__} takes media but got no media_token_id")
 
     @classmethod
     def family_max_images(cls) -> int:
@@ -130,7 +134,7 @@ class InputBuilder:
         ``chat_template_kwargs`` (extra variables for the template, e.g. ``enable_thinking``),
         ``tools`` (OpenAI's list of ``{"type": "function", "function": {...}}``, given to the
         template as ``tools``; a template that does not use them renders without them, as in
-        transformers).
+        transformers), ``mm_processor_kwargs`` (handed to ``_load_media``: video sampling overrides).
 
         With ``adapt_to_max_length`` the oldest turns are dropped (the system prompt stays) until
         the prompt fits ``max_length``; if the last user turn alone is too long the call raises
@@ -148,7 +152,8 @@ class InputBuilder:
             # A template variable like any other (so the history window renders with it too); the
             # explicit argument wins over a "tools" key in chat_template_kwargs.
             template_kwargs = {**template_kwargs, "tools": list(tools)}
-        images = self._load_images(self.media_parts(part for message in messages for part in message.parts))
+        images = self._load_media(self.media_parts(part for message in messages for part in message.parts),
+                                  kwargs.get("mm_processor_kwargs"))
         max_length = kwargs.get("max_length", self.max_length)
         if adapt_to_max_length and max_length is None:
             raise ValueError("adapt_to_max_length needs max_length (from the model config or the call)")
@@ -171,16 +176,16 @@ class InputBuilder:
     def tokenize(self, inputs, **kwargs) -> list[int]:
         """A string, or MindIE's list of ``{"text": ...}`` / ``{"image": ...}`` items, in order."""
         parts = parse_prompt(inputs)
-        images = self._load_images(self.media_parts(parts))
+        images = self._load_media(self.media_parts(parts), kwargs.get("mm_processor_kwargs"))
         text = self._prompt_text(parts)
         ids = self.tokenizer(text, add_special_tokens=kwargs.get("add_special_tokens", True))["input_ids"]
         return self._with_media(list(ids), images, kwargs.get("request_id"))
 
     # -- family hooks ----------------------------------------------------------------------------
 
-    def image_prompt_text(self, index: int) -> str:
+    def media_prompt_text(self, index: int) -> str:
         """How image ``index`` (0-based) appears in a non-chat prompt; defaults to the anchor."""
-        return self.image_anchor
+        return self.media_anchor
 
     def template_message(self, message: Message) -> dict:
         """A message as the chat template expects it: role and content, an assistant's
@@ -249,20 +254,20 @@ class InputBuilder:
 
     def part_prompt_text(self, part, index: int) -> str:
         """How media part ``index`` (0-based, all kinds counted) appears in a non-chat prompt."""
-        return self.image_prompt_text(index)
+        return self.media_prompt_text(index)
 
     def anchor_id(self, item) -> int:
-        """The anchor token a loaded media item (what ``_load_images`` returned) replaces."""
-        return self.image_anchor_id
+        """The anchor token a loaded media item (what ``_load_media`` returned) replaces."""
+        return self.media_anchor_id
 
     def anchor_ids(self) -> frozenset:
         """Every anchor token of this family (an image family: just the image's)."""
-        return frozenset({self.image_anchor_id})
+        return frozenset({self.media_anchor_id})
 
     def media_parts(self, parts) -> list:
         """The media parts of ``parts`` in order, all of this family's kind (``media_part_type``):
         a part of another kind (audio to an image or text model, an image to an audio model) is
-        refused here, naming it; how many of its own kind it takes is ``_load_images``' check."""
+        refused here, naming it; how many of its own kind it takes is ``_load_media``' check."""
         found = []
         for part in parts:
             if isinstance(part, TextPart):
@@ -275,7 +280,9 @@ class InputBuilder:
             found.append(part)
         return found
 
-    def _load_images(self, parts: list[ImagePart]) -> list[LoadedImage]:
+    def _load_media(self, parts: list[ImagePart], mm_processor_kwargs=None) -> list[LoadedImage]:
+        """The loaded media of ``parts`` (this family's kind), in order. ``mm_processor_kwargs``:
+        the request's processing overrides (vLLM's), for a family whose media take any (video)."""
         if parts and not self.max_images_per_prompt:
             raise UnsupportedContentError(
                 f"{type(self).__name__} serves a text-only model: the prompt has {len(parts)} image(s); "
@@ -329,7 +336,7 @@ class InputBuilder:
         anchors = [i for i, token in enumerate(ids) if token in anchor_ids]
         if len(anchors) != len(images) or any(ids[i] != self.anchor_id(item) for i, item in zip(anchors, images)):
             raise InputBuilderError(
-                f"found {len(anchors)} image placeholders ({self.image_anchor!r}) for {len(images)} images: "
+                f"found {len(anchors)} image placeholders ({self.media_anchor!r}) for {len(images)} images: "
                 "the text must not contain the image token itself"
             )
         with self._leases_released_on_error(request_id) as store:

@@ -28,7 +28,7 @@ ROLES = ("system", "user", "assistant", "tool")
 
 
 class InputBuilderError(ValueError):
-    """Base of the input builders' own errors (media errors come from ``input_builders.media``)."""
+    """Base of the input builders' own errors (media errors come from ``input_builders.media_errors``)."""
 
 
 class ConversationError(InputBuilderError):
@@ -39,8 +39,20 @@ class UnsupportedContentError(InputBuilderError):
     """The content is well-formed but this model family cannot take it (images on a text model, video...)."""
 
 
-class TooManyImagesError(InputBuilderError):
+class TooManyMediaError(InputBuilderError):
+    """More media items of one kind in a prompt than the family's (or the server's) limit for it."""
+
+
+class TooManyImagesError(TooManyMediaError):
     """More images in one prompt than the family's limit."""
+
+
+class TooManyVideosError(TooManyMediaError):
+    """More videos in one prompt than the family's (or the server's) limit."""
+
+
+class TooManyAudiosError(TooManyMediaError):
+    """More audio clips in one prompt than the family's limit (``--limit-mm-per-prompt audio=N``)."""
 
 
 class ContextTooLongError(InputBuilderError):

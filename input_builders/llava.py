@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from atb_plugin.multimodal.wire import LLAVA_BLOCK
 from input_builders.base import InputBuilder, PreparedImage
-from input_builders.media import LoadedImage
+from input_builders.image import LoadedImage
 from input_builders.preprocess import ClipPreprocessor
 
 
@@ -23,12 +23,12 @@ class LlavaInputBuilder(InputBuilder):
         # "default" drops the CLS feature, "full" keeps it.
         self.tokens_per_image = (image_size // patch_size) ** 2 + (feature_select_strategy == "full")
 
-    def image_prompt_text(self, index: int) -> str:
-        return f"{self.image_anchor}\n"
+    def media_prompt_text(self, index: int) -> str:
+        return f"{self.media_anchor}\n"
 
     def num_media_tokens(self, image: LoadedImage) -> int:
         return self.tokens_per_image
 
     def media_block(self, image: PreparedImage) -> list[int]:
         metadata = [image.handle.name_value, image.handle.shape_value]
-        return metadata + [self.image_anchor_id] * (image.num_tokens - LLAVA_BLOCK.metadata_slots)
+        return metadata + [self.media_anchor_id] * (image.num_tokens - LLAVA_BLOCK.metadata_slots)

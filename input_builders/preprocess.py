@@ -48,6 +48,7 @@ import numpy as np
 import PIL
 from PIL import Image
 
+from atb_plugin.multimodal.budgets import IMAGE_MAX_PIXELS, IMAGE_MIN_PIXELS, MAX_ASPECT_RATIO
 from atb_plugin.multimodal.wire import (
     DEFAULT_WIRE_DTYPE,
     OPENAI_CLIP_MEAN,
@@ -75,8 +76,8 @@ __all__ = [
 # (the shm dedup key) of an older build never match arrays of a newer one.
 _ALGORITHM_VERSION = 1
 
-# The aspect-ratio limit of transformers' smart_resize (and of Qwen2-VL's vision tower).
-MAX_ASPECT_RATIO = 200
+# The aspect-ratio limit of transformers' smart_resize (and of Qwen2-VL's vision tower),
+# MAX_ASPECT_RATIO, and the image pixel budgets are Qwen2-VL's (atb_plugin.multimodal.budgets).
 
 _BICUBIC = Image.Resampling.BICUBIC
 
@@ -274,8 +275,8 @@ class Qwen2VLPreprocessor(ImagePreprocessor):
 
     family: ClassVar[str] = "qwen2_vl"
 
-    min_pixels: int = 56 * 56
-    max_pixels: int = 28 * 28 * 1280
+    min_pixels: int = IMAGE_MIN_PIXELS
+    max_pixels: int = IMAGE_MAX_PIXELS
     patch_size: int = 14
     temporal_patch_size: int = 2
     merge_size: int = 2
@@ -461,8 +462,8 @@ def smart_resize(
     height: int,
     width: int,
     factor: int = 28,
-    min_pixels: int = 56 * 56,
-    max_pixels: int = 28 * 28 * 1280,
+    min_pixels: int = IMAGE_MIN_PIXELS,
+    max_pixels: int = IMAGE_MAX_PIXELS,
 ) -> tuple[int, int]:
     """``(height, width)`` rounded to multiples of ``factor``, scaled into
     ``[min_pixels, max_pixels]`` keeping the aspect ratio as well as the rounding allows.

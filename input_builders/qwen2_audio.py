@@ -24,16 +24,12 @@ from input_builders.conversation import (
     InputBuilderError,
     Message,
     TextPart,
-    TooManyImagesError,
+    TooManyAudiosError,
     UnsupportedContentError,
 )
 from shm import ShmHandle, ShmStore, encode_shape_to_int64
 
 METADATA_SLOTS = QWEN2_AUDIO_BLOCK.metadata_slots  # NAME, SHAPE, FRAMES
-
-
-class TooManyAudiosError(TooManyImagesError):
-    """More clips in one prompt than the family's limit (``--limit-mm-per-prompt audio=N``)."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +51,7 @@ class Qwen2AudioInputBuilder(InputBuilder):
     media_part_type = AudioPart
 
     def __init__(self, tokenizer, *, audio_token_id: int, features: WhisperFeatures, **kwargs):
-        super().__init__(tokenizer, image_token_id=audio_token_id, **kwargs)
+        super().__init__(tokenizer, media_token_id=audio_token_id, **kwargs)
         self.features = features  # bytes and seconds per clip: self.media_config (max_audio_*)
         self.audio_bos, self.audio_eos = "<|audio_bos|>", "<|audio_eos|>"
         # The shortest window that still gives a block: its metadata slots need n >= 3.
@@ -64,15 +60,15 @@ class Qwen2AudioInputBuilder(InputBuilder):
 
     # -- family hooks ----------------------------------------------------------------------------
 
-    def image_prompt_text(self, index: int) -> str:
-        return f"Audio {index + 1}: {self.audio_bos}{self.image_anchor}{self.audio_eos}\n"
+    def media_prompt_text(self, index: int) -> str:
+        return f"Audio {index + 1}: {self.audio_bos}{self.media_anchor}{self.audio_eos}\n"
 
     def template_content(self, message: Message):
         # The template tests `'audio' in content`: the part needs an "audio" key, not just a type.
         return [{"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": "audio", "audio": ""}
                 for part in message.parts]
 
-    def _load_images(self, parts: list[AudioPart]) -> list[LoadedAudio]:
+    def _load_media(self, parts: list[AudioPart], mm_processor_kwargs=None) -> list[LoadedAudio]:
         if parts and not self.max_images_per_prompt:
             raise UnsupportedContentError("this server takes no audio (--limit-mm-per-prompt audio=0); "
                                           "remove the audio parts")
@@ -119,5 +115,5 @@ class Qwen2AudioInputBuilder(InputBuilder):
         ids = []
         for window in clip.windows:
             ids += [window.handle.name_value, window.handle.shape_value, encode_shape_to_int64((window.num_frames,))]
-            ids += [self.image_anchor_id] * (window.num_tokens - METADATA_SLOTS)
+            ids += [self.media_anchor_id] * (window.num_tokens - METADATA_SLOTS)
         return ids

@@ -13,30 +13,25 @@ replaces all n slots with the merged patch features. See docs/wire-format.md.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from atb_plugin.multimodal.wire import QWEN2_VL_BLOCK, QWEN2_VL_VIDEO_BLOCK, encode_second_per_grid_t
 from input_builders.base import InputBuilder, PreparedImage
-from input_builders.conversation import ImagePart, InputBuilderError, UnsupportedContentError, VideoPart
-from input_builders.media import pyav
+from input_builders.conversation import (
+    ImagePart,
+    InputBuilderError,
+    TooManyVideosError,
+    UnsupportedContentError,
+    VideoPart,
+)
 from input_builders.preprocess import Qwen2VLPreprocessor
+from input_builders.pyav import pyav
 from input_builders.video import LoadedVideo, VideoOptionError, VideoSampling, load_video
 from shm import ShmHandle, ShmStore, encode_shape_to_int64
 
 METADATA_SLOTS = QWEN2_VL_BLOCK.metadata_slots  # NAME, SHAPE, THW
 VIDEO_METADATA_SLOTS = QWEN2_VL_VIDEO_BLOCK.metadata_slots  # NAME, SHAPE, THW, SPG
-
-# The request's sampling overrides (vLLM's mm_processor_kwargs) while one make_context / tokenize
-# call runs: a context variable, so concurrent calls on other threads never see each other's.
-_REQUEST_VIDEO_OPTIONS: contextvars.ContextVar[Mapping] = contextvars.ContextVar("video_options", default={})
-
-
-class TooManyVideosError(InputBuilderError):
-    """More videos in one prompt than the family's (or the server's) limit."""
-
 
 @dataclass(frozen=True)
 class PreparedVideo:
@@ -59,9 +54,9 @@ class Qwen2VlInputBuilder(InputBuilder):
         self.vision_start = tokenizer.convert_ids_to_tokens(vision_start_token_id)
         self.vision_end = tokenizer.convert_ids_to_tokens(vision_end_token_id)
         family_videos = self.family_max_videos() if video_token_id is not None else 0
-        limit = self.media_config.max_videos_per_prompt
+        limit = self.media_config.limits.limit_videos_per_prompt
         if limit is not None and limit > family_videos:
-            raise ValueError(f"max_videos_per_prompt = {limit} (--limit-mm-per-prompt video=N): this model takes at "
+            raise ValueError(f"limit_videos_per_prompt = {limit} (--limit-mm-per-prompt video=N): this model takes at "
                              f"most {family_videos} videos per prompt; set it to {family_videos} or less")
         self.max_videos_per_prompt = family_videos if limit is None else limit
         self.video_anchor_id = video_token_id
@@ -77,35 +72,15 @@ class Qwen2VlInputBuilder(InputBuilder):
 
         return supported_mm_limit(registry.import_model_class(registry.MODEL_CLASSES[cls.model_type]), "video")
 
-    # -- the request's video options ---------------------------------------------------------------
-
-    def make_context(self, rank: int, conversation, add_generation_prompt: bool = True,
-                     adapt_to_max_length: bool = False, **kwargs) -> list[int]:
-        """``InputBuilder.make_context``; ``mm_processor_kwargs`` (a dict) overrides the video
-        sampling of every video of the request (a video part's own keys win over it)."""
-        with self._video_options(kwargs.get("mm_processor_kwargs")):
-            return super().make_context(rank, conversation, add_generation_prompt, adapt_to_max_length, **kwargs)
-
-    def tokenize(self, inputs, **kwargs) -> list[int]:
-        with self._video_options(kwargs.get("mm_processor_kwargs")):
-            return super().tokenize(inputs, **kwargs)
-
-    @staticmethod
-    @contextlib.contextmanager
-    def _video_options(options) -> Iterator[None]:
-        if options is not None and not isinstance(options, Mapping):
-            raise VideoOptionError(f"mm_processor_kwargs must be an object, got {type(options).__name__}")
-        token = _REQUEST_VIDEO_OPTIONS.set(dict(options or {}))
-        try:
-            yield
-        finally:
-            _REQUEST_VIDEO_OPTIONS.reset(token)
-
     # -- loading -----------------------------------------------------------------------------------
 
-    def _load_images(self, parts: list) -> list:
-        """Images (``InputBuilder._load_images``: the pixel budget) and videos (probed and planned,
-        not decoded: ``input_builders.video``), in prompt order."""
+    def _load_media(self, parts: list, mm_processor_kwargs=None) -> list:
+        """Images (``InputBuilder._load_media``: the pixel budget) and videos (probed and planned,
+        not decoded: ``input_builders.video``), in prompt order. ``mm_processor_kwargs`` (a dict)
+        overrides the sampling of every video of the request; a video part's own keys win over it."""
+        if mm_processor_kwargs is not None and not isinstance(mm_processor_kwargs, Mapping):
+            raise VideoOptionError(f"mm_processor_kwargs must be an object, got {type(mm_processor_kwargs).__name__}")
+        request = dict(mm_processor_kwargs or {})
         videos = [part for part in parts if isinstance(part, VideoPart)]
         if videos and not self.max_videos_per_prompt:
             raise UnsupportedContentError(
@@ -114,27 +89,26 @@ class Qwen2VlInputBuilder(InputBuilder):
         if len(videos) > self.max_videos_per_prompt:
             raise TooManyVideosError(f"the prompt has {len(videos)} videos; this model takes at most "
                                      f"{self.max_videos_per_prompt} per prompt (--limit-mm-per-prompt video=N)")
-        images = iter(super()._load_images([part for part in parts if not isinstance(part, VideoPart)]))
-        request = _REQUEST_VIDEO_OPTIONS.get()
+        images = iter(super()._load_media([part for part in parts if not isinstance(part, VideoPart)]))
         loaded = iter([load_video(part.ref, self.media_config, self.video_sampling, {**request, **dict(part.options)})
                        for part in videos])
         return [next(loaded) if isinstance(part, VideoPart) else next(images) for part in parts]
 
     # -- family hooks ----------------------------------------------------------------------------
 
-    def image_prompt_text(self, index: int) -> str:
-        return f"{self.vision_start}{self.image_anchor}{self.vision_end}"
+    def media_prompt_text(self, index: int) -> str:
+        return f"{self.vision_start}{self.media_anchor}{self.vision_end}"
 
     def part_prompt_text(self, part, index: int) -> str:
         if isinstance(part, VideoPart):
             return f"{self.vision_start}{self.video_anchor}{self.vision_end}"
-        return self.image_prompt_text(index)
+        return self.media_prompt_text(index)
 
     def anchor_id(self, item) -> int:
-        return self.video_anchor_id if isinstance(item, LoadedVideo) else self.image_anchor_id
+        return self.video_anchor_id if isinstance(item, LoadedVideo) else self.media_anchor_id
 
     def anchor_ids(self) -> frozenset:
-        return frozenset(a for a in (self.image_anchor_id, self.video_anchor_id) if a is not None)
+        return frozenset(a for a in (self.media_anchor_id, self.video_anchor_id) if a is not None)
 
     def grid_thw(self, item) -> tuple[int, int, int]:
         # Known from the image size, or the video's stream header and plan alone, so a reused
@@ -181,7 +155,7 @@ class Qwen2VlInputBuilder(InputBuilder):
         if isinstance(item, PreparedVideo):
             metadata.append(encode_second_per_grid_t(item.second_per_grid_t))
             return metadata + [self.video_anchor_id] * (item.num_tokens - VIDEO_METADATA_SLOTS)
-        return metadata + [self.image_anchor_id] * (item.num_tokens - METADATA_SLOTS)
+        return metadata + [self.media_anchor_id] * (item.num_tokens - METADATA_SLOTS)
 
 
-__all__ = ["PreparedVideo", "Qwen2VlInputBuilder", "TooManyVideosError"]
+__all__ = ["PreparedVideo", "Qwen2VlInputBuilder"]

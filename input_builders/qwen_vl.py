@@ -13,7 +13,7 @@ from __future__ import annotations
 from atb_plugin.multimodal.wire import QWEN_VL_BLOCK
 from input_builders.base import InputBuilder, PreparedImage
 from input_builders.conversation import ImagePart, Message, TextPart
-from input_builders.media import LoadedImage
+from input_builders.image import LoadedImage
 from input_builders.preprocess import QwenVLPreprocessor
 
 NUM_QUERIES = QWEN_VL_BLOCK.tokens_per_block  # resampler queries: slots between <img> and </img>
@@ -25,13 +25,13 @@ class QwenVlInputBuilder(InputBuilder):
 
     def __init__(self, tokenizer, *, image_start_id: int, preprocessor: QwenVLPreprocessor,
                  system_prompt: str = DEFAULT_SYSTEM, **kwargs):
-        super().__init__(tokenizer, image_token_id=image_start_id, preprocessor=preprocessor, **kwargs)
+        super().__init__(tokenizer, media_token_id=image_start_id, preprocessor=preprocessor, **kwargs)
         self.image_end = tokenizer.convert_ids_to_tokens(image_start_id + 1)
         self.image_pad_id = image_start_id + 2
         self.system_prompt = system_prompt
 
-    def image_prompt_text(self, index: int) -> str:
-        return f"Picture {index + 1}: {self.image_anchor}{self.image_end}\n"
+    def media_prompt_text(self, index: int) -> str:
+        return f"Picture {index + 1}: {self.media_anchor}{self.image_end}\n"
 
     def render_text(self, messages: list[Message], add_generation_prompt: bool, template_kwargs=None) -> str:
         # Qwen-VL's make_context: ChatML and a default system prompt; its from_list_format numbers
@@ -43,7 +43,7 @@ class QwenVlInputBuilder(InputBuilder):
             body, image_index = [], 0
             for part in message.parts:
                 if isinstance(part, ImagePart):
-                    body.append(self.image_prompt_text(image_index))
+                    body.append(self.media_prompt_text(image_index))
                     image_index += 1
                 else:
                     body.append(part.text)
@@ -56,4 +56,4 @@ class QwenVlInputBuilder(InputBuilder):
 
     def media_block(self, image: PreparedImage) -> list[int]:
         metadata = [image.handle.name_value, image.handle.shape_value]
-        return [self.image_anchor_id] + metadata + [self.image_pad_id] * (NUM_QUERIES - len(metadata))
+        return [self.media_anchor_id] + metadata + [self.image_pad_id] * (NUM_QUERIES - len(metadata))

@@ -18,5 +18,5 @@ class BertInputBuilder(InputBuilder):
     def make_context(self, rank: int, conversation, add_generation_prompt: bool = True,
                      adapt_to_max_length: bool = False, **kwargs) -> list[int]:
         messages = parse_conversation(conversation)
-        self._load_images(self.media_parts(part for message in messages for part in message.parts))  # refuses any
+        self._load_media(self.media_parts(part for message in messages for part in message.parts))  # refuses any
         return self.tokenize("\n".join(message.text for message in messages), **kwargs)

@@ -10,7 +10,8 @@
         what is decoded already, decode forward to it, resize it (Pillow bicubic)──► (t, 3, H, W)
 
 Qwen's sampling rules are qwen-vl-utils' (``smart_nframes`` and ``fetch_video``), the reference
-the Qwen2-VL / Qwen2.5-VL model cards point to:
+the Qwen2-VL / Qwen2.5-VL model cards point to, with its budgets (atb_plugin.multimodal.budgets,
+which the model's start-up memory profile reads too):
 
 * frames: ``total / video_fps * fps`` (fps 2.0), clamped to ``[min_frames, min(max_frames, total)]``
   (4 and 768), floored to an even count (the temporal patch is 2 frames); or a fixed ``nframes``
@@ -25,7 +26,7 @@ the Qwen2-VL / Qwen2.5-VL model cards point to:
 A request may override ``fps``, ``nframes``, ``min_frames``, ``max_frames``, ``min_pixels``,
 ``max_pixels`` and ``total_pixels`` (vLLM's ``mm_processor_kwargs``, or keys of the video part
 itself as in qwen-vl-utils), each bounded (``VideoSampling.with_options``): never more frames
-than ``MediaConfig.max_video_frames``, never a larger pixel budget than the defaults.
+than ``MediaLimits.max_video_frames``, never a larger pixel budget than the defaults.
 
 Frames are resized with Pillow's bicubic, the same call as images (transformers'
 ``Qwen2VLImageProcessorPil``; its torch video processor needs torchvision, which this project does
@@ -46,16 +47,19 @@ from fractions import Fraction
 import numpy as np
 from PIL import Image
 
-from input_builders.media import (
-    MediaConfig,
-    MediaDecodeError,
-    MediaError,
-    MediaTooLargeError,
-    knob,
-    pyav,
-    read_media_bytes,
+from atb_plugin.multimodal.budgets import (
+    VIDEO_FPS,
+    VIDEO_MAX_FRAMES,
+    VIDEO_MAX_PIXELS,
+    VIDEO_MIN_FRAMES,
+    VIDEO_MIN_PIXELS,
+    VIDEO_TOTAL_PIXELS,
 )
+from input_builders.media_config import MediaConfig, knob
+from input_builders.media_errors import MediaDecodeError, MediaError, MediaTooLargeError
 from input_builders.preprocess import smart_resize
+from input_builders.pyav import pyav
+from input_builders.sources import read_media_bytes
 
 __all__ = [
     "DecodedFrames",
@@ -70,15 +74,8 @@ __all__ = [
     "probe_video",
 ]
 
-# qwen-vl-utils' constants (vision_process.py).
-FPS = 2.0
-FPS_MIN_FRAMES = 4
-FPS_MAX_FRAMES = 768
 FRAME_FACTOR = 2  # the temporal patch: frames come in pairs
 IMAGE_FACTOR = 28  # patch 14 x merge 2
-VIDEO_MIN_PIXELS = 128 * 28 * 28
-VIDEO_MAX_PIXELS = 768 * 28 * 28
-VIDEO_TOTAL_PIXELS = int(128000 * 28 * 28 * 0.9)
 # The most frames per second a request may ask for: above the frame rate of nearly every video
 # (the count is clamped to the frames there are anyway), and 768 frames bound the cost.
 MAX_REQUEST_FPS = 60.0
@@ -123,10 +120,10 @@ class VideoSampling:
     """Qwen's video sampling rule and its parameters (module docstring). ``nframes`` set: that
     many frames instead of ``fps``. Every field takes part in the shm dedup key."""
 
-    fps: float = FPS
+    fps: float = VIDEO_FPS
     nframes: int | None = None
-    min_frames: int = FPS_MIN_FRAMES
-    max_frames: int = FPS_MAX_FRAMES
+    min_frames: int = VIDEO_MIN_FRAMES
+    max_frames: int = VIDEO_MAX_FRAMES
     min_pixels: int = VIDEO_MIN_PIXELS
     max_pixels: int = VIDEO_MAX_PIXELS
     total_pixels: int = VIDEO_TOTAL_PIXELS
@@ -153,7 +150,7 @@ class VideoSampling:
 
     def with_options(self, options: Mapping, config: MediaConfig) -> VideoSampling:
         """These parameters with a request's ``options`` applied, each checked and bounded: frames at
-        most ``config.max_video_frames``, pixel budgets at most the defaults' (a request can make a
+        most ``config.limits.max_video_frames``, pixel budgets at most the defaults' (a request can make a
         video cheaper, never dearer than the server allows)."""
         options = dict(options or {})
         unknown = sorted(set(options) - set(self.OPTIONS))
@@ -163,7 +160,7 @@ class VideoSampling:
         if "fps" in options and "nframes" in options:
             raise VideoOptionError("video options fps and nframes exclude each other: give one")
         changed = replace(self, **options)
-        frames_cap = config.max_video_frames
+        frames_cap = config.limits.max_video_frames
         for name in ("nframes", "min_frames"):
             value = getattr(changed, name)
             if value is not None and value > frames_cap:
@@ -288,10 +285,10 @@ def probe_video(data: bytes, source: str, config: MediaConfig) -> VideoStream:
         if width <= 0 or height <= 0:
             raise MediaDecodeError(f"{source}: its video stream has no frame size ({width}x{height}); the file is "
                                    "truncated or corrupt")
-        if width * height > config.max_video_frame_pixels:
+        if width * height > config.limits.max_video_frame_pixels:
             raise MediaTooLargeError(
                 f"video ({source}) has {width}x{height} = {width * height}-pixel frames; the limit is "
-                f"{config.max_video_frame_pixels} ({knob(config, 'max_video_frame_pixels')}); send a smaller video")
+                f"{config.limits.max_video_frame_pixels} ({knob(config, 'max_video_frame_pixels')}); send a smaller video")
         duration = _header_duration(container, stream)
         _check_duration(duration, source, config)
         pts, keys = [], []
@@ -332,9 +329,9 @@ def _header_duration(container, stream) -> float | None:
 
 
 def _check_duration(duration: float | None, source: str, config: MediaConfig) -> None:
-    if duration is not None and duration > config.max_video_seconds:
+    if duration is not None and duration > config.limits.max_video_seconds:
         raise MediaTooLargeError(
-            f"video ({source}) is {duration:.1f} s long; the limit is {config.max_video_seconds:g} s "
+            f"video ({source}) is {duration:.1f} s long; the limit is {config.limits.max_video_seconds:g} s "
             f"({knob(config, 'max_video_seconds')}); send a shorter clip")
 
 
@@ -437,7 +434,7 @@ def load_video(ref, config: MediaConfig, sampling: VideoSampling | None = None, 
     """Read, probe and plan ``ref`` (a path, file://, data:video/...;base64, http(s) URL, base64
     string or bytes) under ``config``; ``options``: the request's sampling overrides."""
     sampling = (sampling or VideoSampling()).with_options(options or {}, config)
-    data, source = read_media_bytes(ref, config, kind="video", max_bytes=config.max_video_bytes)
+    data, source = read_media_bytes(ref, config, kind="video", max_bytes=config.limits.max_video_bytes)
     stream = probe_video(data, source, config)
     plan = sampling.plan(stream)
     return LoadedVideo(data, hashlib.sha256(data).hexdigest(), source, stream, sampling, plan)

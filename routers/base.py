@@ -15,7 +15,7 @@ from pathlib import Path
 from atb_plugin.models.registry import config_value, declared_max_model_len, import_model_class, model_class_path
 from input_builders.base import InputBuilder
 from atb_plugin.multimodal.wire import DEFAULT_WIRE_DTYPE, check_wire_dtype
-from input_builders.media import MediaConfig
+from input_builders.media_config import MediaConfig
 from input_builders.preprocess import ImagePreprocessor
 from shm import ShmStore
 

@@ -31,7 +31,7 @@ class Qwen2VlRouter(BaseRouter):
     def make_input_builder(self):
         return Qwen2VlInputBuilder(
             self.tokenizer,
-            image_token_id=self.config_value("image_token_id"),
+            media_token_id=self.config_value("image_token_id"),
             video_token_id=config_value(self.raw_config, "video_token_id", None),  # None: no video
             vision_start_token_id=self.config_value("vision_start_token_id"),
             vision_end_token_id=self.config_value("vision_end_token_id"),
@@ -47,7 +47,7 @@ class LlavaRouter(BaseRouter):
         token_key = "image_token_index" if "image_token_index" in self.raw_config else "image_token_id"
         return LlavaInputBuilder(
             self.tokenizer,
-            image_token_id=self.config_value(token_key),
+            media_token_id=self.config_value(token_key),
             image_size=vision["image_size"],
             patch_size=vision["patch_size"],
             feature_select_strategy=self.raw_config.get("vision_feature_select_strategy", "default"),

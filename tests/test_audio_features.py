@@ -23,7 +23,8 @@ import pytest
 from atb_plugin.testing import audio_signals as sig
 from input_builders.audio import AudioRef, load_audio
 from input_builders.audio_features import WhisperFeatures, mel_filter_bank
-from input_builders.media import MediaConfig, MediaDecodeError, MediaTooLargeError
+from input_builders.media_config import MediaConfig
+from input_builders.media_errors import MediaDecodeError, MediaTooLargeError
 
 av = pytest.importorskip("av")
 

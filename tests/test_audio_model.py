@@ -24,7 +24,7 @@ from atb_plugin.testing.sequence import SequenceRunner
 from atb_plugin.testing.tiny import tiny_checkpoint
 from input_builders.audio import AudioRef, load_audio
 from input_builders.conversation import UnsupportedContentError
-from input_builders.media import MediaConfig
+from input_builders.media_config import MediaConfig
 from routers import get_router
 from tests.helpers import model_pair
 

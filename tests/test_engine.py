@@ -92,7 +92,7 @@ def test_bad_token_ids_are_refused():
 
 @pytest.mark.parametrize("family", ["qwen2_vl", "qwen_vl", "llava"])
 def test_image_chat_end_to_end_leaves_no_segment(family, tmp_path):
-    from input_builders.media import MediaConfig
+    from input_builders.media_config import MediaConfig
 
     images = write_test_images(tmp_path)
     chat = [{"role": "user", "content": [{"image": str(images[0])}, {"image": str(images[1])},
@@ -109,7 +109,7 @@ def test_image_chat_end_to_end_leaves_no_segment(family, tmp_path):
 
 
 def test_a_bad_media_block_fails_only_its_request(tmp_path):
-    from input_builders.media import MediaConfig
+    from input_builders.media_config import MediaConfig
 
     images = write_test_images(tmp_path, sizes=((60, 90),))
     store = shm.ShmStore(shm.ShmStoreConfig(reap_on_start=False, cache_bytes=0))

@@ -180,7 +180,7 @@ def test_no_comment_points_outside_the_repo():
 
 
 def test_a_handle_of_an_unregistered_instance_fails_only_its_request(tmp_path):
-    from input_builders.media import MediaConfig
+    from input_builders.media_config import MediaConfig
     from tests.helpers import write_test_images
 
     images = write_test_images(tmp_path, sizes=((60, 90),))

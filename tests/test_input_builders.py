@@ -26,7 +26,8 @@ from input_builders import (
     TooManyImagesError,
     UnsupportedContentError,
 )
-from input_builders.media import MediaConfig, MediaNotAllowedError
+from input_builders.media_config import MediaConfig
+from input_builders.media_errors import MediaNotAllowedError
 from routers import get_router
 
 VL_FAMILIES = ["qwen_vl", "qwen2_vl", "qwen2_5_vl", "llava"]

@@ -1,4 +1,5 @@
-"""input_builders.media: every source kind, every mode conversion, every refusal (type + message).
+"""input_builders.image / sources / fetch / media_config: every source kind, every mode conversion,
+every refusal (type + message).
 
 Offline: images are built with Pillow on the fly; http(s) is tested against a local server on
 127.0.0.1 only, and every foreign host is refused before any connection is attempted.
@@ -22,18 +23,16 @@ import numpy as np
 import pytest
 from PIL import Image, ImageFile
 
-from input_builders.media import (
-    LoadedImage,
-    MediaConfig,
+from input_builders.fetch import _host_allowed, _read_capped
+from input_builders.image import LoadedImage, load_image
+from input_builders.media_config import MediaConfig
+from input_builders.media_errors import (
     MediaDecodeError,
     MediaError,
     MediaFetchError,
     MediaNotAllowedError,
     MediaNotFoundError,
     MediaTooLargeError,
-    _host_allowed,
-    _read_capped,
-    load_image,
 )
 
 # ----------------------------------------------------------------------------------------- helpers
@@ -726,7 +725,7 @@ def test_config_validation(kwargs, phrase):
 def test_a_resent_image_is_decoded_once_and_the_cache_is_bounded(config, png_bytes, monkeypatch):
     """A chat resends its image every turn: the second load of the same bytes reuses the decoded
     image (a digest lookup, no decode); the cache holds a bounded number of decoded bytes."""
-    from input_builders import media
+    from input_builders import image as media
 
     decodes = []
     real_decode = media._decode
@@ -746,11 +745,13 @@ def test_a_resent_data_url_is_not_base64_decoded_again(config, png_bytes, monkey
     decode, no image decode, the same digest and image. Other texts of the same bytes (a data URL
     with other whitespace, raw bytes) still give the same digest; a changed policy or an image that
     left the byte-bounded cache means decoding again."""
-    from input_builders import media
+    from input_builders import image as media
+
+    from input_builders import sources
 
     b64decodes, decodes = [], []
-    real_b64, real_decode = media._b64decode, media._decode
-    monkeypatch.setattr(media, "_b64decode", lambda *a, **k: b64decodes.append(1) or real_b64(*a, **k))
+    real_b64, real_decode = sources._b64decode, media._decode
+    monkeypatch.setattr(sources, "_b64decode", lambda *a, **k: b64decodes.append(1) or real_b64(*a, **k))
     monkeypatch.setattr(media, "_decode", lambda *a, **k: decodes.append(1) or real_decode(*a, **k))
     monkeypatch.setattr(media, "_recently_decoded", media._DecodedImages(max_bytes=10**9))
     url = "data:image/png;base64," + base64.b64encode(png_bytes).decode()
@@ -777,7 +778,7 @@ def test_a_resent_data_url_is_not_base64_decoded_again(config, png_bytes, monkey
 def test_a_data_url_fingerprint_collision_never_serves_another_image(config, monkeypatch):
     """The alias is found by a fingerprint of the text, and a hit is confirmed by comparing the
     whole text: two data URLs that share a fingerprint each get their own image."""
-    from input_builders import media
+    from input_builders import image as media
 
     monkeypatch.setattr(media, "_recently_decoded", media._DecodedImages(max_bytes=10**9))
     monkeypatch.setattr(media, "_inline_key", lambda ref: (0, 0))  # every text collides
@@ -790,7 +791,7 @@ def test_a_data_url_fingerprint_collision_never_serves_another_image(config, mon
 
 
 def test_the_data_url_aliases_are_bounded_by_the_text_they_keep(config, png_bytes):
-    from input_builders import media
+    from input_builders import image as media
 
     url = "data:image/png;base64," + base64.b64encode(png_bytes).decode()
     loaded = load_image(url, config)
@@ -814,7 +815,7 @@ def test_a_decoded_image_keeps_no_reference_to_its_source_bytes(config):
     import gc
     import weakref
 
-    from input_builders import media
+    from input_builders import image as media
 
     class Source(io.BytesIO):  # BytesIO itself takes no weak references
         pass
@@ -834,7 +835,7 @@ def test_a_decoded_image_keeps_no_reference_to_its_source_bytes(config):
 
 
 def test_the_decoded_image_cache_can_be_bounded_below_its_default(monkeypatch):
-    from input_builders import media
+    from input_builders import image as media
 
     monkeypatch.setattr(media, "_recently_decoded", media._recently_decoded)  # restored afterwards
     media.limit_decoded_image_cache(16 << 20)

@@ -30,8 +30,9 @@ from PIL import Image
 from atb_plugin.frontend.tokenizer_pool import (CancelJob, ChatJob, Envelope, PromptJob, Reply, _WorkerLoop,
                                                 media_urls)
 from atb_plugin.testing.tiny import tiny_checkpoint
-from input_builders.media import (MediaConfig, MediaDecodeError, MediaFetchError, MediaTooLargeError, load_image,
-                                   load_images)
+from input_builders.image import load_image, load_images
+from input_builders.media_config import MediaConfig
+from input_builders.media_errors import MediaDecodeError, MediaFetchError, MediaTooLargeError
 from routers import get_router
 from tests.server_helpers import ServerProcess
 

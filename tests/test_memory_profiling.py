@@ -278,7 +278,7 @@ def test_an_explicit_kv_cache_memory_wins_on_a_device(simulated_device, monkeypa
 
 def test_the_offline_llm_enforces_the_users_image_limit(images):
     from atb_plugin import LLM
-    from input_builders.media import MediaConfig
+    from input_builders.media_config import MediaConfig
 
     media = MediaConfig(allowed_local_media_paths=(str(images[0].parent),))
     with LLM(tiny_checkpoint("qwen2_vl"), limit_mm_per_prompt=1, media_config=media) as llm:

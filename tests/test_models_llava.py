@@ -27,7 +27,7 @@ from atb_plugin.multimodal import MultimodalPrompt
 from atb_plugin.testing.sequence import SequenceRunner
 from tests.helpers import copy_checkpoint, model_pair, write_test_images
 from atb_plugin.testing.tiny import tiny_checkpoint
-from input_builders.media import MediaConfig
+from input_builders.media_config import MediaConfig
 from routers import get_router
 
 TOLERANCE = 1e-4

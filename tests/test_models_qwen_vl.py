@@ -23,7 +23,7 @@ from atb_plugin.models.weights import WeightLoadingError
 from atb_plugin.multimodal import MultimodalPrompt
 from atb_plugin.testing.sequence import SequenceRunner
 from atb_plugin.testing.tiny import tiny_checkpoint
-from input_builders.media import MediaConfig
+from input_builders.media_config import MediaConfig
 from routers import get_router
 from tests.helpers import copy_checkpoint
 

@@ -17,7 +17,7 @@ from atb_plugin.multimodal import MediaBlockError, MediaLayout, MultimodalPrompt
 from atb_plugin.multimodal.pixels import ChwImageFormat, PixelFormat, Qwen2VLPatchFormat
 from atb_plugin.multimodal.wire import PixelNormalization
 from atb_plugin.testing.tiny import tiny_checkpoint
-from input_builders.media import MediaConfig
+from input_builders.media_config import MediaConfig
 from routers import get_router
 
 HIDDEN = 8

@@ -77,7 +77,7 @@ def image_chat(directory) -> list[dict]:
 @pytest.mark.parametrize("family", ["qwen2_vl", "llava", "qwen_vl"])
 def test_image_chat_on_the_npu_matches_the_cpu_path(family, dtype, kernel_set, image_dir, monkeypatch):
     """The vision tower (ATB varlen attention) and the merge run in half precision on the NPU."""
-    from input_builders.media import MediaConfig
+    from input_builders.media_config import MediaConfig
 
     media = MediaConfig(allowed_local_media_paths=(str(image_dir),))
     with LLM(tiny_checkpoint(family), block_size=16, media_config=media) as llm:

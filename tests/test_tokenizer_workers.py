@@ -8,7 +8,7 @@ import asyncio
 from atb_plugin.engine.config import EngineConfig
 from atb_plugin.frontend.tokenizer_pool import ChatJob, StatsJob, TokenizerPool, WorkerSettings
 from atb_plugin.testing.tiny import tiny_checkpoint
-from input_builders.media import MediaConfig
+from input_builders.media_config import MediaConfig
 
 
 def test_workers_keep_one_compute_thread_and_build_ids():

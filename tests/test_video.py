@@ -28,13 +28,9 @@ import pytest
 import torch
 
 from atb_plugin.testing.videos import video_bytes, write_video
-from input_builders.media import (
-    MediaConfig,
-    MediaDecodeError,
-    MediaNotAllowedError,
-    MediaTooLargeError,
-    read_media_bytes,
-)
+from input_builders.media_config import MediaConfig
+from input_builders.media_errors import MediaDecodeError, MediaNotAllowedError, MediaTooLargeError
+from input_builders.sources import read_media_bytes
 from input_builders.preprocess import Qwen2VLPreprocessor
 from input_builders.video import (
     VideoOptionError,

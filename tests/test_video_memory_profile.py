@@ -75,8 +75,7 @@ def encoder_calls(monkeypatch):
 def test_the_budgets_are_the_input_builder_s_and_its_sampler_makes_the_worst_case_video(models):
     from input_builders import video
 
-    assert (qwen2_vl.VIDEO_MIN_PIXELS, qwen2_vl.VIDEO_MAX_PIXELS, qwen2_vl.VIDEO_TOTAL_PIXELS) == (
-        video.VIDEO_MIN_PIXELS, video.VIDEO_MAX_PIXELS, video.VIDEO_TOTAL_PIXELS)
+    # The budgets are defined once (atb_plugin.multimodal.budgets: tests/test_media_limits.py).
     model = models("qwen2_vl")
     vision = model.config.vision
     sampling = video.VideoSampling(frame_factor=vision.temporal_patch_size,

@@ -29,7 +29,7 @@ from atb_plugin.multimodal import MultimodalPrompt
 from atb_plugin.testing.sequence import SequenceRunner
 from atb_plugin.testing.tiny import tiny_checkpoint
 from atb_plugin.testing.videos import write_video
-from input_builders.media import MediaConfig
+from input_builders.media_config import MediaConfig
 from input_builders.video import decode_all_frames
 from routers import get_router
 from tests.helpers import model_pair, write_test_images

@@ -14,7 +14,7 @@ import pytest
 from atb_plugin import LLM, SamplingParams
 from atb_plugin.testing.tiny import tiny_checkpoint
 from atb_plugin.testing.videos import video_bytes, write_video
-from input_builders.media import MediaConfig
+from input_builders.media_config import MediaConfig
 from shm.segment import list_segment_names
 
 pytestmark = pytest.mark.slow

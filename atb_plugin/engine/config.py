@@ -18,6 +18,7 @@ from atb_plugin.engine.memory_profile import DEFAULT_KV_CACHE_BYTES
 from atb_plugin.engine.scheduler import SchedulerConfig
 from atb_plugin.models import registry
 from atb_plugin.models.interfaces import resolve_mm_limit
+from atb_plugin.multimodal.limits import MediaLimits, flat_limits
 from atb_plugin.multimodal.wire import DEFAULT_WIRE_DTYPE, check_wire_dtype
 from atb_plugin.pooling.config import resolve_runner, sentence_transformers_max_len
 from atb_plugin.platform import platform_for
@@ -27,6 +28,9 @@ from atb_plugin.utils import available_cores
 __all__ = ["DEFAULT_KV_CACHE_BYTES", "DEVICES", "DTYPES", "EngineConfig", "FALLBACK_MAX_MODEL_LEN", "head_size"]
 
 DTYPES = ("auto", *TORCH_DTYPES)
+# The media limits the engine itself sizes for (the start-up memory profile), which its keyword
+# arguments and attributes name directly (the offline LLM's keywords too).
+ENGINE_MEDIA_LIMITS = ("limit_mm_per_prompt", "limit_videos_per_prompt", "max_video_frames")
 DEVICES = ("auto", "cpu", "cuda", "npu")
 # When the checkpoint declares no context window (rare: tiny test checkpoints, some converts).
 FALLBACK_MAX_MODEL_LEN = 4096
@@ -89,6 +93,7 @@ def check_tensor_parallel(hf_config: dict, tp: int, expert_parallel: bool = Fals
         kv_heads_per_rank(kv_heads, tp)
 
 
+@flat_limits("media", ENGINE_MEDIA_LIMITS)
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine core needs, checked once.
@@ -98,8 +103,11 @@ class EngineConfig:
     holds (``kv_cache_bytes`` when given; else on the CPU ``DEFAULT_KV_CACHE_BYTES``, on NPU / CUDA
     ``gpu_memory_utilization`` of the device memory less the start-up memory profile,
     ``atb_plugin.engine.memory_profile``), capped at what
-    ``max_num_seqs`` full-length requests need. ``limit_mm_per_prompt`` (images per prompt) and
-    ``limit_videos_per_prompt`` are resolved to the model's own limits when None and may not exceed them.
+    ``max_num_seqs`` full-length requests need. ``media`` (a ``MediaLimits``): its
+    ``limit_mm_per_prompt`` (items of the model's own modality per prompt) and
+    ``limit_videos_per_prompt`` are resolved to the model's own limits when None and may not exceed
+    them; those two and ``max_video_frames`` may be given and read by name too
+    (``EngineConfig(model, limit_mm_per_prompt=2)``, ``config.max_video_frames``).
     ``shm_instances``: if not empty, the only shared-memory instances the core accepts handles
     from, whatever a request registers (a deployment can pin its frontends).
 
@@ -126,13 +134,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     shm_instances: tuple[str, ...] = ()
     gpu_memory_utilization: float = 0.9  # NPU / CUDA: the share of device memory this engine may use
-    limit_mm_per_prompt: int | None = None  # images per prompt; None: the model's own limit
-    # Videos per prompt (--limit-mm-per-prompt video=N; None: the model's own limit, 0 for a model
-    # without video) and frames sampled per video at most (--max-video-frames): with max_model_len,
-    # what the start-up memory profile's worst-case videos are (docs/architecture.md, "Memory
-    # profiling and KV sizing"). The input builders enforce the same values per request.
-    limit_videos_per_prompt: int | None = None
-    max_video_frames: int = 768
+    # Media per prompt (images or audio clips, videos) and frames per video at most: with
+    # max_model_len, what the start-up memory profile's worst-case prompt is (docs/architecture.md,
+    # "Memory profiling and KV sizing"). The input builders enforce the same values per request.
+    media: MediaLimits = field(default_factory=MediaLimits)
     # torch intra-op threads of the engine (the process that runs the model); None: every core
     # this process may use. The frontend processes keep one each (docs/architecture.md, Threads).
     num_threads: int | None = None
@@ -209,11 +214,8 @@ class EngineConfig:
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
             raise ValueError(f"EngineConfig.gpu_memory_utilization = {utilization!r} (--gpu-memory-utilization): "
                              "must be a fraction in (0, 1]")
-        if self.limit_mm_per_prompt is not None:
-            _check_int("limit_mm_per_prompt", self.limit_mm_per_prompt, 0)
-        if self.limit_videos_per_prompt is not None:
-            _check_int("limit_videos_per_prompt", self.limit_videos_per_prompt, 0)
-        _check_int("max_video_frames", self.max_video_frames, 2)  # one temporal patch: 2 frames
+        if not isinstance(self.media, MediaLimits):
+            raise ValueError(f"EngineConfig.media must be a MediaLimits, got {type(self.media).__name__}")
         check_wire_dtype(self.mm_wire_dtype, "EngineConfig.mm_wire_dtype (--mm-wire-dtype)")
         _check_int("data_parallel_size", self.data_parallel_size, 1, 64)
         _check_int("data_parallel_rank", self.data_parallel_rank, 0, self.data_parallel_size - 1)
@@ -284,8 +286,9 @@ class EngineConfig:
             raise ValueError(f"EngineConfig.kv_cache_blocks = {self.kv_cache_blocks} holds too few tokens")
         # The model class (imported, not loaded: the core loads weights) declares its image limit.
         model_cls = registry.import_model_class(self.model_cls_path)
-        set_(self, "limit_mm_per_prompt", resolve_mm_limit(model_cls, self.limit_mm_per_prompt))
-        set_(self, "limit_videos_per_prompt", resolve_mm_limit(model_cls, self.limit_videos_per_prompt, "video"))
+        set_(self, "media", dataclasses.replace(
+            self.media, limit_mm_per_prompt=resolve_mm_limit(model_cls, self.media.limit_mm_per_prompt),
+            limit_videos_per_prompt=resolve_mm_limit(model_cls, self.media.limit_videos_per_prompt, "video")))
         if self.runner == "pooling":
             # Pooling needs each prompt's hidden states in one step (no chunked prefill) and all of
             # them (a cached prefix would be skipped): raise the budget, turn prefix caching off.
@@ -346,5 +349,6 @@ class EngineConfig:
 
     def describe(self) -> str:
         """One ``name = value`` line per field, for the start-up log."""
-        return "\n".join(f"{f.name} = {getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-                         if f.name != "scheduler_config")
+        lines = [f"{f.name} = {getattr(self, f.name)!r}" for f in dataclasses.fields(self)
+                 if f.name not in ("scheduler_config", "media")]
+        return "\n".join(lines + ["media." + line for line in self.media.describe()])

@@ -115,7 +115,7 @@ class DummyInputs:
 
 def dummy_inputs(model, config) -> DummyInputs:
     """The worst-case prompt of ``config`` (an ``EngineConfig``) for ``model``: the model's largest
-    item, ``min(model's limit, config.limit_mm_per_prompt)`` times, then its largest video
+    item, ``min(model's limit, config.media.limit_mm_per_prompt)`` times, then its largest video
     (``_dummy_video``), built directly as tensors (no preprocessing, no shared memory), and a
     forward of ``min(max_num_batched_tokens, max_model_len)`` tokens: the scheduler never runs more
     in one step (a prefill longer than the budget runs in chunks, cutting media blocks anywhere),
@@ -126,11 +126,11 @@ def dummy_inputs(model, config) -> DummyInputs:
     if not isinstance(model, SupportsMedia):
         return DummyInputs(None, 0, input_ids)
     item, num_items = None, 0
-    if config.limit_mm_per_prompt > 0:
+    if config.media.limit_mm_per_prompt > 0:
         info = model.get_processing_info(config.model)
         item = DummyItem(_zero_pixels(info, config.mm_wire_dtype, weight.device), info.grid_thw,
                          info.max_tokens_per_item)
-        num_items = min(config.limit_mm_per_prompt, info.max_items_per_prompt)
+        num_items = min(config.media.limit_mm_per_prompt, info.max_items_per_prompt)
         input_ids[:min(num_tokens, num_items * item.num_tokens)] = model.media_layout.placeholder_id
     inputs = DummyInputs(item, num_items, input_ids)
     video, num_videos, info = _dummy_video(model, config, weight.device)
@@ -147,10 +147,10 @@ def _dummy_video(model, config, device) -> tuple[DummyItem | None, int, Multimod
     feature tokens are bounded by ``max_model_len`` (no prompt holds more; it also keeps a tiny
     test engine's video tiny) and its frames by ``max_video_frames``; as many copies as the limit
     allows and fit in ``max_model_len`` together, at least one, so that the video encoder runs."""
-    limit = config.limit_videos_per_prompt
+    limit = config.media.limit_videos_per_prompt
     if not limit or not isinstance(model, SupportsVideo):
         return None, 0, None
-    info = model.get_video_processing_info(config.model, config.max_model_len, config.max_video_frames)
+    info = model.get_video_processing_info(config.model, config.max_model_len, config.media.max_video_frames)
     if info is None:  # not one temporal patch of the smallest frame fits max_model_len: no video can
         logger.info("memory profile: no video fits max_model_len %d; profiling without one", config.max_model_len)
         return None, 0, None

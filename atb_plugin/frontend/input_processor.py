@@ -120,25 +120,29 @@ def generation_defaults_from_config(config: Mapping[str, Any] | None) -> tuple[d
 
 
 def load_router(config: EngineConfig, shm_store=None, media_config=None, chat_template: str | None = None):
-    """The family's router for ``config``: its builders enforce the engine's image limit and
-    write the engine's wire dtype; ``chat_template`` replaces the checkpoint's (--chat-template).
-    Videos per prompt and frames per video are the tighter of the engine's and ``media_config``'s:
-    the engine's start-up memory profile sized the KV cache for its own, so the builders may never
+    """The family's router for ``config``: its builders write the engine's wire dtype;
+    ``chat_template`` replaces the checkpoint's (--chat-template). Items and videos per prompt and
+    frames per video are the tighter of the engine's media limits and ``media_config``'s: the
+    engine's start-up memory profile sized the KV cache for its own, so the builders may never
     accept more (an offline ``LLM(limit_videos_per_prompt=1)`` without a media config included)."""
-    from input_builders.media import MediaConfig
+    from input_builders.media_config import MediaConfig
     from routers import get_router
 
     media = media_config or MediaConfig()
-    videos = config.limit_videos_per_prompt  # resolved to an int by EngineConfig
-    if media.max_videos_per_prompt is not None:
-        videos = min(videos, media.max_videos_per_prompt)
-    media = dataclasses.replace(media, max_videos_per_prompt=videos,
-                                max_video_frames=min(media.max_video_frames, config.max_video_frames))
-    router = get_router(config.model, shm_store=shm_store, media_config=media,
-                        max_images_per_prompt=config.limit_mm_per_prompt, mm_wire_dtype=config.mm_wire_dtype)
+    engine, limits = config.media, media.limits  # the engine's counts are resolved to ints
+    limits = dataclasses.replace(
+        limits, limit_mm_per_prompt=_tighter(engine.limit_mm_per_prompt, limits.limit_mm_per_prompt),
+        limit_videos_per_prompt=_tighter(engine.limit_videos_per_prompt, limits.limit_videos_per_prompt),
+        max_video_frames=min(limits.max_video_frames, engine.max_video_frames))
+    router = get_router(config.model, shm_store=shm_store, media_config=dataclasses.replace(media, limits=limits),
+                        mm_wire_dtype=config.mm_wire_dtype)
     if chat_template is not None:
         router.tokenizer.chat_template = chat_template
     return router
+
+
+def _tighter(limit: int, other: int | None) -> int:
+    return limit if other is None else min(limit, other)
 
 
 # -- what input processing hands on -------------------------------------------------------------

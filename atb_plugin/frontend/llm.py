@@ -19,7 +19,7 @@ import functools
 import itertools
 
 from atb_plugin.engine.client import InprocClient
-from atb_plugin.engine.config import EngineConfig
+from atb_plugin.engine.config import ENGINE_MEDIA_LIMITS, EngineConfig
 from atb_plugin.engine.sampling_params import SamplingParams
 from atb_plugin.frontend.input_processor import (InputLimits, InputProcessor, Lease, PreparedPrompt, load_router,
                                                  pooled_data)
@@ -33,7 +33,8 @@ from shm import ShmStore, ShmStoreConfig
 
 __all__ = ["LLM", "LLMEngine", "RequestOutput", "CompletionOutput"]
 
-_CONFIG_FIELDS = {f.name for f in dataclasses.fields(EngineConfig) if f.init} - {"model"}
+# EngineConfig's fields, and the media limits it takes by name (limit_mm_per_prompt=...).
+_CONFIG_FIELDS = ({f.name for f in dataclasses.fields(EngineConfig) if f.init} | set(ENGINE_MEDIA_LIMITS)) - {"model"}
 
 
 class LLMEngine:

@@ -166,7 +166,7 @@ def run_tokenizer_worker(index: int, settings: WorkerSettings, job_address: str,
 
     parent = os.getppid()
     if settings.shm_capacity_bytes is not None:
-        from input_builders.media import limit_decoded_image_cache
+        from input_builders.image import limit_decoded_image_cache
 
         limit_decoded_image_cache(settings.shm_capacity_bytes)
     store = shm.ShmStore(shm.ShmStoreConfig(capacity_bytes=settings.shm_capacity_bytes,
@@ -295,7 +295,7 @@ class _WorkerLoop:
 
 
 def _prefetch(urls: list[str], config) -> dict:
-    from input_builders.media import fetch_url
+    from input_builders.fetch import fetch_url
 
     return {url: fetch_url(url, config) for url in urls}
 
@@ -304,9 +304,8 @@ def run_job(job_id: int, job: Job, processor, store, media: dict | None = None) 
     """One job on this worker's input processor. A failed job's segments are released."""
     import shm
     from input_builders import InputBuilderError
-    from input_builders.media import MediaError
-
-    from input_builders.media import prefetched
+    from input_builders.fetch import prefetched
+    from input_builders.media_errors import MediaError
 
     request_id = getattr(job, "request_id", "")
     try:

@@ -49,25 +49,24 @@ from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM, Decoder
 from atb_plugin.models.interfaces import MultimodalProcessingInfo
 from atb_plugin.models.weights import IGNORE, STACKED_QKV_GATE_UP
 from atb_plugin.multimodal import MediaLayout
+from atb_plugin.multimodal.budgets import (
+    IMAGE_MAX_PIXELS,
+    MAX_ASPECT_RATIO,
+    VIDEO_MAX_PIXELS,
+    VIDEO_MIN_PIXELS,
+    VIDEO_TOTAL_PIXELS,
+)
 from atb_plugin.multimodal.pixels import Qwen2VLPatchFormat
 from atb_plugin.multimodal.wire import QWEN2_VL_BLOCK, QWEN2_VL_VIDEO_BLOCK
 from atb_plugin.utils import cdiv
 
 GridTHW = tuple[int, int, int]
 
-# transformers' Qwen2VLImageProcessor default, which the input builder's preprocessor
-# (input_builders.preprocess.Qwen2VLPreprocessor) also uses when preprocessor_config.json says
-# nothing; tests/test_memory_profiling.py checks the two agree.
-DEFAULT_MAX_PIXELS = 28 * 28 * 1280
-MAX_ASPECT_RATIO = 200  # smart_resize refuses longer images (input_builders.preprocess)
-# qwen-vl-utils' video budgets, which the input builder's sampling (input_builders.video) applies
-# to every video: each frame between VIDEO_MIN_PIXELS and VIDEO_MAX_PIXELS, and all n frames
-# sharing VIDEO_TOTAL_PIXELS (a frame at most VIDEO_TOTAL_PIXELS x 2 / n). The start-up memory
-# profile's largest video follows them (get_video_processing_info; docs/architecture.md, "Memory
-# profiling and KV sizing"); the tests check the two modules agree.
-VIDEO_MIN_PIXELS = 128 * 28 * 28
-VIDEO_MAX_PIXELS = 768 * 28 * 28
-VIDEO_TOTAL_PIXELS = int(128000 * 28 * 28 * 0.9)
+# Qwen2-VL's image and video budgets, the one definition the input builders resize and sample by
+# (input_builders.preprocess, input_builders.video): the start-up memory profile's largest image
+# and video follow them (get_processing_info, get_video_processing_info; docs/architecture.md,
+# "Memory profiling and KV sizing").
+DEFAULT_MAX_PIXELS = IMAGE_MAX_PIXELS  # when preprocessor_config.json says nothing
 
 _ACTIVATIONS = {
     "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import os
@@ -19,6 +20,8 @@ import threading
 
 from atb_plugin.engine.config import DEFAULT_KV_CACHE_BYTES, DEVICES, DTYPES, EXECUTOR_BACKENDS, EngineConfig
 from atb_plugin.engine.dp_client import ROUTINGS
+from atb_plugin.multimodal.budgets import VIDEO_FPS, VIDEO_MAX_FRAMES, VIDEO_MIN_FRAMES
+from atb_plugin.multimodal.limits import MediaLimits
 from atb_plugin.multimodal.wire import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 from atb_plugin.pooling.config import CONVERT_TYPES, RUNNER_TYPES
 from atb_plugin.models.quantization.config import METHODS as QUANTIZATION_METHODS
@@ -46,7 +49,7 @@ class _MmLimit(int):
     that remembers the modality it named (checked against the model's once it is known)."""
 
     modality: str | None = None
-    videos: int | None = None  # a "video=N" entry (Qwen2-VL takes images and videos): MediaConfig's
+    videos: int | None = None  # a "video=N" entry (Qwen2-VL takes images and videos): MediaLimits' videos
     unset: bool = False  # only "video=N" was given: the image (or audio) limit stays the model's
 
 
@@ -176,23 +179,28 @@ def build_parser() -> argparse.ArgumentParser:
         help="a directory images may be read from (file:// URLs and paths); repeatable")
     add("--allowed-media-domains", action="append", default=[], metavar="HOST",
         help="a host http(s) images may be fetched from (subdomains too); repeatable")
-    add("--max-image-bytes", type=_size, default=20 << 20, help="encoded bytes per image (data: URLs too)")
-    add("--max-image-pixels", type=int, default=6000 * 6000, help="decoded pixels per image")
+    limits = MediaLimits()  # the defaults, defined there once
+    add("--max-image-bytes", type=_size, default=limits.max_image_bytes,
+        help="encoded bytes per image (data: URLs too)")
+    add("--max-image-pixels", type=int, default=limits.max_image_pixels, help="decoded pixels per image")
     add("--max-request-pixels", type=int, default=None,
         help="decoded pixels of all images in one request together, checked from each image's header before "
              "it is decoded (default: 4 x --max-image-pixels)")
-    add("--max-video-bytes", type=_size, default=512 << 20, help="encoded bytes per video (data: URLs too)")
-    add("--max-video-seconds", type=float, default=1800.0,
+    add("--max-video-bytes", type=_size, default=limits.max_video_bytes,
+        help="encoded bytes per video (data: URLs too)")
+    add("--max-video-seconds", type=float, default=limits.max_video_seconds,
         help="duration per video, read from the container before any frame is decoded")
-    add("--max-video-frames", type=int, default=768,
-        help="frames sampled from one video (Qwen's rule: 2 per second, 4 to 768, even); a request's "
+    add("--max-video-frames", type=int, default=limits.max_video_frames,
+        help=f"frames sampled from one video (Qwen's rule: {VIDEO_FPS:g} per second, {VIDEO_MIN_FRAMES} to "
+             f"{VIDEO_MAX_FRAMES}, even); a request's "
              "mm_processor_kwargs may lower it; with --max-model-len it bounds the start-up memory profile's "
              "worst-case video")
-    add("--max-video-frame-pixels", type=int, default=4096 * 2160,
+    add("--max-video-frame-pixels", type=int, default=limits.max_video_frame_pixels,
         help="width x height of a video's frames, from its stream header (every kept frame is decoded at this "
              "size before its resize)")
-    add("--max-audio-bytes", type=_size, default=25 << 20, help="encoded bytes per audio clip (base64 data too)")
-    add("--max-audio-seconds", type=float, default=240.0,
+    add("--max-audio-bytes", type=_size, default=limits.max_audio_bytes,
+        help="encoded bytes per audio clip (base64 data too)")
+    add("--max-audio-seconds", type=float, default=limits.max_audio_seconds,
         help="duration per audio clip (longer clips are cut into 30 s windows, one media block each)")
     add("--max-request-body-bytes", type=_size, default=64 << 20, help="HTTP request body limit (413 beyond)")
     add("--max-queued-requests", type=int, default=256, help="requests in flight before 429")
@@ -331,6 +339,12 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
             from atb_plugin.default_model import EMBEDDING_MODEL_NAME
 
             values["served_model_name"] = EMBEDDING_MODEL_NAME
+    media = MediaLimits(limit_mm_per_prompt=_limit_value(values["limit_mm_per_prompt"]),
+                        max_image_bytes=values["max_image_bytes"], max_image_pixels=values["max_image_pixels"],
+                        max_request_pixels=values["max_request_pixels"], max_video_bytes=values["max_video_bytes"],
+                        max_video_seconds=values["max_video_seconds"], max_video_frames=values["max_video_frames"],
+                        max_video_frame_pixels=values["max_video_frame_pixels"],
+                        max_audio_bytes=values["max_audio_bytes"], max_audio_seconds=values["max_audio_seconds"])
     engine = EngineConfig(model=values["model"], dtype=values["dtype"], device=values["device"],
                           quantization=values["quantization"], quantize_lm_head=values["quantize_lm_head"],
                           max_model_len=values["max_model_len"], block_size=values["block_size"],
@@ -338,8 +352,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                           max_num_batched_tokens=values["max_num_batched_tokens"],
                           enable_prefix_caching=values["enable_prefix_caching"],
                           gpu_memory_utilization=values["gpu_memory_utilization"],
-                          limit_mm_per_prompt=_limit_value(values["limit_mm_per_prompt"]),
-                          max_video_frames=values["max_video_frames"],
+                          media=media,
                           mm_wire_dtype=values["mm_wire_dtype"],
                           num_threads=values["num_threads"], enforce_eager=values["enforce_eager"],
                           tensor_parallel_size=values["tensor_parallel_size"],
@@ -351,6 +364,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
     changes = {}  # applied in one replace: each one validates the whole config again
     videos = _video_limit(parser, values["limit_mm_per_prompt"], engine)
     if videos is not None:  # the engine's start-up memory profile runs this many worst-case videos
+        media = dataclasses.replace(media, limit_videos_per_prompt=videos)
         changes["limit_videos_per_prompt"] = videos
     if values["num_threads"] is None and engine.limit_mm_per_prompt > 0:
         # Images keep the tokenizer workers busy: leave them their cores. An OpenMP pool sharing
@@ -366,13 +380,8 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         data_parallel_routing=values["data_parallel_routing"],
         max_queued_requests=values["max_queued_requests"], max_pooling_inputs=values["max_pooling_inputs"],
         allowed_local_media_paths=tuple(values["allowed_local_media_path"]),
-        allowed_media_domains=tuple(values["allowed_media_domains"]),
-        max_image_bytes=values["max_image_bytes"], max_image_pixels=values["max_image_pixels"],
-        max_request_pixels=values["max_request_pixels"], max_request_body_bytes=values["max_request_body_bytes"],
-        max_video_bytes=values["max_video_bytes"], max_video_seconds=values["max_video_seconds"],
-        max_video_frames=values["max_video_frames"], max_video_frame_pixels=values["max_video_frame_pixels"],
-        max_videos_per_prompt=videos,
-        max_audio_bytes=values["max_audio_bytes"], max_audio_seconds=values["max_audio_seconds"],
+        allowed_media_domains=tuple(values["allowed_media_domains"]), media=media,
+        max_request_body_bytes=values["max_request_body_bytes"],
         max_input_tokens=values.get("max_input_tokens"), chat_template=values["chat_template"],
         shm_budget_bytes=values["shm_budget_bytes"], shutdown_timeout=values["shutdown_timeout"],
         log_level=values["log_level"], max_parallel_samples=values["max_parallel_samples"],

@@ -13,6 +13,7 @@ import os
 from dataclasses import dataclass, field
 
 from atb_plugin.engine.config import EngineConfig
+from atb_plugin.multimodal.limits import LIMIT_FIELDS, MediaLimits, flat_limits
 from atb_plugin.server.tls import TLSSettings, check_tls
 from atb_plugin.utils import available_cores
 
@@ -38,6 +39,8 @@ def default_tokenizer_workers() -> int:
     return max(1, min(4, available_cores() - 1))
 
 
+# limit_mm_per_prompt by name is the engine's, resolved (the property below).
+@flat_limits("media", [name for name in LIMIT_FIELDS if name != "limit_mm_per_prompt"])
 @dataclass(frozen=True)
 class ServerConfig:
     engine: EngineConfig
@@ -53,22 +56,11 @@ class ServerConfig:
     max_pooling_inputs: int = 2048
     allowed_local_media_paths: tuple[str, ...] = ()
     allowed_media_domains: tuple[str, ...] = ()
-    max_image_bytes: int = 20 * 1024 * 1024  # per image (a data: URL's decoded bytes too)
-    max_image_pixels: int = 6000 * 6000
-    # All images of one request together; None: media.default_max_request_pixels (4 images' worth).
-    max_request_pixels: int | None = None
+    # Every media limit (--max-image-bytes ... --max-audio-seconds, --limit-mm-per-prompt video=N),
+    # as the flags give them: per-prompt counts None are the model's own (the engine resolves its
+    # copy, engine.media).
+    media: MediaLimits = field(default_factory=MediaLimits)
     max_request_body_bytes: int = 64 * 1024 * 1024  # three 20 MiB images as base64 data URLs fit
-    # Video (input_builders.video; MediaConfig's defaults): encoded bytes (MindIE's 512 MB), seconds
-    # (from the container's header), sampled frames, source frame pixels, videos per prompt (None:
-    # the model's own limit; --limit-mm-per-prompt video=N).
-    max_video_bytes: int = 512 * 1024 * 1024
-    max_video_seconds: float = 1800.0
-    max_video_frames: int = 768
-    max_video_frame_pixels: int = 4096 * 2160
-    max_videos_per_prompt: int | None = None
-    # Audio (input_builders.audio; MediaConfig's defaults), per clip: encoded bytes, seconds.
-    max_audio_bytes: int = 25 * 1024 * 1024
-    max_audio_seconds: float = 240.0
     max_input_tokens: int | None = None  # MindIE's maxInputTokenLen
     chat_template: str | None = None  # a file path or the template text
     shm_budget_bytes: int | None = None
@@ -90,15 +82,10 @@ class ServerConfig:
     def __post_init__(self):
         if self.served_model_name is None:
             object.__setattr__(self, "served_model_name", default_served_model_name(self.engine.model))
-        if self.max_request_pixels is None and isinstance(self.max_image_pixels, int):
-            from input_builders.media import default_max_request_pixels
-
-            # Resolved here, not left to MediaConfig, so that describe() logs the value in force.
-            object.__setattr__(self, "max_request_pixels", default_max_request_pixels(self.max_image_pixels))
+        if not isinstance(self.media, MediaLimits):
+            raise ValueError(f"ServerConfig.media must be a MediaLimits, got {type(self.media).__name__}")
         for name, low in (("port", 0), ("tokenizer_workers", 1), ("max_queued_requests", 1), ("max_parallel_samples", 1),
-                          ("max_pooling_inputs", 1), ("max_image_bytes", 1), ("max_image_pixels", 1),
-                          ("max_request_pixels", 1), ("max_request_body_bytes", 1), ("max_video_bytes", 1),
-                          ("max_video_frames", 2), ("max_video_frame_pixels", 1), ("max_audio_bytes", 1)):
+                          ("max_pooling_inputs", 1), ("max_request_body_bytes", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"--{name.replace('_', '-')} = {value!r}: must be an integer >= {low}")
@@ -109,12 +96,6 @@ class ServerConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise ValueError(f"--{name.replace('_', '-')} = {value!r}: must be an integer >= 0")
         self._check_parsers()
-        if self.max_videos_per_prompt is not None and (isinstance(self.max_videos_per_prompt, bool) or not
-                isinstance(self.max_videos_per_prompt, int) or self.max_videos_per_prompt < 0):
-            raise ValueError(f"--limit-mm-per-prompt video={self.max_videos_per_prompt!r}: must be an integer >= 0")
-        if (isinstance(self.max_video_seconds, bool) or not isinstance(self.max_video_seconds, (int, float))
-                or not 0 < self.max_video_seconds < float("inf")):
-            raise ValueError(f"--max-video-seconds = {self.max_video_seconds!r}: must be a number of seconds > 0")
         for name in ("request_timeout", "token_timeout"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -150,20 +131,15 @@ class ServerConfig:
         return self.engine.limit_mm_per_prompt
 
     def media_config(self):
-        from input_builders.media import MediaConfig
+        from input_builders.media_config import MediaConfig
 
         return MediaConfig(allowed_local_media_paths=self.allowed_local_media_paths,
-                           allowed_domains=self.allowed_media_domains,
-                           max_image_bytes=self.max_image_bytes, max_image_pixels=self.max_image_pixels,
-                           max_request_pixels=self.max_request_pixels, max_video_bytes=self.max_video_bytes,
-                           max_video_seconds=self.max_video_seconds, max_video_frames=self.max_video_frames,
-                           max_video_frame_pixels=self.max_video_frame_pixels,
-                           max_videos_per_prompt=self.max_videos_per_prompt, max_audio_bytes=self.max_audio_bytes,
-                           max_audio_seconds=self.max_audio_seconds, api="server")
+                           allowed_domains=self.allowed_media_domains, limits=self.media, api="server")
 
     def describe(self) -> str:
         lines = [f"{f.name} = {getattr(self, f.name)!r}" for f in dataclasses.fields(self)
-                 if f.name not in ("engine", "api_key", "chat_template", "tls")]
+                 if f.name not in ("engine", "api_key", "chat_template", "tls", "media")]
+        lines += ["media." + line for line in self.media.describe()]
         lines += [f"tls.{f.name} = {getattr(self.tls, f.name)!r}" for f in dataclasses.fields(self.tls)]
         lines.append(f"api_key = {'<set>' if self.api_key else None}")
         lines.append(f"chat_template = {'<custom>' if self.chat_template else None}")
