@@ -31,7 +31,7 @@ from torch import nn
 
 from atb_plugin.models.base import MultimodalModel
 from atb_plugin.models.clip import CLIPVisionConfig, CLIPVisionModel, activation
-from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM
+from atb_plugin.models.decoder import DecoderConfig, build_language_model
 from atb_plugin.models.interfaces import MultimodalProcessingInfo
 from atb_plugin.models.weights import STACKED_QKV_GATE_UP, prefixed_name
 from atb_plugin.multimodal.pixels import ChwImageFormat
@@ -129,7 +129,7 @@ class LlavaForConditionalGeneration(MultimodalModel):
         self.config = config
         self.vision_tower = CLIPVisionModel(config.vision)
         self.multi_modal_projector = LlavaMultiModalProjector(config)
-        self.language_model = DecoderForCausalLM(config.text)
+        self.language_model = build_language_model(config.text)
         self._feature_indices = [self.vision_tower.layer_index(layer) for layer in config.feature_layers]
 
     @classmethod

@@ -36,7 +36,7 @@ from torch import nn
 
 from atb_plugin import ops
 from atb_plugin.models.base import MultimodalModel
-from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM
+from atb_plugin.models.decoder import DecoderConfig, build_language_model
 from atb_plugin.models.interfaces import MultimodalProcessingInfo
 from atb_plugin.models.weights import STACKED_QKV_GATE_UP, prefixed_name
 from atb_plugin.multimodal.pixels import PixelFormatError
@@ -186,7 +186,7 @@ class Qwen2AudioForConditionalGeneration(MultimodalModel):
         self.config = config
         self.audio_tower = AudioEncoder(config.audio)
         self.multi_modal_projector = Qwen2AudioMultiModalProjector(config)
-        self.language_model = DecoderForCausalLM(config.text)
+        self.language_model = build_language_model(config.text)
 
     @classmethod
     def config_from_hf(cls, config: dict) -> Qwen2AudioConfig:

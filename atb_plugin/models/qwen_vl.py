@@ -52,7 +52,7 @@ from torch import nn
 
 from atb_plugin import ops
 from atb_plugin.models.base import MultimodalModel
-from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM
+from atb_plugin.models.decoder import DecoderConfig, build_language_model
 from atb_plugin.models.interfaces import MultimodalProcessingInfo
 from atb_plugin.models.weights import IGNORE, STACKED_QKV_GATE_UP
 from atb_plugin.multimodal.pixels import ChwImageFormat
@@ -373,7 +373,7 @@ class QwenVLForCausalLM(MultimodalModel):
         super().__init__()
         self.config = config
         self.visual = VisionTransformer(config.vision)
-        self.language_model = DecoderForCausalLM(config.text)
+        self.language_model = build_language_model(config.text)
         
     @classmethod
     def config_from_hf(cls, config: dict) -> QwenVLConfig:
