@@ -81,7 +81,7 @@ class PretrainedModel(nn.Module):
                                                pack_weights)
             with building(quant_config):
                 model = cls(hf_config)
-        quant_config.check_built(model)
+        quant_config.finish_building(model)
         model = model.to_empty(device=device).to(dtype)
         model.init_non_persistent(device)
         load_checkpoint(model, model_dir, dtype)
@@ -114,6 +114,14 @@ class MultimodalModel(PretrainedModel):
 
     language_model: nn.Module
     pixel_normalization: PixelNormalization = PixelNormalization()
+
+    def __init__(self, config, **modules: nn.Module):
+        """``config``: the family's; ``modules``: its encoder(s), projector and ``language_model``
+        (``decoder.build_language_model``) by name, registered in that order."""
+        super().__init__()
+        self.config = config
+        for name, module in modules.items():
+            self.add_module(name, module)
 
     def read_checkpoint_files(self, model_dir: Path) -> None:
         path = model_dir / "preprocessor_config.json"

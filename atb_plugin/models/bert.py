@@ -36,7 +36,7 @@ from torch import nn
 from atb_plugin import ops
 from atb_plugin.distributed import TPShard, all_reduce, divide, tp_size
 from atb_plugin.models.base import PretrainedModel
-from atb_plugin.models.clip import activation
+from atb_plugin.models.clip import HeadsSplitHidden, activation
 from atb_plugin.models.poolers import DispatchPooler, embedding_pooler
 from atb_plugin.models.pooling_adapters import classification_poolers, num_labels
 from atb_plugin.models.weights import IGNORE
@@ -47,7 +47,7 @@ _BUFFERS = {"embeddings.position_ids"}  # known checkpoint tensors that are not 
 
 
 @dataclass(frozen=True)
-class BertConfig:
+class BertConfig(HeadsSplitHidden):
     vocab_size: int
     hidden_size: int = 768
     num_hidden_layers: int = 12
@@ -74,10 +74,6 @@ class BertConfig:
         fields = {key: config[key] for key in cls.__dataclass_fields__ if key in config}
         fields["num_labels"] = num_labels(config)
         return cls(**fields)
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
 
 class BertEmbeddings(nn.Module):

@@ -46,7 +46,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from atb_plugin.ops import cpu_native
-from atb_plugin.ops.packed_linear import PackedLinear, PackingRule, PackingSummary, PanelLinear
+from atb_plugin.ops.packed_linear import PackingRule, PackingSummary, PanelLinear
 
 logger = logging.getLogger(__name__)
 
@@ -165,9 +165,10 @@ class QuantizationConfig:
     def get_quant_method(self, spec: LinearSpec, prefix: str) -> LinearMethodBase:
         return self.float_method
 
-    def check_built(self, model: nn.Module) -> None:
-        """After the model is built: raise if the config names a layer the model did not build
-        through it (nothing to check for float)."""
+    def finish_building(self, model: nn.Module) -> None:
+        """After the model is built, before it loads: a config that names layers the model built
+        as plain ``nn.Linear`` (not through ``parallel_layers``) gives them their methods here
+        (``quantize.MsModelSlimConfig``); nothing for float."""
 
 
 _BUILDING: contextvars.ContextVar[QuantizationConfig | None] = contextvars.ContextVar("quant_config", default=None)

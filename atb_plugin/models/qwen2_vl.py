@@ -459,10 +459,8 @@ class Qwen2VLForConditionalGeneration(MultimodalModel):
     read through to its decoder and head) and ``visual.*`` (the tower)."""
 
     def __init__(self, config: Qwen2VLConfig):
-        super().__init__()
-        self.config = config
-        self.language_model = build_language_model(config.text)
-        self.visual = VisionTransformer(config.vision)
+        super().__init__(config, language_model=build_language_model(config.text),
+                         visual=VisionTransformer(config.vision))
 
     @property
     def model(self) -> DecoderModel:

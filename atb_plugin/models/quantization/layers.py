@@ -65,12 +65,16 @@ def frozen_parameter(tensor: torch.Tensor) -> nn.Parameter:
 
 
 class QuantLinear(nn.Module):
-    """Common parameters and the float32-scale rule; a scheme's subclass adds its tensors, and its
-    method (``QuantLinearMethod``) the product: ``forward`` is ``quant_method.apply``.
-    ``scheme``: msModelSlim's name of the subclass's scheme."""
+    """The parameters every scheme has and the float32-scale rule; a scheme with more tensors
+    subclasses it (``W8A8StaticLinear``). Its method (``QuantLinearMethod``) makes it and computes
+    the product: ``forward`` is ``quant_method.apply``."""
 
-    scheme: ClassVar[str]
     quant_method: LinearMethodBase  # set on every layer by its method (models/linear.py: attach)
+
+    @property
+    def scheme(self) -> str:
+        """msModelSlim's name of the layer's scheme."""
+        return self.quant_method.name
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device=None,
                  deq_scale_dtype: torch.dtype = torch.float32):
@@ -132,7 +136,7 @@ class QuantLinearMethod(LinearMethodBase):
     a checkpoint besides ``weight`` (and ``bias``); ``native_format``: its format in the captured
     decode step (None: it has none)."""
 
-    layer_cls: ClassVar[type[QuantLinear]]
+    layer_cls: ClassVar[type[QuantLinear]] = QuantLinear
     checkpoint_tensors: ClassVar[tuple[str, ...]] = ("weight_scale", "weight_offset")
     native_format: ClassVar[int | None] = None
 

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from torch import nn
 
 from atb_plugin.models.linear import (DECODER, LM_HEAD, ROW, LinearMethodBase, LinearSpec, QuantizationConfig,
-                                      linear_method_class)
+                                      attach, float_spec, linear_method_class)
 from atb_plugin.models.quantization import w8a8_dynamic, w8a8_static, w8a16  # noqa: F401 (their methods register)
 from atb_plugin.models.quantization.config import (FLOAT, ON_THE_FLY_SCHEME, QuantConfig, QuantizationError,
                                                    resolve_quantization)
@@ -88,13 +88,22 @@ class MsModelSlimConfig(QuantizationConfig):
         self._built.add(prefix)
         return linear_method_class(layer.scheme)(deq_scale_dtype=layer.deq_scale_dtype)
 
-    def check_built(self, model: nn.Module) -> None:
+    def finish_building(self, model: nn.Module) -> None:
+        """A described layer the model built as a plain ``nn.Linear`` (a vision tower's, not made
+        through ``parallel_layers``) gets its scheme's layer here, on the meta device, before
+        anything loads; one that is no linear layer at all is refused."""
         for module_name, layer in self.layers.items():
-            if module_name not in self._built:
-                module = model.get_submodule(module_name)
-                raise QuantizationError(
-                    f"{self.description.path}: {', '.join(layer.names)} marked {layer.scheme}, but {module_name} is a "
-                    f"{type(module).__name__}: only the language model's linear layers are quantized")
+            if module_name in self._built:
+                continue
+            parent_name, _, leaf = module_name.rpartition(".")
+            module = model.get_submodule(module_name)
+            if type(module) is not nn.Linear:
+                raise QuantizationError(f"{self.description.path}: {', '.join(layer.names)} marked {layer.scheme}, but "
+                                        f"{module_name} is a {type(module).__name__}: only linear layers are quantized")
+            spec = float_spec(module)
+            method = self.get_quant_method(spec, module_name)
+            with torch.device("meta"):
+                setattr(model.get_submodule(parent_name), leaf, attach(method.create_weights(spec), method, spec))
 
 
 def quantization_config(build_float_model: Callable[[], nn.Module], model_dir, quantization: str | None,

@@ -16,8 +16,6 @@ from atb_plugin.models.quantization.layers import QuantLinear, QuantLinearMethod
 class W8A8StaticLinear(QuantLinear):
     """``deq_scale``: float32, or msModelSlim's float16-model layout, int64 holding float32 bits."""
 
-    scheme = W8A8
-
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None,
                  deq_scale_dtype: torch.dtype = torch.float32):
         super().__init__(in_features, out_features, False, device)
