@@ -28,9 +28,9 @@ from atb_plugin import ops
 from atb_plugin.distributed import TPShard, all_reduce, divide, kv_heads_per_rank, tp_rank, tp_size
 from atb_plugin.models.base import PretrainedModel
 from atb_plugin.models.moe import MoeConfig, SparseMoeBlock
-from atb_plugin.models.linear import EXPERT, attach, linear_method
-from atb_plugin.models.parallel_layers import (VocabParallelEmbedding, column_parallel_linear, gather_vocab_logits, join,
-                                               lm_head_linear, lm_head_spec, row_parallel_linear)
+from atb_plugin.models.linear import DECODER, EXPERT, attach, linear_method
+from atb_plugin.models.parallel_layers import (VocabParallelEmbedding, column_parallel_linear, gather_vocab_logits,
+                                               join, lm_head_linear, lm_head_spec, row_parallel_linear)
 from atb_plugin.models.weights import IGNORE, OLD_ROTARY_BUFFER, STACKED_QKV_GATE_UP
 from atb_plugin.ops import AttentionMetadata
 
@@ -160,20 +160,20 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU; under TP, this rank's intermediate features (``ShardedWeights``). ``intermediate_size``
     other than the config's: a MoE layer's shared expert, whose partial output its layer reduces
-    together with the experts' (``reduce=False``), its projections of a mixture-of-experts layer."""
+    together with the experts' (``reduce=False``); its projections' ``role`` is then ``EXPERT``
+    (``models/linear.py``: quantized on the fly only in dense layers)."""
 
     def __init__(self, config: DecoderConfig, intermediate_size: int | None = None, reduce: bool = True,
-                 prefix: str = ""):
+                 prefix: str = "", role: str = DECODER):
         super().__init__()
         self.total_intermediate_size = intermediate_size or config.intermediate_size
         self.reduce = reduce
         self.intermediate_size = divide(self.total_intermediate_size, tp_size(), "intermediate_size")
         self.hidden_size = config.hidden_size
-        role = {} if reduce else {"role": EXPERT}
         self.gate_up_proj = column_parallel_linear(config.hidden_size, 2 * self.intermediate_size, False,
-                                                   join(prefix, "gate_up_proj"), **role)
+                                                   join(prefix, "gate_up_proj"), role)
         self.down_proj = row_parallel_linear(self.intermediate_size, config.hidden_size, False,
-                                             join(prefix, "down_proj"), **role)
+                                             join(prefix, "down_proj"), role)
 
     def shard_sizes(self, fused: str) -> list[int]:
         return [self.intermediate_size, self.intermediate_size]
@@ -199,8 +199,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.moe is not None and config.moe.is_sparse(index):
             shared = config.moe.shared_expert_intermediate_size
-            self.mlp = SparseMoeBlock(config.moe, config.hidden_size, MLP(
-                config, shared, reduce=False, prefix=join(prefix, "mlp.shared_expert")) if shared else None)
+            shared_expert = MLP(config, shared, reduce=False, prefix=join(prefix, "mlp.shared_expert"),
+                                role=EXPERT) if shared else None
+            self.mlp = SparseMoeBlock(config.moe, config.hidden_size, shared_expert)
         else:
             self.mlp = MLP(config, prefix=join(prefix, "mlp"))
 

@@ -234,5 +234,5 @@ def pack_linear_layers(model: nn.Module) -> PackingSummary:
 
 
 __all__ = ["COLUMN", "ROW", "REPLICATED", "DECODER", "EXPERT", "LM_HEAD", "OTHER", "LinearSpec", "LinearMethodBase",
-           "UnquantizedLinearMethod", "QuantizationConfig", "building", "linear_method", "make_linear", "register_linear_method",
-           "linear_method_class", "process_weights_after_loading", "pack_linear_layers"]
+           "UnquantizedLinearMethod", "QuantizationConfig", "building", "linear_method", "make_linear",
+           "register_linear_method", "linear_method_class", "process_weights_after_loading", "pack_linear_layers"]

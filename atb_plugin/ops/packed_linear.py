@@ -146,9 +146,9 @@ class PackingRule:
 
     @classmethod
     def current(cls) -> "PackingRule":
-        native = cpu_native.library_for(torch.float32, torch.device("cpu")) is not None
-        native_dtypes = ((torch.float32, torch.bfloat16) if native_bf16_preferred() else (torch.float32,)) if native else ()
-        return cls(native_dtypes, packable_dtypes())
+        if cpu_native.library_for(torch.float32, torch.device("cpu")) is None:
+            return cls((), packable_dtypes())
+        return cls((torch.float32, torch.bfloat16) if native_bf16_preferred() else (torch.float32,), packable_dtypes())
 
     def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
         """``weight`` (and ``bias``) packed: a ``PanelLinear``, a ``PackedLinear``, or None where

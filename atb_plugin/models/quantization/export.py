@@ -5,9 +5,9 @@
 
 OUT_DIR gets ``model.safetensors`` (the language model's decoder projections quantized, every
 other tensor as it was), ``quant_model_description.json`` and MODEL_DIR's other files
-(config.json, tokenizer, templates) copied. The layers and the weight quantization are
-the on-the-fly config's (``quantize.language_model_linears``, ``layers.quantize_weight``), so loading the export gives the
-same int8 weights and scales as ``--quantization`` on MODEL_DIR (with float32 weights).
+(config.json, tokenizer, templates) copied. The layers and the weight quantization are the
+on-the-fly config's (``quantize.language_model_linears``, ``layers.quantize_weight``), so loading
+the export gives the same int8 weights and scales as ``--quantization`` on MODEL_DIR (with float32 weights).
 
 Static W8A8 (``--method w8a8``) also needs each layer's activation range: the float model runs
 the calibration text below (``CALIBRATION_TEXT``, a few sentences of plain English written for
