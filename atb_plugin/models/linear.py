@@ -209,12 +209,11 @@ def process_weights_after_loading(model: nn.Module, config: QuantizationConfig) 
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             method = getattr(child, "quant_method", None)
-            if method is None:
-                if type(child) is not nn.Linear:
-                    continue
-                method = config.float_method
-                attach(child, method, float_spec(child))
-            if isinstance(method, UnquantizedLinearMethod):
+            if method is None and type(child) is not nn.Linear:
+                continue
+            if method is None or isinstance(method, UnquantizedLinearMethod):
+                method = config.float_method  # whether float layers pack is this load's choice
+                attach(child, method, getattr(child, "linear_spec", None) or float_spec(child))
                 if not method.packs(child):
                     continue
                 served = method.process_weights_after_loading(child, rule)
