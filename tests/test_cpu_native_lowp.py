@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from atb_plugin.ops import cpu_native
-from atb_plugin.ops.packed_linear import PanelLinear, native_bf16_preferred, pack_linear_layers
+from atb_plugin.models.linear import pack_linear_layers
+from atb_plugin.ops.packed_linear import PanelLinear, native_bf16_preferred
 
 ROWS = (1, 3, 32, 100)
 SHAPES = ((100, 77), (67, 33), (576, 131), (40, 64))  # (in, out): in not a multiple of 32, out odd

@@ -13,7 +13,8 @@ from atb_plugin import LLM, SamplingParams
 from atb_plugin.engine.config import EngineConfig
 from atb_plugin.engine.worker import load_model
 from atb_plugin.ops import cpu_native
-from atb_plugin.ops.packed_linear import PackedLinear, PanelLinear, pack_linear_layers, packable_dtypes
+from atb_plugin.models.linear import pack_linear_layers
+from atb_plugin.ops.packed_linear import PackedLinear, PanelLinear, packable_dtypes
 from atb_plugin.testing.tiny import tiny_checkpoint
 
 pytestmark = pytest.mark.skipif(torch.float32 not in packable_dtypes(), reason="PyTorch built without oneDNN")

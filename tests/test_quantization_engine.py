@@ -88,7 +88,7 @@ def test_quantized_lm_head_holds_the_quantized_float_head(family, quantization):
     and the logits are that layer's product of the final hidden states."""
     from routers import get_router
     from atb_plugin import ops
-    from atb_plugin.models.quantization.quantize import quantize_weight
+    from atb_plugin.models.quantization.layers import quantize_weight
 
     model_dir = tiny_checkpoint(family)
     model_cls = get_router(model_dir).model_cls

@@ -17,7 +17,8 @@ from atb_plugin.models.weights import WeightLoadingError
 from atb_plugin.models.quantization import QuantizationError, read_quant_config, resolve_quantization
 from atb_plugin.models.quantization.config import QuantConfig
 from atb_plugin.models.quantization.export import export, main as export_main
-from atb_plugin.models.quantization.layers import QuantLinear, W8A8StaticLinear
+from atb_plugin.models.quantization.layers import QuantLinear
+from atb_plugin.models.quantization.w8a8_static import W8A8StaticLinear
 from atb_plugin.testing.sequence import SequenceRunner
 from atb_plugin.testing.tiny import tiny_checkpoint
 

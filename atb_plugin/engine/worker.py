@@ -46,12 +46,11 @@ def load_model(config: EngineConfig, device):
     hf_config = config.checkpoint_config() if pooling else {}
     if pooling:
         model_cls = as_pooling_model(model_cls, config.convert, hf_config)
+    # A generating model's tied head gets its own layer, packed or quantized like the others.
     model = model_cls.from_pretrained(config.model, dtype=_TORCH_DTYPES[config.dtype], device=device,
-                                      quantization=config.quantization, quantize_lm_head=config.quantize_lm_head)
-    if not pooling:
-        model.get_language_model().share_tied_lm_head()  # a swapped-in head (packing) is the tied one too
-    # Before the pooler is built: it must hold the modules the platform swapped in.
-    platform_for(config.device).prepare_model(model, pack_weights=config.pack_weights)
+                                      quantization=config.quantization, quantize_lm_head=config.quantize_lm_head,
+                                      pack_weights=config.pack_weights, share_lm_head=not pooling)
+    platform_for(config.device).prepare_model(model)
     pooler = model.build_pooler(pooler_config(config.model, model_cls.default_pooling_type,
                                               hf_config.get("pooler_config"))) if pooling else None
     return model, pooler

@@ -10,9 +10,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from atb_plugin.models.linear import building, process_weights_after_loading
+from atb_plugin.models.quantization.layers import QUANT_KINDS
+from atb_plugin.models.quantization.quantize import quantization_config
 from atb_plugin.models.weights import IGNORE, FusedWeights, load_checkpoint
 from atb_plugin.multimodal.wire import PixelNormalization
-from atb_plugin.models.quantization.layers import QUANT_KINDS
 
 
 class PretrainedModel(nn.Module):
@@ -61,28 +63,32 @@ class PretrainedModel(nn.Module):
 
     @classmethod
     def from_pretrained(cls, model_dir, dtype: torch.dtype = torch.float32, device=None,
-                        quantization: str | None = None, quantize_lm_head: bool = False) -> "PretrainedModel":
-        """``quantization`` (docs/quantization.md): an msModelSlim checkpoint's quantized layers
-        are built before its weights load (the flag may be None or must agree); a float
-        checkpoint's language-model projections are quantized after they load (w8a16 / w8a8),
-        and its LM head with ``quantize_lm_head``."""
-        from atb_plugin.models.quantization import quantize, resolve_quantization  # loaded on use
-
-        raw = json.loads((Path(model_dir) / "config.json").read_text())
+                        quantization: str | None = None, quantize_lm_head: bool = False, *,
+                        pack_weights: bool = False, share_lm_head: bool = False) -> "PretrainedModel":
+        """The model, its linear layers each made, loaded and finished by its method
+        (``models/linear.py``; docs/quantization.md): ``quantization``, an msModelSlim
+        checkpoint's described layers (the flag may be None or must agree), or a float
+        checkpoint's language-model projections quantized on the fly (w8a16 / w8a8), and its LM
+        head with ``quantize_lm_head``; ``pack_weights``: CPU float layers packed for the CPU
+        kernels (``ops.packed_linear``); ``share_lm_head``: a tied LM head gets a layer of its own
+        (``share_tied_lm_head``: a generating engine's, so that it is packed too)."""
+        hf_config = cls.config_from_hf(json.loads((Path(model_dir) / "config.json").read_text()))
         device = torch.device(device or "cpu")
-        method, described = resolve_quantization(model_dir, quantization, quantize_lm_head)
         # Built on the meta device: no time spent initialising weights the checkpoint overwrites
         # (load_checkpoint refuses to leave any parameter unfilled).
         with torch.device("meta"):
-            model = cls(cls.config_from_hf(raw))
-        if described is not None:
-            quantize.prepare_checkpoint_layers(model, described, model_dir)
+            quant_config = quantization_config(lambda: cls(hf_config), model_dir, quantization, quantize_lm_head,
+                                               pack_weights)
+            with building(quant_config):
+                model = cls(hf_config)
+        quant_config.finish_building(model)
         model = model.to_empty(device=device).to(dtype)
         model.init_non_persistent(device)
         load_checkpoint(model, model_dir, dtype)
         model.read_checkpoint_files(Path(model_dir))
-        if method is not None and described is None:
-            quantize.quantize_model(model, method, lm_head=quantize_lm_head)
+        if share_lm_head or quantize_lm_head:
+            model.get_language_model().share_tied_lm_head()
+        process_weights_after_loading(model, quant_config)
         return model.eval()
 
     def init_non_persistent(self, device) -> None:
@@ -108,6 +114,14 @@ class MultimodalModel(PretrainedModel):
 
     language_model: nn.Module
     pixel_normalization: PixelNormalization = PixelNormalization()
+
+    def __init__(self, config, **modules: nn.Module):
+        """``config``: the family's; ``modules``: its encoder(s), projector and ``language_model``
+        (``decoder.build_language_model``) by name, registered in that order."""
+        super().__init__()
+        self.config = config
+        for name, module in modules.items():
+            self.add_module(name, module)
 
     def read_checkpoint_files(self, model_dir: Path) -> None:
         path = model_dir / "preprocessor_config.json"

@@ -36,7 +36,9 @@ from torch import nn
 from atb_plugin import ops
 from atb_plugin.distributed import TPShard, all_reduce, divide, tp_size
 from atb_plugin.models.base import PretrainedModel
-from atb_plugin.models.clip import activation
+from atb_plugin.models.clip import HeadsSplitHidden, activation
+from atb_plugin.models.linear import OTHER
+from atb_plugin.models.parallel_layers import column_parallel_linear, join, row_parallel_linear
 from atb_plugin.models.poolers import DispatchPooler, embedding_pooler
 from atb_plugin.models.pooling_adapters import classification_poolers, num_labels
 from atb_plugin.models.weights import IGNORE
@@ -47,7 +49,7 @@ _BUFFERS = {"embeddings.position_ids"}  # known checkpoint tensors that are not 
 
 
 @dataclass(frozen=True)
-class BertConfig:
+class BertConfig(HeadsSplitHidden):
     vocab_size: int
     hidden_size: int = 768
     num_hidden_layers: int = 12
@@ -75,10 +77,6 @@ class BertConfig:
         fields["num_labels"] = num_labels(config)
         return cls(**fields)
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
 
 class BertEmbeddings(nn.Module):
     def __init__(self, config: BertConfig):
@@ -97,12 +95,12 @@ class BertSelfAttention(nn.Module):
     """Under tensor parallelism: this rank's heads (column-parallel ``qkv``); its output is this
     rank's slice of the context, which the row-parallel ``BertDenseNorm`` after it reduces."""
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, prefix: str):
         super().__init__()
         self.num_heads, self.head_dim = divide(config.num_attention_heads, tp_size(), "num_attention_heads"), config.head_dim
         self.total_hidden_size = config.hidden_size
         self.hidden_size = self.num_heads * self.head_dim
-        self.qkv = nn.Linear(config.hidden_size, 3 * self.hidden_size)
+        self.qkv = column_parallel_linear(config.hidden_size, 3 * self.hidden_size, True, join(prefix, "qkv"), OTHER)
         self.scale = self.head_dim**-0.5
 
     def shard_sizes(self, fused: str) -> list[int]:
@@ -123,10 +121,10 @@ class BertDenseNorm(nn.Module):
     """``LayerNorm(residual + dense(x))`` (BertSelfOutput and BertOutput); ``dense`` is
     row-parallel under tensor parallelism (``in_features`` is this rank's share)."""
 
-    def __init__(self, in_features: int, config: BertConfig):
+    def __init__(self, in_features: int, config: BertConfig, prefix: str):
         super().__init__()
         self.in_features, self.hidden_size = in_features, config.hidden_size
-        self.dense = nn.Linear(in_features, config.hidden_size)
+        self.dense = row_parallel_linear(in_features, config.hidden_size, True, join(prefix, "dense"), OTHER)
         self.LayerNorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
 
     def tp_shard(self, leaf: str, kind: str, shard: int | None) -> TPShard | None:
@@ -137,10 +135,10 @@ class BertDenseNorm(nn.Module):
 
 
 class BertAttention(nn.Module):
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, prefix: str):
         super().__init__()
-        self.self = BertSelfAttention(config)
-        self.output = BertDenseNorm(self.self.hidden_size, config)
+        self.self = BertSelfAttention(config, join(prefix, "self"))
+        self.output = BertDenseNorm(self.self.hidden_size, config, join(prefix, "output"))
 
     def forward(self, hidden, cu_seqlens):
         return self.output(self.self(hidden, cu_seqlens), hidden)
@@ -149,10 +147,11 @@ class BertAttention(nn.Module):
 class BertIntermediate(nn.Module):
     """Column-parallel under tensor parallelism: this rank's intermediate features."""
 
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, prefix: str):
         super().__init__()
         self.intermediate_size = divide(config.intermediate_size, tp_size(), "intermediate_size")
-        self.dense = nn.Linear(config.hidden_size, self.intermediate_size)
+        self.dense = column_parallel_linear(config.hidden_size, self.intermediate_size, True, join(prefix, "dense"),
+                                            OTHER)
         self.act = activation(config.hidden_act)
 
     def tp_shard(self, leaf: str, kind: str, shard: int | None) -> TPShard | None:
@@ -163,11 +162,11 @@ class BertIntermediate(nn.Module):
 
 
 class BertLayer(nn.Module):
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, prefix: str):
         super().__init__()
-        self.attention = BertAttention(config)
-        self.intermediate = BertIntermediate(config)
-        self.output = BertDenseNorm(self.intermediate.intermediate_size, config)
+        self.attention = BertAttention(config, join(prefix, "attention"))
+        self.intermediate = BertIntermediate(config, join(prefix, "intermediate"))
+        self.output = BertDenseNorm(self.intermediate.intermediate_size, config, join(prefix, "output"))
 
     def forward(self, hidden, cu_seqlens):
         attended = self.attention(hidden, cu_seqlens)
@@ -175,9 +174,10 @@ class BertLayer(nn.Module):
 
 
 class BertEncoder(nn.Module):
-    def __init__(self, config: BertConfig):
+    def __init__(self, config: BertConfig, prefix: str = "encoder"):
         super().__init__()
-        self.layer = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+        self.layer = nn.ModuleList(BertLayer(config, join(prefix, f"layer.{index}"))
+                                   for index in range(config.num_hidden_layers))
 
 
 class BertPooler(nn.Module):

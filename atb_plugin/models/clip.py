@@ -71,8 +71,33 @@ def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
 # --------------------------------------------------------------------------------------------------
 
 
+class HeadsSplitHidden:
+    """For an encoder's config whose attention heads split ``hidden_size`` evenly (CLIP, BERT)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+class PreNormEncoderLayer(nn.Module):
+    """A pre-LayerNorm transformer encoder layer (CLIP's, Qwen-VL's tower's):
+    ``x + attn(norm1(x))``, then ``+ mlp(norm2(x))``. ``names``: the family's names of
+    ``(norm1, attn, norm2, mlp)``, its checkpoint's; ``attn`` takes ``(x, cu_seqlens)``."""
+
+    def __init__(self, names: tuple[str, str, str, str], width: int, eps: float, attn: nn.Module, mlp: nn.Module):
+        super().__init__()
+        self._names = names
+        for name, module in zip(names, (nn.LayerNorm(width, eps=eps), attn, nn.LayerNorm(width, eps=eps), mlp)):
+            self.add_module(name, module)
+
+    def forward(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        norm1, attn, norm2, mlp = (getattr(self, name) for name in self._names)
+        hidden = hidden + attn(norm1(hidden), cu_seqlens)
+        return hidden + mlp(norm2(hidden))
+
+
 @dataclass(frozen=True)
-class CLIPVisionConfig:
+class CLIPVisionConfig(HeadsSplitHidden):
     hidden_size: int = 1024  # defaults: transformers' CLIPVisionConfig as LLaVA-1.5 uses it
     intermediate_size: int = 4096  # (ViT-L/14 at 336 px), for published configs that omit keys
     num_hidden_layers: int = 24
@@ -100,10 +125,6 @@ class CLIPVisionConfig:
     @property
     def num_patches(self) -> int:
         return (self.image_size // self.patch_size) ** 2
-
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
 
 
 class CLIPVisionEmbeddings(nn.Module):
@@ -156,17 +177,10 @@ class CLIPMLP(nn.Module):
         return self.fc2(self.act(self.fc1(hidden)))
 
 
-class CLIPEncoderLayer(nn.Module):
+class CLIPEncoderLayer(PreNormEncoderLayer):
     def __init__(self, config: CLIPVisionConfig):
-        super().__init__()
-        self.layer_norm1 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.self_attn = CLIPAttention(config)
-        self.layer_norm2 = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.mlp = CLIPMLP(config)
-
-    def forward(self, hidden: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.layer_norm1(hidden), cu_seqlens)
-        return hidden + self.mlp(self.layer_norm2(hidden))
+        super().__init__(("layer_norm1", "self_attn", "layer_norm2", "mlp"), config.hidden_size, config.layer_norm_eps,
+                         CLIPAttention(config), CLIPMLP(config))
 
 
 class CLIPEncoder(nn.Module):

@@ -28,7 +28,9 @@ from atb_plugin import ops
 from atb_plugin.distributed import TPShard, all_reduce, divide, kv_heads_per_rank, tp_rank, tp_size
 from atb_plugin.models.base import PretrainedModel
 from atb_plugin.models.moe import MoeConfig, SparseMoeBlock
-from atb_plugin.models.parallel_layers import VocabParallelEmbedding, gather_vocab_logits
+from atb_plugin.models.linear import DECODER, EXPERT, attach, linear_method
+from atb_plugin.models.parallel_layers import (VocabParallelEmbedding, column_parallel_linear, gather_vocab_logits,
+                                               join, lm_head_linear, lm_head_spec, row_parallel_linear)
 from atb_plugin.models.weights import IGNORE, OLD_ROTARY_BUFFER, STACKED_QKV_GATE_UP
 from atb_plugin.ops import AttentionMetadata
 
@@ -103,7 +105,7 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """GQA attention; under TP, this rank's heads (``ShardedWeights``)."""
 
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, prefix: str = ""):
         super().__init__()
         tp = tp_size()
         self.total_q_size = config.num_attention_heads * config.head_dim
@@ -116,8 +118,9 @@ class Attention(nn.Module):
                               else tp_rank() // (tp // config.num_key_value_heads))
         self.head_dim = config.head_dim
         self.q_size, self.kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = column_parallel_linear(config.hidden_size, self.q_size + 2 * self.kv_size, config.qkv_bias,
+                                               join(prefix, "qkv_proj"))
+        self.o_proj = row_parallel_linear(self.q_size, config.hidden_size, False, join(prefix, "o_proj"))
         # Qwen3: one RMSNorm weight of head_dim shared by all query heads, one by all key heads:
         # replicated under TP (every rank's heads use the whole weight).
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -157,16 +160,20 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     """SwiGLU; under TP, this rank's intermediate features (``ShardedWeights``). ``intermediate_size``
     other than the config's: a MoE layer's shared expert, whose partial output its layer reduces
-    together with the experts' (``reduce=False``)."""
+    together with the experts' (``reduce=False``); its projections' ``role`` is then ``EXPERT``
+    (``models/linear.py``: quantized on the fly only in dense layers)."""
 
-    def __init__(self, config: DecoderConfig, intermediate_size: int | None = None, reduce: bool = True):
+    def __init__(self, config: DecoderConfig, intermediate_size: int | None = None, reduce: bool = True,
+                 prefix: str = "", role: str = DECODER):
         super().__init__()
         self.total_intermediate_size = intermediate_size or config.intermediate_size
         self.reduce = reduce
         self.intermediate_size = divide(self.total_intermediate_size, tp_size(), "intermediate_size")
         self.hidden_size = config.hidden_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(self.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = column_parallel_linear(config.hidden_size, 2 * self.intermediate_size, False,
+                                                   join(prefix, "gate_up_proj"), role)
+        self.down_proj = row_parallel_linear(self.intermediate_size, config.hidden_size, False,
+                                             join(prefix, "down_proj"), role)
 
     def shard_sizes(self, fused: str) -> list[int]:
         return [self.intermediate_size, self.intermediate_size]
@@ -185,17 +192,18 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: DecoderConfig, index: int = 0):
+    def __init__(self, config: DecoderConfig, index: int = 0, prefix: str = ""):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, join(prefix, "self_attn"))
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         if config.moe is not None and config.moe.is_sparse(index):
             shared = config.moe.shared_expert_intermediate_size
-            self.mlp = SparseMoeBlock(config.moe, config.hidden_size,
-                                      MLP(config, shared, reduce=False) if shared else None)
+            shared_expert = MLP(config, shared, reduce=False, prefix=join(prefix, "mlp.shared_expert"),
+                                role=EXPERT) if shared else None
+            self.mlp = SparseMoeBlock(config.moe, config.hidden_size, shared_expert)
         else:
-            self.mlp = MLP(config)
+            self.mlp = MLP(config, prefix=join(prefix, "mlp"))
 
     def forward(self, hidden, cos, sin, kv_cache, metadata):
         hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, kv_cache, metadata)
@@ -203,11 +211,12 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, prefix: str = ""):
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i, join(prefix, f"layers.{i}"))
+                                    for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = ops.RotaryEmbedding(config.head_dim, config.rope, config.mrope_section)
         self.captured_decode = None  # a NativeDecodeStep once the engine captured one (capture_decode_step)
@@ -237,15 +246,25 @@ class DecoderForCausalLM(PretrainedModel):
     - ``make_kv_caches(num_blocks, block_size)``; ``capture_decode_step(kv_caches, max_rows)``
       where the platform replays captured decode steps; ``load_weights(pairs)`` -> names filled;
       ``accepts_weight(name)`` says whether a checkpoint tensor belongs to the model.
+
+    ``prefix``: its module path in the model that holds it ("" at the root; a VL model's
+    ``language_model``), the start of its linear layers' paths (``models/linear.py``).
     """
 
-    def __init__(self, config: DecoderConfig):
+    def __init__(self, config: DecoderConfig, prefix: str = ""):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
+        self.model = DecoderModel(config, join(prefix, "model"))
         # Vocabulary-parallel like the embedding (the same rows per rank: a tied head is its weight).
         rows = self.model.embed_tokens.num_embeddings
-        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, rows, bias=False)
+        head = join(prefix, "lm_head")
+        self.lm_head = None if config.tie_word_embeddings else lm_head_linear(config.hidden_size, rows, head)
+        # A tied head's own layer is made after loading (share_tied_lm_head), by the method the
+        # head is given now, while the model is built under its quantization config.
+        self._tied_head = None
+        if self.lm_head is None:
+            spec = lm_head_spec(config.hidden_size, rows)
+            self._tied_head = spec, linear_method(spec, head)
 
     def tp_shard(self, leaf: str, kind: str, shard: int | None) -> TPShard | None:
         return self.model.embed_tokens.tp_shard() if leaf == "lm_head" else None
@@ -270,13 +289,16 @@ class DecoderForCausalLM(PretrainedModel):
         return gather_vocab_logits(logits, self.config.vocab_size)
 
     def share_tied_lm_head(self) -> None:
-        """Give a tied head a module of its own over the embedding's weight (the same tensor, not
-        a copy), so that a platform swapping linear layers (the CPU's ``pack_linear_layers``)
-        swaps the head too. Called after loading (the checkpoint fills the embedding; a tied
-        checkpoint's ``lm_head.weight`` stays ignored), and only for a model that generates."""
-        if self.lm_head is None and self.config.tie_word_embeddings:
-            weight = self.model.embed_tokens.weight
-            head = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta")
+        """Give a tied head a layer of its own over the embedding's weight (the same tensor, not a
+        copy), made by the method the head was given when the model was built, so that its
+        ``process_weights_after_loading`` packs or quantizes the head like any linear layer (a
+        copy; the embedding keeps its float rows). Called after loading (the checkpoint fills the
+        embedding; a tied checkpoint's ``lm_head.weight`` stays ignored), and only for a model that
+        generates (``PretrainedModel.from_pretrained``)."""
+        if self.lm_head is None and self._tied_head is not None:
+            spec, method = self._tied_head
+            with torch.device("meta"):
+                head = attach(method.create_weights(spec), method, spec)
             head.weight = self.model.embed_tokens.weight
             self.lm_head = head
 
@@ -308,6 +330,12 @@ class DecoderForCausalLM(PretrainedModel):
         if OLD_ROTARY_BUFFER.match(name) or (name == "lm_head.weight" and self.lm_head is None):
             return IGNORE  # known and deliberately unused (tied head, rotary buffers)
         return name
+
+
+def build_language_model(config: DecoderConfig) -> DecoderForCausalLM:
+    """A multimodal model's text half, which it holds as ``language_model`` (the module path its
+    linear layers' paths start with: models/linear.py)."""
+    return DecoderForCausalLM(config, prefix="language_model")
 
 
 class Qwen2ForCausalLM(DecoderForCausalLM):

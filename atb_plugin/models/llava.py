@@ -31,9 +31,9 @@ from torch import nn
 
 from atb_plugin.models.base import MultimodalModel
 from atb_plugin.models.clip import CLIPVisionConfig, CLIPVisionModel, activation
-from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM
+from atb_plugin.models.decoder import DecoderConfig, build_language_model
 from atb_plugin.models.interfaces import MultimodalProcessingInfo
-from atb_plugin.models.weights import STACKED_QKV_GATE_UP, prefixed_name
+from atb_plugin.models.weights import PROJECTOR_AND_LANGUAGE_MODEL_PREFIXES, STACKED_QKV_GATE_UP, prefixed_name
 from atb_plugin.multimodal.pixels import ChwImageFormat
 from atb_plugin.multimodal.wire import LLAVA_BLOCK
 
@@ -55,14 +55,8 @@ _TEXT_MODEL_TYPES = {"llama": False, "qwen2": True}  # model_type -> q/k/v biase
 _PREFIXES = (
     ("vision_tower.vision_model.", "vision_tower."),
     ("model.vision_tower.", "vision_tower."),
-    ("multi_modal_projector.", "multi_modal_projector."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-    ("language_model.model.", "language_model.model."),
-    ("model.language_model.", "language_model.model."),
-    ("language_model.lm_head.", "language_model.lm_head."),
-    ("lm_head.", "language_model.lm_head."),
+    *PROJECTOR_AND_LANGUAGE_MODEL_PREFIXES,
 )
-
 
 
 @dataclass(frozen=True)
@@ -125,11 +119,9 @@ class LlavaMultiModalProjector(nn.Module):
 
 class LlavaForConditionalGeneration(MultimodalModel):
     def __init__(self, config: LlavaConfig):
-        super().__init__()
-        self.config = config
-        self.vision_tower = CLIPVisionModel(config.vision)
-        self.multi_modal_projector = LlavaMultiModalProjector(config)
-        self.language_model = DecoderForCausalLM(config.text)
+        super().__init__(config, vision_tower=CLIPVisionModel(config.vision),
+                         multi_modal_projector=LlavaMultiModalProjector(config),
+                         language_model=build_language_model(config.text))
         self._feature_indices = [self.vision_tower.layer_index(layer) for layer in config.feature_layers]
 
     @classmethod

@@ -10,9 +10,10 @@ area for the activations; each decode step then hands this step's inputs (embedd
 tables, slots, block tables, lengths) to ``decode_step_f32`` (csrc/cpu_kernels.c), which runs
 every layer and the final norm in C with the same kernels as the eager path, in the same order.
 
-Each linear layer enters the plan in its own format (``CapturableLinear``): float32 or bfloat16
-panels (``PanelLinear``), int8 rows with their scales (W8A16 and dynamic W8A8 layers, whose eager
-forward calls the same native int8 kernels). The activations are float32 in every case. So a
+Each linear layer enters the plan in its own format, which its method names
+(``LinearMethodBase.native_operands``, models/linear.py): float32 or bfloat16 panels (the float
+method's ``PanelLinear``), int8 rows with their scales (W8A16 and dynamic W8A8 layers, whose
+eager forward calls the same native int8 kernels). The activations are float32 in every case. So a
 float32 model's step, quantized or not, is bit-identical to its eager path
 (tests/test_native_decode.py); a bfloat16 model's is not: it keeps its weights and KV cache in
 bfloat16 but no longer rounds every activation to bfloat16 as its eager ops do, so it sits closer
@@ -29,22 +30,12 @@ captured; prefill and mixed steps take the eager forward. ``EngineConfig.enforce
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
-
 import torch
 
 from atb_plugin.ops import AttentionMetadata, cpu_native
 
 # The KV cache dtypes the plan reads and writes (csrc/cpu_kernels.c, decode_model.kv_bf16).
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
-
-
-@runtime_checkable
-class CapturableLinear(Protocol):
-    """A linear layer the captured step can run: ``native_operands`` names the tensors the native
-    kernel of its format reads, or says (a string) why it cannot be captured as it is now."""
-
-    def native_operands(self) -> cpu_native.LinearOperands | str: ...
 
 
 class NativeDecodeStep:
@@ -121,8 +112,7 @@ def _operands(layer) -> list[cpu_native.LinearOperands] | str:
     """The layer's four linear layers as the plan takes them, or why one cannot be captured."""
     found = []
     for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-        operands = linear.native_operands() if isinstance(linear, CapturableLinear) else (
-            f"{type(linear).__name__} has no native form (pack_weights off, or a format the plan lacks)")
+        operands = linear.quant_method.native_operands(linear)
         if isinstance(operands, str):
             return f"a linear layer cannot be captured: {operands}"
         found.append(operands)

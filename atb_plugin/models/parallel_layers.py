@@ -1,5 +1,11 @@
-"""Vocabulary-parallel embedding and logits: the layers tensor parallelism needs beyond plain
-``nn.Linear`` shards (those are split by their owner modules: ``decoder.Attention`` / ``MLP``).
+"""The layers tensor parallelism splits: column- and row-parallel linear layers (this rank's
+output rows, or input columns: their owner modules, ``decoder.Attention`` / ``MLP``, say which
+rows or columns through ``ShardedWeights.tp_shard``), the LM head, and the vocabulary-parallel
+embedding and logits.
+
+A linear layer is built knowing how it is split (``models/linear.py``, ``LinearSpec``): the
+method its model's quantization config gives it reads that (a row-parallel layer quantized on the
+fly takes each row's scale over all ranks).
 
 The vocabulary is cut into ``tp_size()`` equal runs of ``ceil(vocab / tp)`` rows; the last run is
 padded with zero rows when the vocabulary does not divide (no start-up error: any vocabulary
@@ -13,7 +19,36 @@ from torch import nn
 from torch.nn import functional as F
 
 from atb_plugin.distributed import TPShard, all_gather, all_reduce, tp_rank, tp_size
+from atb_plugin.models.linear import COLUMN, DECODER, LM_HEAD, ROW, LinearSpec, make_linear
 from atb_plugin.utils import cdiv
+
+
+def column_parallel_linear(in_features: int, out_features: int, bias: bool, prefix: str,
+                           role: str = DECODER) -> nn.Module:
+    """A linear layer over this rank's ``out_features`` output rows (every input column)."""
+    return make_linear(LinearSpec(in_features, out_features, bias, COLUMN, role), prefix)
+
+
+def row_parallel_linear(in_features: int, out_features: int, bias: bool, prefix: str,
+                        role: str = DECODER) -> nn.Module:
+    """A linear layer over this rank's ``in_features`` input columns of every output row; its
+    owner all-reduces the partial products."""
+    return make_linear(LinearSpec(in_features, out_features, bias, ROW, role), prefix)
+
+
+def lm_head_spec(hidden_size: int, rows: int) -> LinearSpec:
+    """The LM head over this rank's vocabulary rows (``VocabParallelEmbedding.num_embeddings``):
+    column-parallel, its rows whole."""
+    return LinearSpec(hidden_size, rows, False, COLUMN, LM_HEAD)
+
+
+def lm_head_linear(hidden_size: int, rows: int, prefix: str) -> nn.Module:
+    return make_linear(lm_head_spec(hidden_size, rows), prefix)
+
+
+def join(prefix: str, name: str) -> str:
+    """A child's module path under ``prefix`` (the model's root: "")."""
+    return f"{prefix}.{name}" if prefix else name
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -36,9 +36,9 @@ from torch import nn
 
 from atb_plugin import ops
 from atb_plugin.models.base import MultimodalModel
-from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM
+from atb_plugin.models.decoder import DecoderConfig, build_language_model
 from atb_plugin.models.interfaces import MultimodalProcessingInfo
-from atb_plugin.models.weights import STACKED_QKV_GATE_UP, prefixed_name
+from atb_plugin.models.weights import PROJECTOR_AND_LANGUAGE_MODEL_PREFIXES, STACKED_QKV_GATE_UP, prefixed_name
 from atb_plugin.multimodal.pixels import PixelFormatError
 from atb_plugin.multimodal.wire import QWEN2_AUDIO_BLOCK, qwen2_audio_tokens
 
@@ -62,12 +62,7 @@ _QWEN2_DEFAULTS = {
 _PREFIXES = (
     ("audio_tower.", "audio_tower."),
     ("model.audio_tower.", "audio_tower."),
-    ("multi_modal_projector.", "multi_modal_projector."),
-    ("model.multi_modal_projector.", "multi_modal_projector."),
-    ("language_model.model.", "language_model.model."),
-    ("model.language_model.", "language_model.model."),
-    ("language_model.lm_head.", "language_model.lm_head."),
-    ("lm_head.", "language_model.lm_head."),
+    *PROJECTOR_AND_LANGUAGE_MODEL_PREFIXES,
 )
 
 
@@ -182,11 +177,9 @@ class Qwen2AudioMultiModalProjector(nn.Module):
 
 class Qwen2AudioForConditionalGeneration(MultimodalModel):
     def __init__(self, config: Qwen2AudioConfig):
-        super().__init__()
-        self.config = config
-        self.audio_tower = AudioEncoder(config.audio)
-        self.multi_modal_projector = Qwen2AudioMultiModalProjector(config)
-        self.language_model = DecoderForCausalLM(config.text)
+        super().__init__(config, audio_tower=AudioEncoder(config.audio),
+                         multi_modal_projector=Qwen2AudioMultiModalProjector(config),
+                         language_model=build_language_model(config.text))
 
     @classmethod
     def config_from_hf(cls, config: dict) -> Qwen2AudioConfig:

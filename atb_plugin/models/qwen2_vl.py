@@ -45,7 +45,7 @@ from torch import nn
 
 from atb_plugin import ops
 from atb_plugin.models.base import MultimodalModel
-from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM, DecoderModel, RMSNorm
+from atb_plugin.models.decoder import DecoderConfig, DecoderModel, RMSNorm, build_language_model
 from atb_plugin.models.interfaces import MultimodalProcessingInfo
 from atb_plugin.models.weights import IGNORE, STACKED_QKV_GATE_UP
 from atb_plugin.multimodal import MediaLayout
@@ -458,10 +458,8 @@ class Qwen2VLForConditionalGeneration(MultimodalModel):
     read through to its decoder and head) and ``visual.*`` (the tower)."""
 
     def __init__(self, config: Qwen2VLConfig):
-        super().__init__()
-        self.config = config
-        self.language_model = DecoderForCausalLM(config.text)
-        self.visual = VisionTransformer(config.vision)
+        super().__init__(config, language_model=build_language_model(config.text),
+                         visual=VisionTransformer(config.vision))
 
     @property
     def model(self) -> DecoderModel:

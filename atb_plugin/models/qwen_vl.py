@@ -52,7 +52,8 @@ from torch import nn
 
 from atb_plugin import ops
 from atb_plugin.models.base import MultimodalModel
-from atb_plugin.models.decoder import DecoderConfig, DecoderForCausalLM
+from atb_plugin.models.clip import PreNormEncoderLayer
+from atb_plugin.models.decoder import DecoderConfig, build_language_model
 from atb_plugin.models.interfaces import MultimodalProcessingInfo
 from atb_plugin.models.weights import IGNORE, STACKED_QKV_GATE_UP
 from atb_plugin.multimodal.pixels import ChwImageFormat
@@ -227,17 +228,10 @@ class VisualMLP(nn.Module):
         return self.c_proj(F.gelu(self.c_fc(x)))  # nn.GELU(): exact erf
 
 
-class VisualAttentionBlock(nn.Module):
+class VisualAttentionBlock(PreNormEncoderLayer):
     def __init__(self, config: QwenVisionConfig):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(config.width, eps=config.layer_norm_eps)
-        self.attn = VisualAttention(config.width, config.heads)
-        self.ln_2 = nn.LayerNorm(config.width, eps=config.layer_norm_eps)
-        self.mlp = VisualMLP(config.width, config.mlp_width)
-
-    def forward(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x), cu_seqlens)
-        return x + self.mlp(self.ln_2(x))
+        super().__init__(("ln_1", "attn", "ln_2", "mlp"), config.width, config.layer_norm_eps,
+                         VisualAttention(config.width, config.heads), VisualMLP(config.width, config.mlp_width))
 
 
 class TransformerBlock(nn.Module):
@@ -370,10 +364,8 @@ class QwenVLForCausalLM(MultimodalModel):
     ``get_multimodal_embeddings`` (see ``atb_plugin.multimodal``)."""
 
     def __init__(self, config: QwenVLConfig):
-        super().__init__()
-        self.config = config
-        self.visual = VisionTransformer(config.vision)
-        self.language_model = DecoderForCausalLM(config.text)
+        super().__init__(config, visual=VisionTransformer(config.vision),
+                         language_model=build_language_model(config.text))
         
     @classmethod
     def config_from_hf(cls, config: dict) -> QwenVLConfig:

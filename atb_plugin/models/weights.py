@@ -31,6 +31,18 @@ from atb_plugin.models.quantization.layers import FLOAT32_KINDS, PER_TENSOR_KIND
 IGNORE = ""  # what a rename function returns for a known checkpoint tensor the model does not use
 OLD_ROTARY_BUFFER = re.compile(r".*rotary_emb\.inv_freq$")  # some old checkpoints still carry it
 
+# The rows of a LLaVA-style checkpoint's prefix table after its tower's (LLaVA, Qwen2-Audio): the
+# projector and the language model, as published and as transformers 5 re-saves them (under ``model.``).
+PROJECTOR_AND_LANGUAGE_MODEL_PREFIXES = (
+    ("multi_modal_projector.", "multi_modal_projector."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("language_model.model.", "language_model.model."),
+    ("model.language_model.", "language_model.model."),
+    ("language_model.lm_head.", "language_model.lm_head."),
+    ("lm_head.", "language_model.lm_head."),
+)
+
+
 def prefixed_name(name: str, prefixes, tied_lm_head: bool) -> str | None:
     """A multimodal model's own name for checkpoint tensor ``name``: the first ``(checkpoint
     prefix, own prefix)`` of ``prefixes`` it starts with, renamed; ``IGNORE`` for the language

@@ -10,8 +10,9 @@ to a 2048-token prefill, most at a few rows (benchmarks/RESULTS.md, bench_engine
 round"; bench_linear.py times the two again).
 
 This is what vLLM's CPU backend does for every unquantised linear layer and what inductor's
-weight freezing does; here it is a module swap after the weights are loaded
-(``pack_linear_layers``), so the models' code and parameter names stay those of the checkpoint.
+weight freezing does; here it is the float linear method's last step of the load
+(``models/linear.py``, ``UnquantizedLinearMethod.process_weights_after_loading``, by the rule
+``PackingRule``), so the models' code and parameter names stay those of the checkpoint.
 
 Where the native CPU kernels load (``atb_plugin.ops.cpu_native``, float32), a linear layer holds
 its weight in their column panels instead (``PanelLinear``): the kernel reads the next panel
@@ -108,11 +109,6 @@ class PanelLinear(nn.Module):
                 return cpu_native.linear(library, x, self.weight_panels, self.out_features, self.padded_bias)
         return self._torch_forward(x)
 
-    def native_operands(self) -> cpu_native.LinearOperands:
-        """The panels as the captured decode step reads them (models/native_decode.py)."""
-        return cpu_native.LinearOperands(cpu_native.LINEAR_BF16 if self.bf16 else cpu_native.LINEAR_F32,
-                                         self.weight_panels, bias=self.padded_bias)
-
     def _torch_forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).to(torch.float32)
         panels = self.weight_panels
@@ -140,6 +136,30 @@ def native_bf16_preferred() -> bool:
     return not (dot_products and torch.bfloat16 in packable_dtypes())
 
 
+@dataclass(frozen=True)
+class PackingRule:
+    """Which packed form a CPU linear weight takes here (module docstring): ``native``, the dtypes
+    going to the native kernels' panels; ``onednn``, those oneDNN packs. Read once per load."""
+
+    native: tuple[torch.dtype, ...]
+    onednn: tuple[torch.dtype, ...]
+
+    @classmethod
+    def current(cls) -> "PackingRule":
+        if cpu_native.library_for(torch.float32, torch.device("cpu")) is None:
+            return cls((), packable_dtypes())
+        return cls((torch.float32, torch.bfloat16) if native_bf16_preferred() else (torch.float32,), packable_dtypes())
+
+    def pack(self, weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module | None:
+        """``weight`` (and ``bias``) packed: a ``PanelLinear``, a ``PackedLinear``, or None where
+        neither takes its dtype (the layer stays dense)."""
+        if weight.dtype in self.native:
+            return PanelLinear(weight, bias)
+        if weight.dtype in self.onednn:
+            return PackedLinear(weight, bias)
+        return None
+
+
 @dataclass
 class PackingSummary:
     packed: int = 0  # layers now running on packed weights (oneDNN's or the native kernels' panels)
@@ -147,36 +167,17 @@ class PackingSummary:
     copied_bytes: int = 0  # packed copies of weights another module still reads (tied heads)
     skipped: int = 0  # layers left dense (a dtype oneDNN does not pack here)
 
+    def record(self, dense: nn.Module, served: nn.Module, shared: bool) -> None:
+        """One CPU float layer ``dense`` now served by ``served`` (itself when left dense);
+        ``shared``: another module still holds its weight."""
+        if served is dense:
+            self.skipped += 1
+            return
+        self.packed += 1
+        self.native += isinstance(served, PanelLinear)
+        if shared:
+            self.copied_bytes += dense.weight.numel() * dense.weight.element_size()
 
-def pack_linear_layers(model: nn.Module) -> PackingSummary:
-    """Replace every CPU ``nn.Linear`` of ``model``: a float32 one by a ``PanelLinear`` where the
-    native kernels load, a bfloat16 one too where ``native_bf16_preferred``, else, if oneDNN
-    packs its dtype on this CPU, by a ``PackedLinear``. A weight that some other module also holds
-    (a tied embedding) is packed as a copy and stays where it is."""
-    dtypes = packable_dtypes()
-    native = cpu_native.library_for(torch.float32, torch.device("cpu")) is not None
-    native_dtypes = ((torch.float32, torch.bfloat16) if native_bf16_preferred() else (torch.float32,)) if native else ()
-    holders: dict[int, int] = {}  # id(weight) -> how many modules hold it as a parameter
-    for module in model.modules():
-        for parameter in module.parameters(recurse=False):
-            holders[id(parameter)] = holders.get(id(parameter), 0) + 1
-    summary = PackingSummary()
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is not nn.Linear or child.weight.device.type != "cpu":
-                continue
-            if child.weight.dtype in native_dtypes:
-                setattr(parent, name, PanelLinear(child.weight, child.bias))
-                summary.native += 1
-            elif child.weight.dtype in dtypes:
-                setattr(parent, name, PackedLinear(child.weight, child.bias))
-            else:
-                summary.skipped += 1
-                continue
-            summary.packed += 1
-            if holders[id(child.weight)] > 1:
-                summary.copied_bytes += child.weight.numel() * child.weight.element_size()
-    logger.info("packed weights: %d linear layers, %d of them in native panels (%.1f MiB copied for shared "
-                "weights, %d left dense)", summary.packed, summary.native, summary.copied_bytes / 2**20,
-                summary.skipped)
-    return summary
+    def log(self) -> None:
+        logger.info("packed weights: %d linear layers, %d of them in native panels (%.1f MiB copied for shared "
+                    "weights, %d left dense)", self.packed, self.native, self.copied_bytes / 2**20, self.skipped)

@@ -115,10 +115,10 @@ class Platform:
 
     # --- the loaded model ----------------------------------------------------------------------
 
-    def prepare_model(self, model, *, pack_weights: bool) -> None:
-        """Rewrite the loaded model for this platform's kernels, before the memory profile and
-        the first step: the CPU packs linear weights for oneDNN (``atb_plugin.ops.packed_linear``)
-        when ``pack_weights``; nothing by default."""
+    def prepare_model(self, model) -> None:
+        """Ready the loaded model (its linear layers already finished by their methods:
+        ``models/linear.py``) for this platform, before the memory profile and the first step:
+        the CPU moves its weights to huge pages and builds its kernels; nothing by default."""
 
     # --- tensor parallelism -------------------------------------------------------------------
 

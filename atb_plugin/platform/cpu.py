@@ -28,13 +28,9 @@ class CpuPlatform(Platform):
         cpu_native.choice()  # an unknown ATB_PLUGIN_CPU_KERNELS fails the config, not the first step
         huge_pages.choice()  # so does an unknown ATB_PLUGIN_HUGE_PAGES, not the model's load
 
-    def prepare_model(self, model, *, pack_weights: bool) -> None:
-        if pack_weights:
-            from atb_plugin.ops.packed_linear import pack_linear_layers  # torch ops: load on use
-
-            pack_linear_layers(model)
-        # After packing (the panels are what the kernels read), before the captured decode step
-        # records any weight's address.
+    def prepare_model(self, model) -> None:
+        # After the load packed the weights (the panels are what the kernels read: models/linear.py),
+        # before the captured decode step records any weight's address.
         from atb_plugin.ops.huge_pages import move_weights_to_huge_pages
 
         move_weights_to_huge_pages(model)

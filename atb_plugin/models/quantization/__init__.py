@@ -3,9 +3,11 @@ W8A8_DYNAMIC, static W8A8) and on-the-fly int8 quantization of float checkpoints
 (``--quantization w8a16|w8a8``).
 
 - ``config``: the checkpoint's ``quant_model_description*.json`` (``QuantConfig``) and the flag;
-- ``layers``: the quantized linear modules, msModelSlim's tensor names as parameters;
-- ``quantize``: swapping them into a model (before an msModelSlim checkpoint loads, or after a
-  float one did);
+- ``layers``: the quantized linear modules' base (msModelSlim's tensor names as parameters), their
+  methods' base (``models/linear.py``) and the weight quantization;
+- ``w8a16``, ``w8a8_dynamic``, ``w8a8_static``: one scheme each, its layer and its method;
+- ``quantize``: the quantization configs, which hand each linear layer its method as the model
+  is built (on the fly for a float checkpoint, msModelSlim's description for a quantized one);
 - ``export``: writing a float checkpoint out in msModelSlim's layout.
 """
 

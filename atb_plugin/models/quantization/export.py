@@ -5,9 +5,9 @@
 
 OUT_DIR gets ``model.safetensors`` (the language model's decoder projections quantized, every
 other tensor as it was), ``quant_model_description.json`` and MODEL_DIR's other files
-(config.json, tokenizer, templates) copied. The layers and the weight quantization are
-``quantize``'s (``language_model_linears``, ``quantize_weight``), so loading the export gives the
-same int8 weights and scales as ``--quantization`` on MODEL_DIR (with float32 weights).
+(config.json, tokenizer, templates) copied. The layers and the weight quantization are the
+on-the-fly config's (``quantize.language_model_linears``, ``layers.quantize_weight``), so loading
+the export gives the same int8 weights and scales as ``--quantization`` on MODEL_DIR (with float32 weights).
 
 Static W8A8 (``--method w8a8``) also needs each layer's activation range: the float model runs
 the calibration text below (``CALIBRATION_TEXT``, a few sentences of plain English written for
@@ -103,7 +103,8 @@ def export(model_dir, out_dir, method: str, calibration_text: str = CALIBRATION_
     """Write ``model_dir`` quantized by ``method`` (``EXPORT_METHODS``) to ``out_dir``;
     ``keep_float``: projections (``PROJECTIONS``) left float, default ``DEFAULT_KEEP_FLOAT``."""
     from atb_plugin.models.weights import iter_weights
-    from atb_plugin.models.quantization.quantize import language_model_linears, quantize_weight
+    from atb_plugin.models.quantization.layers import quantize_weight
+    from atb_plugin.models.quantization.quantize import language_model_linears
 
     if method not in EXPORT_METHODS:
         raise QuantizationError(f"--method {method!r}: expected one of {', '.join(EXPORT_METHODS)}")

@@ -1,4 +1,7 @@
-"""Quantized linear layers: drop-in replacements of ``nn.Linear`` (same ``forward(x)``, any leading
+"""Quantized linear layers, the base of their methods and the weight quantization (each scheme's
+layer and method are in a file of their own: ``w8a16.py``, ``w8a8_dynamic.py``, ``w8a8_static.py``).
+
+The layers are drop-in replacements of ``nn.Linear`` (same ``forward(x)``, any leading
 dimensions) whose parameters are msModelSlim's tensors, under msModelSlim's names, so that a
 quantized checkpoint loads through the ordinary loader (``models/weights.py``) and a float one
 quantized on the fly ends up in the very same parameters (docs/quantization.md).
@@ -28,9 +31,8 @@ from typing import ClassVar
 import torch
 from torch import nn
 
-from atb_plugin import ops
-from atb_plugin.distributed import TPShard
-from atb_plugin.models.quantization.config import W8A8, W8A8_DYNAMIC, W8A16
+from atb_plugin.distributed import TPShard, all_gather, tp_size
+from atb_plugin.models.linear import ROW, LinearMethodBase, LinearSpec, attach
 from atb_plugin.ops import cpu_native
 
 # Parameter kinds beyond weight / bias, by how tensor parallelism splits them.
@@ -58,25 +60,31 @@ def quant_tp_shard(tp_shard, leaf: str, kind: str, shard: int | None) -> TPShard
     return tp_shard(leaf, kind, shard)
 
 
-def _frozen(tensor: torch.Tensor) -> nn.Parameter:
+def frozen_parameter(tensor: torch.Tensor) -> nn.Parameter:
     return nn.Parameter(tensor, requires_grad=False)
 
 
 class QuantLinear(nn.Module):
-    """Common parameters and the float32-scale rule; subclasses add their tensors and ``forward``.
-    ``scheme``: msModelSlim's name of the subclass's scheme."""
+    """The parameters every scheme has and the float32-scale rule; a scheme with more tensors
+    subclasses it (``W8A8StaticLinear``). Its method (``QuantLinearMethod``) makes it and computes
+    the product: ``forward`` is ``quant_method.apply``."""
 
-    scheme: ClassVar[str]
+    quant_method: LinearMethodBase  # set on every layer by its method (models/linear.py: attach)
+
+    @property
+    def scheme(self) -> str:
+        """msModelSlim's name of the layer's scheme."""
+        return self.quant_method.name
 
     def __init__(self, in_features: int, out_features: int, bias: bool, device=None,
                  deq_scale_dtype: torch.dtype = torch.float32):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = _frozen(torch.empty(out_features, in_features, dtype=torch.int8, device=device))
-        self.weight_scale = _frozen(torch.ones(out_features, 1, dtype=torch.float32, device=device))
-        self.weight_offset = _frozen(torch.zeros(out_features, 1, dtype=torch.float32, device=device))
+        self.weight = frozen_parameter(torch.empty(out_features, in_features, dtype=torch.int8, device=device))
+        self.weight_scale = frozen_parameter(torch.ones(out_features, 1, dtype=torch.float32, device=device))
+        self.weight_offset = frozen_parameter(torch.zeros(out_features, 1, dtype=torch.float32, device=device))
         if bias:
-            self.bias = _frozen(torch.zeros(out_features, device=device))
+            self.bias = frozen_parameter(torch.zeros(out_features, device=device))
         else:
             self.register_parameter("bias", None)
 
@@ -91,82 +99,86 @@ class QuantLinear(nn.Module):
                 new.data = old.to(device=new.device)
         return self
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x, self.bias)
+
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, scheme={self.scheme}")
 
 
-def _int8_operands(layer: QuantLinear, format: int, offset: torch.Tensor | None) -> cpu_native.LinearOperands | str:
-    if layer.weight.device.type != "cpu" or not layer.weight.is_contiguous():
-        return f"{layer.scheme} weight on {layer.weight.device}, contiguous={layer.weight.is_contiguous()}"
-
-    def f32(tensor):  # as torch_kernels hands them to the kernel (a bias in bfloat16 is widened)
-        return None if tensor is None else tensor.to(torch.float32).contiguous().view(-1)
-
-    return cpu_native.LinearOperands(format, layer.weight, bias=f32(layer.bias), scale=f32(layer.weight_scale),
-                                     offset=f32(offset))
+def channel_absmax(weight: torch.Tensor) -> torch.Tensor:
+    """``max|W[n, :]|`` as float32 ``(out, 1)``."""
+    return weight.detach().to(torch.float32).abs().amax(dim=1, keepdim=True)
 
 
-class W8A16Linear(QuantLinear):
-    """int8 weights, activations in the model's dtype: ``y = x ((W + offset) * scale)^T + b``."""
+def quantize_weight(weight: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-channel int8 (docs/quantization.md): ``scale = max|W[n, :]| / 127`` (1 for an
+    all-zero row), ``W_q = clamp(round(W / scale), -127, 127)``; returns ``(W_q int8 (out, in),
+    scale float32 (out, 1))``. ``export.py`` writes exactly these tensors, so an exported
+    checkpoint and the same float checkpoint quantized on the fly hold bit-identical weights and
+    scales. ``absmax``: the rows' maxima when they come from more than ``weight`` (a row-parallel
+    shard); default ``channel_absmax(weight)``."""
+    if absmax is None:
+        absmax = channel_absmax(weight)
+    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+    q = torch.clamp(torch.round(weight.detach().to(torch.float32) / scale), -127, 127).to(torch.int8)
+    return q, scale
 
-    scheme = W8A16
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.w8a16_linear(x, self.weight, self.weight_scale.view(-1), self.weight_offset.view(-1), self.bias)
+class QuantLinearMethod(LinearMethodBase):
+    """The method of a scheme whose layer is ``layer_cls`` (a ``QuantLinear``): msModelSlim's
+    tensors created empty and filled by the loader, or, ``from_float``, a float ``nn.Linear``
+    loaded from a float checkpoint and quantized after loading (``--quantization``: symmetric per
+    output channel, ``quantize.quantize_weight``; a row-parallel layer takes each row's maximum
+    over all ranks, one all-gather of ``(out, 1)``, so every rank's scales are the unsplit
+    layer's as a quantized checkpoint's are). ``checkpoint_tensors``: what the scheme reads from
+    a checkpoint besides ``weight`` (and ``bias``); ``native_format``: its format in the captured
+    decode step (None: it has none)."""
 
-    def native_operands(self) -> cpu_native.LinearOperands | str:
+    layer_cls: ClassVar[type[QuantLinear]] = QuantLinear
+    checkpoint_tensors: ClassVar[tuple[str, ...]] = ("weight_scale", "weight_offset")
+    native_format: ClassVar[int | None] = None
+
+    def __init__(self, from_float: bool = False, deq_scale_dtype: torch.dtype = torch.float32):
+        self.from_float, self.deq_scale_dtype = from_float, deq_scale_dtype
+
+    def create_weights(self, spec: LinearSpec) -> nn.Module:
+        if self.from_float:
+            return nn.Linear(spec.in_features, spec.out_features, bias=spec.bias)
+        return self.layer_cls(spec.in_features, spec.out_features, spec.bias, deq_scale_dtype=self.deq_scale_dtype)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> nn.Module:
+        if not self.from_float or type(layer) is not nn.Linear:
+            return layer
+        spec = layer.linear_spec
+        absmax = channel_absmax(layer.weight)
+        if spec.parallel == ROW and tp_size() > 1:  # each rank holds some columns of every row
+            absmax = all_gather(absmax, dim=1).amax(dim=1, keepdim=True)
+        quantized = self.layer_cls(layer.in_features, layer.out_features, layer.bias is not None,
+                                   device=layer.weight.device)
+        q, scale = quantize_weight(layer.weight, absmax)
+        with torch.no_grad():
+            quantized.weight.copy_(q)
+            quantized.weight_scale.copy_(scale)
+            if layer.bias is not None:
+                quantized.bias.data = layer.bias.detach().clone()
+        return attach(quantized, self, spec)
+
+    def native_operands(self, layer: nn.Module) -> cpu_native.LinearOperands | str:
         """What the captured decode step reads: the tensors the eager forward hands the native
         kernel on the CPU (models/native_decode.py)."""
-        return _int8_operands(self, cpu_native.LINEAR_W8A16, self.weight_offset)
+        if self.native_format is None or not isinstance(layer, QuantLinear):
+            return super().native_operands(layer)
+        if layer.weight.device.type != "cpu" or not layer.weight.is_contiguous():
+            return f"{layer.scheme} weight on {layer.weight.device}, contiguous={layer.weight.is_contiguous()}"
 
+        def f32(tensor):  # as torch_kernels hands them to the kernel (a bias in bfloat16 is widened)
+            return None if tensor is None else tensor.to(torch.float32).contiguous().view(-1)
 
-class W8A8DynamicLinear(QuantLinear):
-    """int8 weights (symmetric: ``weight_offset`` zero), activations quantized per token at run
-    time (``ops.w8a8_dynamic_linear``)."""
+        return cpu_native.LinearOperands(self.native_format, layer.weight, bias=f32(layer.bias),
+                                         scale=f32(layer.weight_scale), offset=f32(self.native_offset(layer)))
 
-    scheme = W8A8_DYNAMIC
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.w8a8_dynamic_linear(x, self.weight, self.weight_scale.view(-1), self.bias)
-
-    def native_operands(self) -> cpu_native.LinearOperands | str:
-        """As ``W8A16Linear.native_operands``."""
-        return _int8_operands(self, cpu_native.LINEAR_W8A8_DYNAMIC, None)
-
-
-class W8A8StaticLinear(QuantLinear):
-    """int8 weights, activations quantized with the calibrated per-tensor ``input_scale`` /
-    ``input_offset``; the float bias is folded into ``quant_bias`` (``ops.w8a8_static_linear``).
-    ``deq_scale``: float32, or msModelSlim's float16-model layout, int64 holding float32 bits."""
-
-    scheme = W8A8
-
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None,
-                 deq_scale_dtype: torch.dtype = torch.float32):
-        super().__init__(in_features, out_features, False, device)
-        if deq_scale_dtype not in (torch.float32, torch.int64):
-            raise ValueError(f"deq_scale dtype {deq_scale_dtype}: expected float32 or int64")
-        self.input_scale = _frozen(torch.ones(1, dtype=torch.float32, device=device))
-        self.input_offset = _frozen(torch.zeros(1, dtype=torch.float32, device=device))
-        self.deq_scale = _frozen(torch.ones(out_features, dtype=deq_scale_dtype, device=device))
-        self.quant_bias = _frozen(torch.zeros(out_features, dtype=torch.int32, device=device))
-
-    def dequant_scale(self) -> torch.Tensor:
-        if self.deq_scale.dtype == torch.int64:  # float32 bits in the low 32 bits
-            return self.deq_scale.to(torch.int32).view(torch.float32)
-        return self.deq_scale
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return ops.w8a8_static_linear(x, self.weight, self.input_scale, self.input_offset, self.dequant_scale(),
-                                      self.quant_bias)
-
-
-LAYERS: dict[str, type[QuantLinear]] = {cls.scheme: cls for cls in (W8A16Linear, W8A8DynamicLinear, W8A8StaticLinear)}
-
-
-def layer_class(scheme: str) -> type[QuantLinear]:
-    try:
-        return LAYERS[scheme]
-    except KeyError:
-        raise ValueError(f"quantization scheme {scheme!r}: expected one of {', '.join(LAYERS)}") from None
+    def native_offset(self, layer: QuantLinear) -> torch.Tensor | None:
+        """The per-channel offset the native kernel adds to the weight (None: symmetric)."""
+        return None

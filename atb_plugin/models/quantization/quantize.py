@@ -1,85 +1,132 @@
-"""Putting quantized layers into a model: on the fly over a loaded float model
-(``quantize_model``, ``--quantization w8a16|w8a8`` on a float checkpoint), or before an
-msModelSlim checkpoint loads (``prepare_checkpoint_layers``: the loader then fills them).
+"""Which linear layers are quantized, and by which method: the quantization configs a model is
+built under (``models/linear.py``; docs/quantization.md).
 
-Which layers, on the fly: the language model's decoder projections, ``qkv_proj``, ``o_proj``,
-``gate_up_proj``, ``down_proj`` of every dense decoder layer (every family's language model is a
-``decoder.DecoderForCausalLM``), and the LM head only when asked (``quantize_lm_head``: vLLM and
-msModelSlim leave it float by default, as llama.cpp's Q8_0 does not). Vision and audio towers,
-projectors, the input embedding and mixture-of-experts layers (experts, shared expert, router)
-stay float (docs/quantization.md).
-
-Weights: symmetric per output channel, ``scale = max|W[n, :]| / 127`` (1 for an all-zero row),
-``W_q = clamp(round(W / scale), -127, 127)``, offset zero; ``export.py`` writes exactly these
-tensors, so an exported checkpoint and the same float checkpoint quantized on the fly hold
-bit-identical weights and scales. Under tensor parallelism the swap runs on each rank's shard:
-a column-parallel layer's rows are whole, so their scales are; a row-parallel layer
-(``o_proj``, ``down_proj``, split along ``in``) takes each row's maximum over all ranks (one
-all-gather of ``(out, 1)`` per layer at load), so every rank's scales are the unsplit layer's,
-as they are when a quantized checkpoint is loaded.
+- ``OnTheFlyConfig`` (``--quantization w8a16|w8a8`` on a float checkpoint): the language model's
+  dense decoder projections, ``qkv_proj``, ``o_proj``, ``gate_up_proj``, ``down_proj`` of every
+  dense decoder layer (every family's language model is a ``decoder.DecoderForCausalLM``), get
+  the scheme's method over float weights, quantized after they load; the LM head too only when
+  asked (``quantize_lm_head``: vLLM and msModelSlim leave it float by default, as llama.cpp's
+  Q8_0 does not). Vision and audio towers, projectors, the input embedding and mixture-of-experts
+  layers (experts, shared expert, router) stay float.
+- ``MsModelSlimConfig``: the layers an msModelSlim checkpoint's description marks, each with its
+  scheme's method, their int8 tensors filled by the loader.
+- ``quantization_config``: the one of these (or float) for a checkpoint and the flags.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from atb_plugin.distributed import all_gather, tp_size
-from atb_plugin.models.quantization.config import (FLOAT, ON_THE_FLY_SCHEME, W8A8, W8A8_DYNAMIC, W8A16, QuantConfig,
-                                            QuantizationError, check_method)
-from atb_plugin.models.quantization.layers import QuantLinear, layer_class
+from atb_plugin.models.linear import (DECODER, LM_HEAD, ROW, LinearMethodBase, LinearSpec, QuantizationConfig,
+                                      attach, float_spec, linear_method_class)
+from atb_plugin.models.quantization import w8a8_dynamic, w8a8_static, w8a16  # noqa: F401 (their methods register)
+from atb_plugin.models.quantization.config import (FLOAT, ON_THE_FLY_SCHEME, QuantConfig, QuantizationError,
+                                                   resolve_quantization)
+from atb_plugin.models.weights import checkpoint_files
 
 logger = logging.getLogger(__name__)
 
-# The tensors each scheme's layer reads from a checkpoint besides ``weight`` (and ``bias``).
-SCHEME_TENSORS = {
-    W8A16: ("weight_scale", "weight_offset"),
-    W8A8_DYNAMIC: ("weight_scale", "weight_offset"),
-    W8A8: ("weight_scale", "weight_offset", "input_scale", "input_offset", "deq_scale", "quant_bias"),
-}
+
+class OnTheFlyConfig(QuantizationConfig):
+    """``scheme``'s method (``from_float``) for every dense decoder projection, and the LM head
+    with ``lm_head`` (module docstring); float for the rest."""
+
+    def __init__(self, scheme: str, lm_head: bool = False, pack: bool = False):
+        super().__init__(pack)
+        self.method = linear_method_class(scheme)(from_float=True)
+        self.lm_head = lm_head
+
+    def get_quant_method(self, spec: LinearSpec, prefix: str) -> LinearMethodBase:
+        if spec.role == DECODER or (spec.role == LM_HEAD and self.lm_head):
+            return self.method
+        return self.float_method
 
 
-def channel_absmax(weight: torch.Tensor) -> torch.Tensor:
-    """``max|W[n, :]|`` as float32 ``(out, 1)``."""
-    return weight.detach().to(torch.float32).abs().amax(dim=1, keepdim=True)
+@dataclass(frozen=True)
+class DescribedLayer:
+    """A linear layer an msModelSlim description marks: its scheme, the checkpoint weights that
+    fill it (the pieces of a fused projection), the dtype its ``deq_scale`` is stored in."""
+
+    scheme: str
+    names: tuple[str, ...]
+    deq_scale_dtype: torch.dtype = torch.float32
 
 
-def quantize_weight(weight: torch.Tensor, absmax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric per-channel int8: ``(W_q int8 (out, in), scale float32 (out, 1))`` (module
-    docstring). ``absmax``: the rows' maxima when they come from more than ``weight`` (a
-    row-parallel shard); default ``channel_absmax(weight)``."""
-    if absmax is None:
-        absmax = channel_absmax(weight)
-    scale = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
-    q = torch.clamp(torch.round(weight.detach().to(torch.float32) / scale), -127, 127).to(torch.int8)
-    return q, scale
+class MsModelSlimConfig(QuantizationConfig):
+    """The described layers' methods by module path (``layers``), float for the rest."""
+
+    def __init__(self, description: QuantConfig, layers: dict[str, DescribedLayer], pack: bool = False):
+        super().__init__(pack)
+        self.description, self.layers = description, layers
+        self._built: set[str] = set()
+
+    @classmethod
+    def read(cls, model: nn.Module, description: QuantConfig, model_dir, pack: bool = False) -> "MsModelSlimConfig":
+        """Check ``description`` against the checkpoint's tensors and find its layers in
+        ``model`` (built float on the meta device, only to map checkpoint names to its own)."""
+        dtypes = checkpoint_tensor_dtypes(model_dir)
+        check_description(description, dtypes)
+        layers = {}
+        for module_name, (scheme, names) in _layer_groups(model, description).items():
+            deq_dtypes = {dtypes.get(name[:-len("weight")] + "deq_scale") for name in names} - {None}
+            if len(deq_dtypes) > 1:
+                raise QuantizationError(f"{module_name}: its pieces store deq_scale as {sorted(deq_dtypes)}: one dtype")
+            layers[module_name] = DescribedLayer(scheme, tuple(names),
+                                                 torch.int64 if deq_dtypes == {"I64"} else torch.float32)
+        return cls(description, layers, pack)
+
+    def get_quant_method(self, spec: LinearSpec, prefix: str) -> LinearMethodBase:
+        layer = self.layers.get(prefix)
+        if layer is None:
+            return self.float_method
+        self._built.add(prefix)
+        return linear_method_class(layer.scheme)(deq_scale_dtype=layer.deq_scale_dtype)
+
+    def finish_building(self, model: nn.Module) -> None:
+        """A described layer the model built as a plain ``nn.Linear`` (a vision tower's, not made
+        through ``parallel_layers``) gets its scheme's layer here, on the meta device, before
+        anything loads; one that is no linear layer at all is refused."""
+        for module_name, layer in self.layers.items():
+            if module_name in self._built:
+                continue
+            parent_name, _, leaf = module_name.rpartition(".")
+            module = model.get_submodule(module_name)
+            if type(module) is not nn.Linear:
+                raise QuantizationError(f"{self.description.path}: {', '.join(layer.names)} marked {layer.scheme}, but "
+                                        f"{module_name} is a {type(module).__name__}: only linear layers are quantized")
+            spec = float_spec(module)
+            method = self.get_quant_method(spec, module_name)
+            with torch.device("meta"):
+                setattr(model.get_submodule(parent_name), leaf, attach(method.create_weights(spec), method, spec))
 
 
-def quantized_from_float(linear: nn.Linear, scheme: str, absmax: torch.Tensor | None = None) -> QuantLinear:
-    """A W8A16 / W8A8_DYNAMIC layer holding ``linear``'s weight quantized (its bias as it is)."""
-    if scheme == W8A8:
-        raise QuantizationError("static W8A8 needs calibrated activation scales: export it "
-                                "(python -m atb_plugin.models.quantization.export --method w8a8)")
-    weight = linear.weight
-    layer = layer_class(scheme)(linear.in_features, linear.out_features, linear.bias is not None,
-                                device=weight.device)
-    q, scale = quantize_weight(weight, absmax)
-    with torch.no_grad():
-        layer.weight.copy_(q)
-        layer.weight_scale.copy_(scale)
-        if linear.bias is not None:
-            layer.bias.data = linear.bias.detach().clone()
-    return layer
+def quantization_config(build_float_model: Callable[[], nn.Module], model_dir, quantization: str | None,
+                        quantize_lm_head: bool = False, pack: bool = False) -> QuantizationConfig:
+    """The config a model from ``model_dir`` is built under for ``--quantization quantization``
+    (``resolve_quantization``): an msModelSlim checkpoint's (``build_float_model`` makes the
+    model float on the meta device to find the described layers), the flag's on-the-fly one for a
+    float checkpoint, else float. ``pack``: CPU float layers are packed after loading."""
+    method, described = resolve_quantization(model_dir, quantization, quantize_lm_head)
+    if described is not None:
+        return MsModelSlimConfig.read(build_float_model(), described, model_dir, pack)
+    if method is not None:
+        logger.info("quantizing the language model's decoder projections on the fly (%s)%s", ON_THE_FLY_SCHEME[method],
+                    ", and the LM head" if quantize_lm_head else "")
+        return OnTheFlyConfig(ON_THE_FLY_SCHEME[method], quantize_lm_head, pack)
+    return QuantizationConfig(pack)
 
 
 @dataclass(frozen=True)
 class LinearSlot:
-    """One quantizable linear: ``getattr(parent, name)``; ``path`` its module name in the model;
-    ``row_parallel``: split along its input features under tensor parallelism."""
+    """One linear layer ``OnTheFlyConfig`` quantizes: ``getattr(parent, name)``; ``path`` its
+    module name in the model; ``row_parallel``: split along its input features under tensor
+    parallelism."""
 
     parent: nn.Module
     name: str
@@ -87,80 +134,24 @@ class LinearSlot:
     row_parallel: bool
 
 
-def _is_row_parallel(parent: nn.Module, name: str) -> bool:
-    from atb_plugin.models.weights import ShardedWeights  # models import this package: loaded on use
-
-    if tp_size() == 1 or not isinstance(parent, ShardedWeights):
-        return False
-    split = parent.tp_shard(name, "weight", None)
-    return split is not None and split.dim == 1
-
-
 def language_model_linears(model: nn.Module) -> list[LinearSlot]:
-    """The language model's decoder projections (module docstring), in layer order."""
-    from atb_plugin.models.decoder import MLP  # models import this package: loaded on use
-
-    language_model = model.get_language_model()
-    prefix = next(name for name, module in model.named_modules() if module is language_model)
-    prefix = f"{prefix}." if prefix else ""
+    """The language model's dense decoder projections (module docstring), in layer order."""
     slots = []
-    for index, layer in enumerate(language_model.model.layers):
-        base = f"{prefix}model.layers.{index}"
-        owners = [("self_attn", layer.self_attn, ("qkv_proj", "o_proj"))]
-        if isinstance(layer.mlp, MLP):  # a dense layer; MoE layers stay float
-            owners.append(("mlp", layer.mlp, ("gate_up_proj", "down_proj")))
-        for owner_name, owner, names in owners:
-            slots += [LinearSlot(owner, name, f"{base}.{owner_name}.{name}", _is_row_parallel(owner, name))
-                      for name in names]
+    for path, module in model.named_modules():
+        spec = getattr(module, "linear_spec", None)
+        if spec is not None and spec.role == DECODER:
+            parent, _, name = path.rpartition(".")
+            slots.append(LinearSlot(model.get_submodule(parent), name, path, spec.parallel == ROW))
     return slots
 
 
-def quantize_model(model: nn.Module, method: str, lm_head: bool = False) -> int:
-    """Swap the language model's float projections for ``method``'s layers (``--quantization``
-    on a float checkpoint), after the weights loaded, and its LM head too with ``lm_head``
-    (``--quantize-lm-head``); returns how many were swapped."""
-    check_method(method)
-    scheme = ON_THE_FLY_SCHEME[method]
-    slots = language_model_linears(model)
-    for slot in slots:
-        linear = getattr(slot.parent, slot.name)
-        if type(linear) is not nn.Linear:
-            raise QuantizationError(f"{slot.path} is a {type(linear).__name__}, not a float nn.Linear: "
-                                    "quantize before the platform rewrites the model")
-        absmax = channel_absmax(linear.weight)
-        if slot.row_parallel:  # each rank holds some columns of every row: the row's maximum over all ranks
-            absmax = all_gather(absmax, dim=1).amax(dim=1, keepdim=True)
-        setattr(slot.parent, slot.name, quantized_from_float(linear, scheme, absmax))
-    if lm_head:
-        quantize_lm_head(model, scheme)
-    logger.info("quantized %d linear layers on the fly (%s)%s", len(slots), scheme,
-                ", and the LM head" if lm_head else "")
-    return len(slots) + int(lm_head)
-
-
-def quantize_lm_head(model: nn.Module, scheme: str) -> None:
-    """The language model's LM head in ``scheme``'s layer. A tied head gets an int8 copy of the
-    embedding's rows; the embedding keeps its float rows (a lookup reads a row per token, the
-    head all of them every step). Vocabulary-parallel shards hold whole rows: their scales are
-    the unsplit head's without any exchange."""
-    language_model = model.get_language_model()
-    language_model.share_tied_lm_head()  # a tied head becomes a module over the embedding's weight
-    head = language_model.lm_head
-    if type(head) is not nn.Linear:
-        raise QuantizationError(f"the LM head is a {type(head).__name__}, not a float nn.Linear: "
-                                "quantize before the platform rewrites the model")
-    language_model.lm_head = quantized_from_float(head, scheme)
-
-
 # --------------------------------------------------------------------------------------------
-# msModelSlim checkpoints: layers built before the weights load
+# msModelSlim checkpoints: the description checked and its layers found
 # --------------------------------------------------------------------------------------------
 
 
 def checkpoint_tensor_dtypes(model_dir) -> dict[str, str]:
     """``{name: safetensors dtype ("I8", "F32", "I64", ...)}`` of every tensor (headers only)."""
-    from atb_plugin.models.weights import checkpoint_files  # models import this package: loaded on use
-
     dtypes = {}
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as shard:
@@ -172,13 +163,9 @@ def checkpoint_tensor_dtypes(model_dir) -> dict[str, str]:
 def _layer_groups(model, config: QuantConfig) -> dict[str, tuple[str, list[str]]]:
     """``{module name: (scheme, [checkpoint weight names])}`` for every layer the description
     marks quantized (the pieces of a fused projection together)."""
-    from atb_plugin.models.weights import FusedWeights  # loaded on use (import cycle)
-
-    # Not the model's cached loader: its parameter names are about to change.
-    fused = FusedWeights(model, model.stacked_params)
     groups: dict[str, tuple[str, list[str]]] = {}
     for name, scheme in config.quantized_weights().items():
-        found = model.checkpoint_target(name, fused)
+        found = model.checkpoint_target(name)
         if found is None:
             raise QuantizationError(f"{config.path}: {name} is marked {scheme}, but {type(model).__name__} has no "
                                     "such linear layer")
@@ -191,7 +178,7 @@ def _layer_groups(model, config: QuantConfig) -> dict[str, tuple[str, list[str]]
     # A fused projection is quantized whole or not at all.
     for name, scheme in config.tensors.items():
         if scheme == FLOAT and name.endswith(".weight"):
-            found = model.checkpoint_target(name, fused)
+            found = model.checkpoint_target(name)
             if found is not None and found[0].rpartition(".")[0] in groups:
                 raise QuantizationError(f"{config.path}: {name} is FLOAT but the other pieces of its fused layer "
                                         f"{found[0].rpartition('.')[0]} are quantized")
@@ -209,31 +196,9 @@ def check_description(config: QuantConfig, dtypes: dict[str, str]) -> None:
         if dtypes[name] != "I8":
             raise QuantizationError(f"{name} is marked {scheme} but its checkpoint dtype is {dtypes[name]}, not int8")
         base = name[:-len("weight")]
-        absent = [base + kind for kind in SCHEME_TENSORS[scheme] if base + kind not in dtypes]
+        absent = [base + kind for kind in linear_method_class(scheme).checkpoint_tensors if base + kind not in dtypes]
         if absent:
             raise QuantizationError(f"{name} is marked {scheme} but the checkpoint lacks {', '.join(absent)}")
 
 
-def prepare_checkpoint_layers(model: nn.Module, config: QuantConfig, model_dir) -> int:
-    """Replace every linear the description marks quantized by its scheme's layer, on the meta
-    device, before ``to_empty`` and the load (``PretrainedModel.from_pretrained``); returns how
-    many were replaced."""
-    dtypes = checkpoint_tensor_dtypes(model_dir)
-    check_description(config, dtypes)
-    for module_name, (scheme, names) in _layer_groups(model, config).items():
-        parent_name, _, leaf = module_name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        linear = getattr(parent, leaf)
-        if type(linear) is not nn.Linear:
-            raise QuantizationError(f"{config.path}: {', '.join(names)} marked {scheme}, but {module_name} is a "
-                                    f"{type(linear).__name__}: only linear layers are quantized")
-        deq_dtypes = {dtypes.get(name[:-len("weight")] + "deq_scale") for name in names} - {None}
-        deq_dtype = torch.int64 if deq_dtypes == {"I64"} else torch.float32
-        if len(deq_dtypes) > 1:
-            raise QuantizationError(f"{module_name}: its pieces store deq_scale as {sorted(deq_dtypes)}: one dtype")
-        setattr(parent, leaf, layer_class(scheme)(linear.in_features, linear.out_features, linear.bias is not None,
-                                                  device="meta", deq_scale_dtype=deq_dtype))
-    return len(config.quantized_weights())
-
-
-__all__ = ["language_model_linears", "prepare_checkpoint_layers", "quantize_model", "quantize_weight"]
+__all__ = ["MsModelSlimConfig", "OnTheFlyConfig", "language_model_linears", "quantization_config"]
