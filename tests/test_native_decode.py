@@ -22,7 +22,7 @@ from atb_plugin import LLM, SamplingParams
 from atb_plugin.engine.config import EngineConfig
 from atb_plugin.models import native_decode
 from atb_plugin.models.quantization.export import export
-from atb_plugin.ops import AttentionMetadata, cpu_native
+from atb_plugin.ops import AttentionMetadata, cpu_native, packed_linear
 from atb_plugin.platform import use_platform
 from atb_plugin.server.cli import parse_config
 from atb_plugin.testing import fake_torch_npu
@@ -122,7 +122,16 @@ def bf16_exact_checkpoint(tmp_path_factory):
     return target
 
 
-def test_captured_bf16_step_is_float32_math_over_bf16_weights_and_cache(bf16_exact_checkpoint):
+@pytest.fixture
+def native_bf16_panels(monkeypatch):
+    """bfloat16 weights in the native panels, the only form the captured step takes. Where the CPU
+    runs bfloat16 dot products and oneDNN packs bfloat16 (AVX-512 BF16, AMX), the packing rule
+    hands them to oneDNN instead and the step decodes eagerly (test_cpu_native_lowp checks that
+    rule), which would leave nothing captured to test here."""
+    monkeypatch.setattr(packed_linear, "native_bf16_preferred", lambda: True)
+
+
+def test_captured_bf16_step_is_float32_math_over_bf16_weights_and_cache(bf16_exact_checkpoint, native_bf16_panels):
     # Two requests, 7 and 3 tokens cached, one new token each, over random bfloat16-valued caches
     # and embeddings. Reference: the float32 model (same weights) run eagerly over float32 caches
     # holding the same values. The captured bfloat16 step differs from it by (a) the new token's K /
