@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import logging
 import os
 import shlex
@@ -61,20 +62,30 @@ logger = logging.getLogger(__name__)
 
 KERNELS_ENV = "ATB_PLUGIN_CPU_KERNELS"
 CHOICES = ("auto", "native", "torch")
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-PROBE_SOURCE = SOURCE.with_name("cpu_probe.c")
+CSRC = Path(__file__).with_name("csrc")
+PROBE_SOURCES = (CSRC / "cpu_probe.c", CSRC / "isa_amx.c")  # the probe runs isa_amx.c's tile test
 # No -ffast-math: linked into a shared library it would switch the whole process to flushing
 # denormals. These let the compiler reorder the float sums (vectorised dot products) and no more.
-# The instruction-set flags come from the probe (_isa_flags). -Wno-psabi: the 64-byte vector type
-# of the attention kernels warns where AVX-512 is off; it never crosses the library's interface.
-CFLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
-          "-fassociative-math", "-fno-signed-zeros", "-Wno-psabi")
-# What cpu_probe.c tries, in the order of the library's FEATURE_* bits (csrc/cpu_kernels.c).
+# -Wno-psabi: the 64-byte vector type of the float kernels warns where AVX-512 is off; it never
+# crosses the library's interface.
+CFLAGS = ("-O3", "-fopenmp", "-fPIC", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+          "-fno-signed-zeros", "-Wno-psabi")
+# What cpu_probe.c tries, in the order of the library's FEATURE_* bits (csrc/cpu_kernels.h).
 FEATURES = ("avx2", "avx512", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
 # Limits the features the library is built for and its kernels use (a comma-separated subset of
 # FEATURES, or "none": baseline x86-64), as if the probe had found no more: to take a slower
 # variant on purpose, e.g. to compare them, or to steer clear of a set.
 ISA_ENV = "ATB_PLUGIN_CPU_ISA"
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+_AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
+# The library's files and each one's instruction-set flags on x86-64 (docs/architecture.md, "Native
+# CPU kernels": the kernel map). None: the library's base, what the probe found (_isa_flags); the
+# isa_*.c files hold the variants of the dispatch table (csrc/dispatch.c), each compiled for its own
+# set whatever the probe says, so one library holds them all and the table picks what executes.
+# Elsewhere only the base files and isa_portable.c are built, all with -march=native.
+UNITS = {"cpu_kernels.c": None, "int8_driver.c": None, "dispatch.c": None, "isa_portable.c": (),
+         "isa_avx2.c": _AVX2, "isa_avx512.c": _AVX512, "isa_vnni.c": _AVX2, "isa_amx.c": ()}
+_X86_ONLY = ("isa_avx2.c", "isa_avx512.c", "isa_vnni.c", "isa_amx.c")
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}  # "library" -> the bound ctypes library, or "error" -> why it is unavailable
@@ -147,7 +158,7 @@ def _load():
 
 
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-_SIGNATURES = {  # name: (restype, argtypes), as in csrc/cpu_kernels.c
+_SIGNATURES = {  # name: (restype, argtypes), as in csrc/ (cpu_kernels.c, int8_driver.c, dispatch.c)
     "paged_decode_f32": (_INT, [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _INT]),
     "rms_norm_f32": (None, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _INT]),
     "rotary_f32": (None, [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]),
@@ -158,6 +169,8 @@ _SIGNATURES = {  # name: (restype, argtypes), as in csrc/cpu_kernels.c
     "decode_step_f32": (_INT, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _INT]),
     "linear_bf16w": (_INT, [_PTR, _INT, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT, _I64, _INT]),
     "cpu_set_features": (_INT, [_INT]),
+    "cpu_kernel_slot": (ctypes.c_char_p, [_INT]),
+    "cpu_kernel_variant": (ctypes.c_char_p, [_INT]),
     "w8a8_variant": (_INT, []),
     "w8a16_linear_f32": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _INT]),
     "quantize_rows_s8": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR]),
@@ -191,21 +204,35 @@ def _compiler() -> tuple[list[str], str]:
     return compiler, version
 
 
-def _compile(compiler: list[str], flags: list[str], source: Path, target: Path) -> None:
-    """``source`` compiled into ``target``, written under a temporary name and renamed."""
+def _run(command: list[str], compiler: list[str]) -> None:
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(compiler)} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+
+
+def _compile(compiler: list[str], flags: list[str], sources: list[Path], target: Path) -> None:
+    """``sources`` (C files, or objects to link) compiled into ``target``, written under a
+    temporary name and renamed, so processes that build at once never load half a file."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
     os.close(fd)
     try:
-        done = subprocess.run([*compiler, *flags, str(source), "-o", partial, "-lm"], capture_output=True,
-                              text=True, timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(compiler)} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        _run([*compiler, *flags, *map(str, sources), "-o", partial, "-lm"], compiler)
         os.chmod(partial, 0o755)
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
+
+
+def _source_digest() -> bytes:
+    """Every file of csrc/ (sources and headers), by name and content: a change to any of them
+    makes a new library and probe."""
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        if path.suffix in (".c", ".h"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.digest()
 
 
 def _cache_dir() -> Path:
@@ -224,11 +251,11 @@ def _probe() -> dict[str, bool]:
     if os.uname().machine not in ("x86_64", "amd64"):
         return {}
     compiler, version = _compiler()
-    key = hashlib.sha256(b"\0".join([PROBE_SOURCE.read_bytes(), version.encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([_source_digest(), version.encode()])).hexdigest()[:16]
     program = _probe_dir() / f"cpu_probe-{key}"
     try:
         if not program.exists():
-            _compile(compiler, ["-O1"], PROBE_SOURCE, program)
+            _compile(compiler, ["-O1"], list(PROBE_SOURCES), program)
         done = subprocess.run([str(program)], capture_output=True, text=True, timeout=60)
         if done.returncode != 0:
             raise RuntimeError(f"exit status {done.returncode}: {done.stderr.strip()[-500:]}")
@@ -252,31 +279,61 @@ def _limit(probed: dict[str, bool]) -> dict[str, bool]:
     return {name: ok and name in names for name, ok in probed.items()}
 
 
+def _x86() -> bool:
+    return os.uname().machine in ("x86_64", "amd64")
+
+
 def _isa_flags(probed: dict[str, bool]) -> list[str]:
-    """The compiler's instruction-set flags for the library's base: on x86-64 only what the probe
-    saw execute (module docstring: why not -march=native there)."""
-    if os.uname().machine not in ("x86_64", "amd64"):
+    """The compiler's instruction-set flags for the library's base files (UNITS: None): on x86-64
+    only what the probe saw execute (module docstring: why not -march=native there)."""
+    if not _x86():
         return ["-march=native"]
-    flags = ["-mtune=native"]
-    if probed.get("avx2"):
-        flags += ["-mavx2", "-mfma", "-mf16c"]
-        if probed.get("avx512"):
-            flags += ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
-    return flags
+    sets = _AVX512 if probed.get("avx2") and probed.get("avx512") else _AVX2 if probed.get("avx2") else ()
+    return ["-mtune=native", *sets]
+
+
+def _unit_flags(probed: dict[str, bool]) -> dict[str, list[str]]:
+    """Each file of the library that this architecture builds, with its instruction-set flags."""
+    if not _x86():
+        return {name: ["-march=native"] for name in UNITS if name not in _X86_ONLY}
+    return {name: _isa_flags(probed) if sets is None else ["-mtune=native", *sets] for name, sets in UNITS.items()}
 
 
 def _build(probed: dict[str, bool]) -> Path:
+    """The library: each file compiled to an object with its own flags (UNITS), then linked."""
     compiler, version = _compiler()
-    flags = [*CFLAGS, *_isa_flags(probed)]
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
+    units = _unit_flags(probed)
+    described = " ".join(f"{name}:{','.join(flags)}" for name, flags in units.items())
+    key = hashlib.sha256(b"\0".join([_source_digest(), " ".join(CFLAGS).encode(), described.encode(),
+                                     version.encode(), _cpu_flags().encode()])).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if not target.exists():
-        _compile(compiler, flags, SOURCE, target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="atb-kernels-") as objects:
+            built = []
+            for name, flags in units.items():
+                built.append(Path(objects) / f"{Path(name).stem}.o")
+                _run([*compiler, *CFLAGS, *flags, "-c", str(CSRC / name), "-o", str(built[-1])], compiler)
+            _compile(compiler, ["-shared", "-fopenmp"], built, target)
         _probe_dir().mkdir(parents=True, exist_ok=True)
         (_probe_dir() / f"{target.stem}.features").write_text("".join(f"{n} {int(ok)}\n" for n, ok in probed.items()))
-        logger.info("built the native CPU kernels: %s (%s)", target, " ".join(flags))
+        logger.info("built the native CPU kernels: %s (%s)", target, described)
     return target
+
+
+def kernel_map() -> dict[str, str]:
+    """Which variant each slot of the library's dispatch table holds (csrc/dispatch.c), e.g.
+    ``{"rms_norm": "avx512", "w8a8_block": "avx512_vnni", ...}``; empty where the library did not
+    load. It follows ``features()`` (and ``set_features``)."""
+    library, _ = _load()
+    if library is None:
+        return {}
+    slots = {}
+    for index in itertools.count():
+        name = library.cpu_kernel_slot(index)
+        if name is None:
+            return slots
+        slots[name.decode()] = library.cpu_kernel_variant(index).decode()
 
 
 # The decode kernel works in 16-float vectors; other head sizes take SDPA (torch_kernels).
