@@ -84,8 +84,9 @@ _AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 # set whatever the probe says, so one library holds them all and the table picks what executes.
 # Elsewhere only the base files and isa_portable.c are built, all with -march=native.
 UNITS = {"cpu_kernels.c": None, "int8_driver.c": None, "dispatch.c": None, "isa_portable.c": (),
-         "isa_avx2.c": _AVX2, "isa_avx512.c": _AVX512, "isa_vnni.c": _AVX2, "isa_amx.c": ()}
-_X86_ONLY = ("isa_avx2.c", "isa_avx512.c", "isa_vnni.c", "isa_amx.c")
+         "isa_avx2.c": _AVX2, "isa_avx512.c": _AVX512, "isa_avx_vnni.c": (*_AVX2, "-mavxvnni"),
+         "isa_avx512_vnni.c": (*_AVX512, "-mavx512vnni"), "isa_amx.c": ()}
+_X86_ONLY = ("isa_avx2.c", "isa_avx512.c", "isa_avx_vnni.c", "isa_avx512_vnni.c", "isa_amx.c")
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}  # "library" -> the bound ctypes library, or "error" -> why it is unavailable

@@ -11,10 +11,10 @@
  *                   scratch, scales; its inner kernel comes from the table
  *   dispatch.c      the table and the variants, best first
  *   isa_*.c         the variants, one file per instruction set, each compiled with its own flags
- *                   (cpu_native.UNITS): portable C, AVX2, AVX-512, VNNI, AMX
+ *                   (cpu_native.UNITS): portable C, AVX2, AVX-512, AVX-VNNI, AVX-512 VNNI, AMX
  *   float_kernels.h the float kernels (GCC vector types), compiled into each of isa_portable.c,
  *                   isa_avx2.c and isa_avx512.c
- *   int8_tiles.h    the int8 tiles on 256-bit registers, for isa_avx2.c and isa_vnni.c */
+ *   int8_tiles.h    the int8 tiles on 256-bit registers, for isa_avx2.c and the two VNNI files */
 #ifndef ATB_CPU_KERNELS_H
 #define ATB_CPU_KERNELS_H
 #include <math.h>
