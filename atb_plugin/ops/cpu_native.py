@@ -1,4 +1,4 @@
-"""Native CPU kernels: a small C library (``csrc/cpu_kernels.c``) built on first use.
+"""Native CPU kernels: a small C library (``csrc/``) built on first use.
 
 Why: on the CPU the host's dispatch cost per torch op is paid for each of the tens of ops of a
 layer, every step (benchmarks/RESULTS.md, bench_engine "Third round"), and the torch decode
@@ -10,36 +10,42 @@ reads it again. The library has one call for each of: decode attention over the 
 on the current one. Measured in ``benchmarks/RESULTS.md`` (bench_engine, "Third round").
 
 How it is built: first a small probe (``csrc/cpu_probe.c``) runs, which tries each instruction
-set that matters here (AVX2, AVX-512, AVX-512 BF16 and VNNI, AVX-VNNI, AMX) in a forked child, so
-that a set the CPUID flags claim but this VM or process may not execute (an XCR0 state left
-disabled, AMX without its arch_prctl permission) is reported missing instead of killing the
-process with SIGILL. The library is then built by the machine's C compiler (``$CC``, else ``cc``)
-with ``-O3 -fopenmp``, the probed base sets as explicit flags (``-mavx2 -mfma -mf16c``, plus
-``-mavx512f -mavx512bw -mavx512dq -mavx512vl`` where AVX-512 executes) and ``-mtune=native``.
-Not ``-march=native`` on x86-64: it enables whatever CPUID lists, which is exactly what the probe
-cannot trust (a library built with it where the probe says AVX-512 is off could execute AVX-512
-anywhere the compiler chose to). Kernels for the sets above the base (the VNNI int8 dot products)
-are compiled with ``__attribute__((target(...)))`` and chosen per call from the probe's answer
-(``cpu_set_features``), so one library serves every CPU with that base. Other architectures keep
-``-march=native``. The shared library is cached under
-``${XDG_CACHE_HOME:-~/.cache}/atb-plugin/kernels`` under a name hashed from the source, the flags
-(so the probe's answer), the compiler's version and this CPU's CPUID flags (a library built for
-one CPU is never loaded on another), with the probe's answer beside them (``kernels-probe/``), written
-under a temporary name and renamed, so processes that build at once never load half a file. OpenMP
-resolves to the ``libgomp.so.1`` torch has already loaded: one thread pool, the caller's
+set that matters here (``FEATURES``: AVX2, AVX-512, AVX-512 BF16 and VNNI, AVX-VNNI, AMX) in a
+forked child, so that a set the CPUID flags claim but this VM or process may not execute (an XCR0
+state left disabled, AMX without its arch_prctl permission) is reported missing instead of killing
+the process with SIGILL. The library is then built by the machine's C compiler (``$CC``, else
+``cc``; ``CFLAGS``: ``-O3 -fopenmp``, no ``-ffast-math``), file by file (``UNITS``;
+docs/architecture.md, "Native CPU kernels", maps them): the common files (the calls below, the one
+int8 driver, the dispatch table) with the sets the probe found (``_isa_flags``: ``-mavx2 -mfma
+-mf16c``, plus ``-mavx512f -mavx512bw -mavx512dq -mavx512vl`` where AVX-512 executes, and
+``-mtune=native``), each ``isa_*.c`` file with its own set's flags whatever the probe says, so one
+library holds every variant. When it loads, ``cpu_set_features`` hands the probe's answer to the
+dispatch table (``csrc/dispatch.c``), which fills each kernel slot with the best variant whose
+sets all executed (``kernel_map`` says which). Never ``-march=native`` on x86-64: it enables
+whatever CPUID lists, which is exactly what the probe cannot trust (a library built with it where
+the probe says AVX-512 is off could execute AVX-512 anywhere the compiler chose to). Other
+architectures build the common files and the portable variant with ``-march=native``. The shared
+library is cached under ``${XDG_CACHE_HOME:-~/.cache}/atb-plugin/kernels`` under a name hashed
+from every file of ``csrc/`` (sources and headers), the flags (so the probe's answer), the
+compiler's version and this CPU's CPUID flags (a library built for one CPU is never loaded on
+another), with the probe's answer beside them (``kernels-probe/``), linked under a temporary name
+and renamed, so processes that build at once never load half a file. OpenMP resolves to the
+``libgomp.so.1`` torch has already loaded: one thread pool, the caller's
 ``torch.get_num_threads()`` threads.
 
 Which path runs: ``ATB_PLUGIN_CPU_KERNELS`` = ``auto`` (default: the library where it builds, else
 the torch ops after one warning naming why), ``native`` (the library, or an error), ``torch``. The
-library's elementwise and attention kernels take float32 only: other dtypes and CUDA tensors always
-take the torch ops (``library_for``). The linear kernels also take bfloat16 weights
-(``linear_bf16``) and int8 weights (``w8a16_linear``, ``w8a8_dynamic_linear``), reached through
-``linear_library`` (tests/test_cpu_native_lowp.py checks them). The captured decode step
-(``decode_step``) runs float32 activations over any of those weight formats and a float32 or
-bfloat16 KV cache. Each kernel is checked against the
-torch path and a float64 reference in tests/test_cpu_native.py and tests/test_platform_and_ops.py.
+eager elementwise and attention calls take float32 tensors: other dtypes and CUDA tensors take the
+torch ops (``library_for``). The linear kernels also take bfloat16 weights (``linear_bf16``, with
+float32 or bfloat16 activations) and int8 weights (``w8a16_linear``, ``w8a8_dynamic_linear``),
+reached through ``linear_library`` (tests/test_cpu_native_lowp.py checks them). The captured
+decode step (``decode_step``) runs float32 activations over any of those weight formats and a
+float32 or bfloat16 KV cache. Each kernel is checked against the torch path and a float64
+reference in tests/test_cpu_native.py and tests/test_platform_and_ops.py.
 ``ATB_PLUGIN_CPU_ISA`` (a comma-separated subset of ``FEATURES``, or ``none``) limits the
-instruction sets to fewer than the probe found.
+instruction sets to fewer than the probe found (the base flags and the table both follow it);
+``set_features`` limits the table alone, at run time. tests/test_cpu_kernel_map.py checks the
+table, each variant and the structs shared with C.
 """
 
 from __future__ import annotations
@@ -131,8 +137,9 @@ def features() -> dict[str, bool]:
 
 
 def set_features(library, names) -> int:
-    """Let the kernels use only ``names`` (of FEATURES, each one the probe found): returns the
-    mask set. For tests and benchmarks comparing the variants; ``features()`` is the default."""
+    """Refill the dispatch table from ``names`` alone (of FEATURES, each one the probe found):
+    returns the mask set. For tests and benchmarks comparing the variants; ``features()`` is the
+    default. The common code keeps the flags it was built with (``_isa_flags``)."""
     probed = _loaded.get("features", {})
     missing = [n for n in names if not probed.get(n)]
     if missing:
@@ -206,7 +213,7 @@ def _compiler() -> tuple[list[str], str]:
 
 
 def _run(command: list[str], compiler: list[str]) -> None:
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(compiler)} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
 
@@ -368,7 +375,7 @@ def paged_decode(library, query, key_cache, value_cache, block_tables, seq_lens,
     return out
 
 
-# Columns per weight panel of linear_f32 (csrc/cpu_kernels.c: the layout is drawn there).
+# Columns per weight panel of linear_f32 (csrc/cpu_kernels.h; csrc/float_kernels.h draws the layout).
 PANEL = 64
 
 
@@ -421,7 +428,7 @@ def weight_panels_bf16(weight: torch.Tensor) -> torch.Tensor:
     """An ``(N, K)`` weight (any float dtype; rounded to bfloat16 as ``.to(torch.bfloat16)`` does)
     as ``(ceil(N / PANEL), ceil(K / 2), PANEL, 2)`` bfloat16 panels, contiguous:
     ``panels[p][k // 2][j][k % 2] = weight[p * PANEL + j][k]``, zeros past N and past K. Half the
-    bytes of ``weight_panels``; ``linear_bf16`` reads them (csrc/cpu_kernels.c draws the layout)."""
+    bytes of ``weight_panels``; ``linear_bf16`` reads them (csrc/float_kernels.h draws the layout)."""
     out_features, in_features = weight.shape
     padded = -(-out_features // PANEL) * PANEL
     steps = -(-in_features // 2)
@@ -581,12 +588,12 @@ def argmax(library, x: torch.Tensor) -> torch.Tensor:
 
 # -- the captured decode step (decode_step_f32; built from a model by models/native_decode.py) --------
 
-# What a DecodeLinear's weight holds, as LINEAR_* in csrc/cpu_kernels.c.
+# What a DecodeLinear's weight holds, as LINEAR_* in csrc/cpu_kernels.h (tests/test_cpu_kernel_map.py compares).
 LINEAR_F32, LINEAR_BF16, LINEAR_W8A16, LINEAR_W8A8_DYNAMIC = range(4)
 
 
 class DecodeLinear(ctypes.Structure):
-    """One linear layer of the plan, as ``decode_linear`` in csrc/cpu_kernels.c: ``format`` (a
+    """One linear layer of the plan, as ``decode_linear`` in csrc/cpu_kernels.h: ``format`` (a
     ``LINEAR_*``), the weight (float32 / bfloat16 panels, or int8 rows), the float32 bias,
     per-channel scale and offset (int8 only), each NULL where absent."""
     _fields_ = [("format", _I64), *((name, _PTR) for name in ("weight", "bias", "scale", "offset"))]
@@ -627,14 +634,14 @@ class LinearOperands:
 
 
 class DecodeLayer(ctypes.Structure):
-    """One decoder layer's addresses, as ``decode_layer`` in csrc/cpu_kernels.c."""
+    """One decoder layer's addresses, as ``decode_layer`` in csrc/cpu_kernels.h."""
     _fields_ = [("input_norm", _PTR), ("post_norm", _PTR),
                 *((name, DecodeLinear) for name in ("qkv", "o", "gate_up", "down")),
                 ("key_cache", _PTR), ("value_cache", _PTR)]
 
 
 class DecodeModel(ctypes.Structure):
-    """The decoder's sizes and its layers, as ``decode_model`` in csrc/cpu_kernels.c (``kv_bf16``:
+    """The decoder's sizes and its layers, as ``decode_model`` in csrc/cpu_kernels.h (``kv_bf16``:
     the KV caches hold bfloat16, else float32)."""
     _fields_ = [("num_layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
                 ("intermediate", _I64), ("block_size", _I64), ("kv_bf16", _I64), ("eps", _F32), ("scale", _F32),

@@ -39,6 +39,9 @@ enum {
     FEATURE_AMX_INT8 = 64,
 };
 
+/* Columns per weight panel of the linear kernels (float_kernels.h draws the layout; cpu_native.PANEL). */
+#define PANEL 64
+
 /* The int8 kernels work on blocks of OT weight rows (a thread's unit of work); sums land in
  * sums[m * OT + o]. */
 #define OT 8

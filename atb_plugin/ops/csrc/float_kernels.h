@@ -293,7 +293,6 @@ static void argmax(const float *x, int64_t x_stride, int64_t rows, int64_t width
  * the panel (K x 256 bytes) stays in L2 for all its row tiles, which share out prefetching the
  * next panel into L2 while they compute, so reading the weights from DRAM overlaps the
  * arithmetic instead of alternating with it (benchmarks/RESULTS.md, bench_engine "Fourth round"). */
-#define PANEL 64
 #define MR 6
 #define PREFETCH_AHEAD 8 /* steps (of 256 bytes) a tile streaming its own panel prefetches ahead */
 #define STEP_BYTES 256   /* one step of a panel, either format */
