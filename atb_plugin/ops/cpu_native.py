@@ -59,6 +59,7 @@ import shlex
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -317,11 +318,12 @@ def _build(probed: dict[str, bool]) -> Path:
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(prefix="atb-kernels-") as objects:
-            built = []
-            for name, flags in units.items():
-                built.append(Path(objects) / f"{Path(name).stem}.o")
-                _run([*compiler, *CFLAGS, *flags, "-c", str(CSRC / name), "-o", str(built[-1])], compiler)
+        with tempfile.TemporaryDirectory(prefix="atb-kernels-") as objects, \
+                ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            built = [Path(objects) / f"{Path(name).stem}.o" for name in units]
+            commands = [[*compiler, *CFLAGS, *flags, "-c", str(CSRC / name), "-o", str(obj)]
+                        for (name, flags), obj in zip(units.items(), built)]
+            list(pool.map(lambda command: _run(command, compiler), commands))  # raises the first failure
             _compile(compiler, ["-shared", "-fopenmp"], built, target)
         _probe_dir().mkdir(parents=True, exist_ok=True)
         (_probe_dir() / f"{target.stem}.features").write_text("".join(f"{n} {int(ok)}\n" for n, ok in probed.items()))

@@ -117,7 +117,7 @@ static inline int32_t hsum_epi32(__m256i v) {
  * W8A16), the function's target attribute ATTR (empty: the file's flags). Aligned to 64 bytes so
  * that its loops sit the same way in the instruction cache whatever is linked before it: the same
  * AVX-512 VNNI block 32 bytes off a 64-byte boundary ran 7-10 % slower at one row (SmolLM2's
- * shapes, Zen 4). */
+ * shapes, AMD EPYC Zen 5). */
 #define INT8_AT(R, O, F, DOT)                                                                               \
     do {                                                                                                    \
         const F##_IN *a = (const F##_IN *)a0 + m * a_stride;                                                \
