@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from atb_plugin.ops import cpu_native
+from tests.test_cpu_native_lowp import _gen, _within
 
 SLOTS = ("paged_decode", "rms_norm", "rotary", "silu_and_mul", "argmax", "linear_panels", "quantize_rows",
          "w8a16_block", "w8a8_block")
@@ -76,16 +77,6 @@ def _expected(found: dict[str, bool]) -> dict[str, str]:
             else "avx2" if avx2 else "portable")
     return {**{slot: base for slot in FLOAT_SLOTS}, "quantize_rows": "avx2" if avx2 else "portable",
             "w8a16_block": "avx2" if avx2 else "portable", "w8a8_block": w8a8}
-
-
-def _gen(seed=0):
-    return torch.Generator().manual_seed(seed)
-
-
-def _within(actual: torch.Tensor, exact: torch.Tensor, magnitude: torch.Tensor, rel: float) -> None:
-    error = (actual.double() - exact).abs()
-    worst = (error / (magnitude + 1e-300)).max().item()
-    assert (error <= rel * magnitude + 1e-30).all(), f"worst error {worst:.3g} x magnitude, bound {rel}"
 
 
 # -- what Python and C share --------------------------------------------------------------------
