@@ -167,8 +167,8 @@ int decode_step_f32(const decode_model *m, const float *embeds, float *out, int6
             write_kv(L->key_cache, slots[r] * kv_size, k + r * kv_size, kv_size, (int)m->kv_bf16);
             write_kv(L->value_cache, slots[r] * kv_size, qkv + r * qkv_n + q_size + kv_size, kv_size, (int)m->kv_bf16);
         }
-        if (cpu_kernels.paged_decode(q, L->key_cache, L->value_cache, (int)m->kv_bf16, block_tables, table_stride, seq_lens, a,
-                         rows, m->heads, m->kv_heads, D, m->block_size, m->scale, num_threads))
+        if (cpu_kernels.paged_decode(q, L->key_cache, L->value_cache, (int)m->kv_bf16, block_tables, table_stride,
+                                     seq_lens, a, rows, m->heads, m->kv_heads, D, m->block_size, m->scale, num_threads))
             return 1;
         if (decode_linear_rows(&L->o, a, rows, q_size, proj, H, num_threads)) return 1;
         add_rows(stream, proj, rows * H);

@@ -48,7 +48,8 @@ static inline int32_t hsum_epi32(__m256i v) {
 #define W8A16_PREFETCH(O, K, k) if (((k) & 31) == 0) PREFETCH_TILES_AHEAD(O, K, k)
 #define W8A16_WEIGHTS(O, k)                                                                                 \
     __m256 wv[O];                                                                                           \
-    for (int o = 0; o < O; o++) wv[o] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + o * K + k))))
+    for (int o = 0; o < O; o++)                                                                             \
+        wv[o] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(w + o * K + k))))
 #define W8A16_ROW(r, k) const __m256 av = _mm256_loadu_ps(a + r * a_stride + k)
 #define W8A16_MAC(sum, o, DOT) _mm256_fmadd_ps(av, wv[o], sum)
 
@@ -102,7 +103,7 @@ static inline int32_t hsum_epi32(__m256i v) {
 
 /* The tiles covering one block of `count` (<= OT) weight rows and all M rows of x: TO weight rows
  * by RT rows where they fit, then narrower ones. Sums land in sums[r * OT + o]. */
-#define BLOCK_TILES(TILE_FULL, TILE_ROW, TILE_ONE_W, TILE_ONE)                                            \
+#define BLOCK_TILES(TILE_FULL, TILE_ROW, TILE_ONE_W, TILE_ONE)                                              \
     for (int o0 = 0; o0 < count; o0 += TO) {                                                                \
         const int pair = count - o0 >= TO;                                                                  \
         for (int64_t m = 0; m < M;) {                                                                       \
@@ -114,10 +115,9 @@ static inline int32_t hsum_epi32(__m256i v) {
     }
 
 /* An int8 block (int8_block_fn) of format F (W8A16 or W8A8) with dot product DOT (W8A8; empty for
- * W8A16), the function's target attribute ATTR (empty: the file's flags). Aligned to 64 bytes so
- * that its loops sit the same way in the instruction cache whatever is linked before it: the same
- * AVX-512 VNNI block 32 bytes off a 64-byte boundary ran 7-10 % slower at one row (SmolLM2's
- * shapes, AMD EPYC Zen 5). */
+ * W8A16), for the including file's instruction set. Aligned to 64 bytes so that its loops sit the
+ * same way in the instruction cache whatever is linked before it: the same AVX-512 VNNI block 32
+ * bytes off a 64-byte boundary ran 7-10 % slower at one row (SmolLM2's shapes, AMD EPYC Zen 5). */
 #define INT8_AT(R, O, F, DOT)                                                                               \
     do {                                                                                                    \
         const F##_IN *a = (const F##_IN *)a0 + m * a_stride;                                                \
@@ -125,9 +125,9 @@ static inline int32_t hsum_epi32(__m256i v) {
         F##_SUM *out = (F##_SUM *)sums + m * OT + o0;                                                       \
         INT8_TILE(R, O, F, DOT);                                                                            \
     } while (0)
-#define INT8_BLOCK(NAME, ATTR, F, DOT)                                                                      \
-    static ATTR __attribute__((aligned(64))) void NAME(const void *a0, int64_t M, int64_t K, int64_t a_stride,  \
-                                                       const int8_t *w0, int count, void *sums) {                                                                     \
+#define INT8_BLOCK(NAME, F, DOT)                                                                            \
+    static __attribute__((aligned(64))) void NAME(const void *a0, int64_t M, int64_t K, int64_t a_stride,   \
+                                                  const int8_t *w0, int count, void *sums) {                \
         BLOCK_TILES(INT8_AT(RT, TO, F, DOT), INT8_AT(1, TO, F, DOT), INT8_AT(RT, 1, F, DOT),                \
                     INT8_AT(1, 1, F, DOT))                                                                  \
     }

@@ -5,8 +5,8 @@
 #include "int8_tiles.h"
 
 #define DOT_AVX2(acc, a, b) _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)))
-INT8_BLOCK(w8a16_block, , W8A16, )
-INT8_BLOCK(w8a8_block, , W8A8, DOT_AVX2)
+INT8_BLOCK(w8a16_block, W8A16, )
+INT8_BLOCK(w8a8_block, W8A8, DOT_AVX2)
 
 /* max|row| over the whole 8-float vectors. max_ps(v, acc) returns acc where v is NaN: NaNs are
  * skipped, as fmaxf skips them. */

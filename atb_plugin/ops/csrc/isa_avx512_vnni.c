@@ -7,7 +7,7 @@
 #include "int8_tiles.h"
 
 #define DOT_AVX512_VNNI(acc, a, b) _mm256_dpbusd_epi32(acc, a, b)
-INT8_BLOCK(w8a8_block, , W8A8, DOT_AVX512_VNNI)
+INT8_BLOCK(w8a8_block, W8A8, DOT_AVX512_VNNI)
 
 const struct cpu_variant cpu_variant_avx512_vnni = {
     "avx512_vnni", FEATURE_AVX2 | FEATURE_AVX512 | FEATURE_AVX512_VNNI, {.w8a8_block = w8a8_block}};

@@ -4,6 +4,7 @@
 #include "int8_tiles.h"
 
 #define DOT_AVX_VNNI(acc, a, b) _mm256_dpbusd_avx_epi32(acc, a, b)
-INT8_BLOCK(w8a8_block, , W8A8, DOT_AVX_VNNI)
+INT8_BLOCK(w8a8_block, W8A8, DOT_AVX_VNNI)
 
-const struct cpu_variant cpu_variant_avx_vnni = {"avx_vnni", FEATURE_AVX2 | FEATURE_AVX_VNNI, {.w8a8_block = w8a8_block}};
+const struct cpu_variant cpu_variant_avx_vnni = {
+    "avx_vnni", FEATURE_AVX2 | FEATURE_AVX_VNNI, {.w8a8_block = w8a8_block}};
