@@ -39,7 +39,7 @@ setup(
         "apache-tvm-ffi==0.1.15.post2",
     ],
     # The native CPU kernels' C source, compiled on first use (atb_plugin/ops/cpu_native.py).
-    package_data={"atb_plugin.ops": ["csrc/*.c"]},
+    package_data={"atb_plugin.ops": ["csrc/*.c", "csrc/*.h"]},
     entry_points={"console_scripts": ["atb-plugin=atb_plugin.server.cli:main"]},
     extras_require={
         # Ascend only: needs CANN's libraries to even import. Never installed in CI.

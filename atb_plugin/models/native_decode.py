@@ -34,7 +34,7 @@ import torch
 
 from atb_plugin.ops import AttentionMetadata, cpu_native
 
-# The KV cache dtypes the plan reads and writes (csrc/cpu_kernels.c, decode_model.kv_bf16).
+# The KV cache dtypes the plan reads and writes (csrc/cpu_kernels.h, decode_model.kv_bf16).
 CACHE_DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -127,7 +127,7 @@ def capture(model, kv_caches, max_rows: int) -> tuple[NativeDecodeStep | None, s
     library = cpu_native.linear_library(weight.device)  # None off the CPU or with the torch ops chosen
     if library is None:
         return None, f"the native CPU kernels are not in use ({weight.device}, {cpu_native.KERNELS_ENV}={cpu_native.choice()})"
-    if model.config.qk_norm or model.config.moe is not None:  # not in the native plan (csrc/cpu_kernels.c)
+    if model.config.qk_norm or model.config.moe is not None:  # not in the native plan (csrc/cpu_kernels.c, decode_step_f32)
         return None, "per-head q/k norms or mixture-of-experts layers (Qwen3 / Qwen3-MoE) are not in the native plan"
     if model.config.head_dim % cpu_native.DECODE_HEAD_DIM_MULTIPLE:
         return None, f"head_dim {model.config.head_dim} is not a multiple of {cpu_native.DECODE_HEAD_DIM_MULTIPLE}"

@@ -1,4 +1,4 @@
-"""Native CPU kernels: a small C library (``csrc/cpu_kernels.c``) built on first use.
+"""Native CPU kernels: a small C library (``csrc/``) built on first use.
 
 Why: on the CPU the host's dispatch cost per torch op is paid for each of the tens of ops of a
 layer, every step (benchmarks/RESULTS.md, bench_engine "Third round"), and the torch decode
@@ -10,48 +10,56 @@ reads it again. The library has one call for each of: decode attention over the 
 on the current one. Measured in ``benchmarks/RESULTS.md`` (bench_engine, "Third round").
 
 How it is built: first a small probe (``csrc/cpu_probe.c``) runs, which tries each instruction
-set that matters here (AVX2, AVX-512, AVX-512 BF16 and VNNI, AVX-VNNI, AMX) in a forked child, so
-that a set the CPUID flags claim but this VM or process may not execute (an XCR0 state left
-disabled, AMX without its arch_prctl permission) is reported missing instead of killing the
-process with SIGILL. The library is then built by the machine's C compiler (``$CC``, else ``cc``)
-with ``-O3 -fopenmp``, the probed base sets as explicit flags (``-mavx2 -mfma -mf16c``, plus
-``-mavx512f -mavx512bw -mavx512dq -mavx512vl`` where AVX-512 executes) and ``-mtune=native``.
-Not ``-march=native`` on x86-64: it enables whatever CPUID lists, which is exactly what the probe
-cannot trust (a library built with it where the probe says AVX-512 is off could execute AVX-512
-anywhere the compiler chose to). Kernels for the sets above the base (the VNNI int8 dot products)
-are compiled with ``__attribute__((target(...)))`` and chosen per call from the probe's answer
-(``cpu_set_features``), so one library serves every CPU with that base. Other architectures keep
-``-march=native``. The shared library is cached under
-``${XDG_CACHE_HOME:-~/.cache}/atb-plugin/kernels`` under a name hashed from the source, the flags
-(so the probe's answer), the compiler's version and this CPU's CPUID flags (a library built for
-one CPU is never loaded on another), with the probe's answer beside them (``kernels-probe/``), written
-under a temporary name and renamed, so processes that build at once never load half a file. OpenMP
-resolves to the ``libgomp.so.1`` torch has already loaded: one thread pool, the caller's
+set that matters here (``FEATURES``: AVX2, AVX-512, AVX-512 BF16 and VNNI, AVX-VNNI, AMX) in a
+forked child, so that a set the CPUID flags claim but this VM or process may not execute (an XCR0
+state left disabled, AMX without its arch_prctl permission) is reported missing instead of killing
+the process with SIGILL. The library is then built by the machine's C compiler (``$CC``, else
+``cc``; ``CFLAGS``: ``-O3 -fopenmp``, no ``-ffast-math``), file by file (``UNITS``;
+docs/architecture.md, "Native CPU kernels", maps them): the common files (the calls below, the one
+int8 driver, the dispatch table) with the sets the probe found (``_isa_flags``: ``-mavx2 -mfma
+-mf16c``, plus ``-mavx512f -mavx512bw -mavx512dq -mavx512vl`` where AVX-512 executes, and
+``-mtune=native``), each ``isa_*.c`` file with its own set's flags whatever the probe says, so one
+library holds every variant. When it loads, ``cpu_set_features`` hands the probe's answer to the
+dispatch table (``csrc/dispatch.c``), which fills each kernel slot with the best variant whose
+sets all executed (``kernel_map`` says which). Never ``-march=native`` on x86-64: it enables
+whatever CPUID lists, which is exactly what the probe cannot trust (a library built with it where
+the probe says AVX-512 is off could execute AVX-512 anywhere the compiler chose to). Other
+architectures build the common files and the portable variant with ``-march=native``. The shared
+library is cached under ``${XDG_CACHE_HOME:-~/.cache}/atb-plugin/kernels`` under a name hashed
+from every file of ``csrc/`` (sources and headers), the flags (so the probe's answer), the
+compiler's version and this CPU's CPUID flags (a library built for one CPU is never loaded on
+another), with the probe's answer beside them (``kernels-probe/``), linked under a temporary name
+and renamed, so processes that build at once never load half a file. OpenMP resolves to the
+``libgomp.so.1`` torch has already loaded: one thread pool, the caller's
 ``torch.get_num_threads()`` threads.
 
 Which path runs: ``ATB_PLUGIN_CPU_KERNELS`` = ``auto`` (default: the library where it builds, else
 the torch ops after one warning naming why), ``native`` (the library, or an error), ``torch``. The
-library's elementwise and attention kernels take float32 only: other dtypes and CUDA tensors always
-take the torch ops (``library_for``). The linear kernels also take bfloat16 weights
-(``linear_bf16``) and int8 weights (``w8a16_linear``, ``w8a8_dynamic_linear``), reached through
-``linear_library`` (tests/test_cpu_native_lowp.py checks them). The captured decode step
-(``decode_step``) runs float32 activations over any of those weight formats and a float32 or
-bfloat16 KV cache. Each kernel is checked against the
-torch path and a float64 reference in tests/test_cpu_native.py and tests/test_platform_and_ops.py.
+eager elementwise and attention calls take float32 tensors: other dtypes and CUDA tensors take the
+torch ops (``library_for``). The linear kernels also take bfloat16 weights (``linear_bf16``, with
+float32 or bfloat16 activations) and int8 weights (``w8a16_linear``, ``w8a8_dynamic_linear``),
+reached through ``linear_library`` (tests/test_cpu_native_lowp.py checks them). The captured
+decode step (``decode_step``) runs float32 activations over any of those weight formats and a
+float32 or bfloat16 KV cache. Each kernel is checked against the torch path and a float64
+reference in tests/test_cpu_native.py and tests/test_platform_and_ops.py.
 ``ATB_PLUGIN_CPU_ISA`` (a comma-separated subset of ``FEATURES``, or ``none``) limits the
-instruction sets to fewer than the probe found.
+instruction sets to fewer than the probe found (the base flags and the table both follow it);
+``set_features`` limits the table alone, at run time. tests/test_cpu_kernel_map.py checks the
+table, each variant and the structs shared with C.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import itertools
 import logging
 import os
 import shlex
 import subprocess
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -61,20 +69,31 @@ logger = logging.getLogger(__name__)
 
 KERNELS_ENV = "ATB_PLUGIN_CPU_KERNELS"
 CHOICES = ("auto", "native", "torch")
-SOURCE = Path(__file__).with_name("csrc") / "cpu_kernels.c"
-PROBE_SOURCE = SOURCE.with_name("cpu_probe.c")
+CSRC = Path(__file__).with_name("csrc")
+PROBE_SOURCES = (CSRC / "cpu_probe.c", CSRC / "isa_amx.c")  # the probe runs isa_amx.c's tile test
 # No -ffast-math: linked into a shared library it would switch the whole process to flushing
 # denormals. These let the compiler reorder the float sums (vectorised dot products) and no more.
-# The instruction-set flags come from the probe (_isa_flags). -Wno-psabi: the 64-byte vector type
-# of the attention kernels warns where AVX-512 is off; it never crosses the library's interface.
-CFLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
-          "-fassociative-math", "-fno-signed-zeros", "-Wno-psabi")
-# What cpu_probe.c tries, in the order of the library's FEATURE_* bits (csrc/cpu_kernels.c).
+# -Wno-psabi: the 64-byte vector type of the float kernels warns where AVX-512 is off; it never
+# crosses the library's interface.
+CFLAGS = ("-O3", "-fopenmp", "-fPIC", "-fno-math-errno", "-fno-trapping-math", "-fassociative-math",
+          "-fno-signed-zeros", "-Wno-psabi")
+# What cpu_probe.c tries, in the order of the library's FEATURE_* bits (csrc/cpu_kernels.h).
 FEATURES = ("avx2", "avx512", "avx512_bf16", "avx512_vnni", "avx_vnni", "amx_bf16", "amx_int8")
 # Limits the features the library is built for and its kernels use (a comma-separated subset of
 # FEATURES, or "none": baseline x86-64), as if the probe had found no more: to take a slower
 # variant on purpose, e.g. to compare them, or to steer clear of a set.
 ISA_ENV = "ATB_PLUGIN_CPU_ISA"
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+_AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
+# The library's files and each one's instruction-set flags on x86-64 (docs/architecture.md, "Native
+# CPU kernels": the kernel map). None: the library's base, what the probe found (_isa_flags); the
+# isa_*.c files hold the variants of the dispatch table (csrc/dispatch.c), each compiled for its own
+# set whatever the probe says, so one library holds them all and the table picks what executes.
+# Elsewhere only the base files and isa_portable.c are built, all with -march=native.
+UNITS = {"cpu_kernels.c": None, "int8_driver.c": None, "dispatch.c": None, "isa_portable.c": (),
+         "isa_avx2.c": _AVX2, "isa_avx512.c": _AVX512, "isa_avx_vnni.c": (*_AVX2, "-mavxvnni"),
+         "isa_avx512_vnni.c": (*_AVX512, "-mavx512vnni"), "isa_amx.c": ()}
+_X86_ONLY = ("isa_avx2.c", "isa_avx512.c", "isa_avx_vnni.c", "isa_avx512_vnni.c", "isa_amx.c")
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}  # "library" -> the bound ctypes library, or "error" -> why it is unavailable
@@ -119,8 +138,9 @@ def features() -> dict[str, bool]:
 
 
 def set_features(library, names) -> int:
-    """Let the kernels use only ``names`` (of FEATURES, each one the probe found): returns the
-    mask set. For tests and benchmarks comparing the variants; ``features()`` is the default."""
+    """Refill the dispatch table from ``names`` alone (of FEATURES, each one the probe found):
+    returns the mask set. For tests and benchmarks comparing the variants; ``features()`` is the
+    default. The common code keeps the flags it was built with (``_isa_flags``)."""
     probed = _loaded.get("features", {})
     missing = [n for n in names if not probed.get(n)]
     if missing:
@@ -147,7 +167,7 @@ def _load():
 
 
 _I64, _PTR, _F32, _INT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-_SIGNATURES = {  # name: (restype, argtypes), as in csrc/cpu_kernels.c
+_SIGNATURES = {  # name: (restype, argtypes), as in csrc/ (cpu_kernels.c, int8_driver.c, dispatch.c)
     "paged_decode_f32": (_INT, [_PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _I64, _F32, _INT]),
     "rms_norm_f32": (None, [_PTR, _I64, _PTR, _PTR, _I64, _I64, _F32, _INT]),
     "rotary_f32": (None, [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _INT]),
@@ -158,6 +178,8 @@ _SIGNATURES = {  # name: (restype, argtypes), as in csrc/cpu_kernels.c
     "decode_step_f32": (_INT, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _INT]),
     "linear_bf16w": (_INT, [_PTR, _INT, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT, _I64, _INT]),
     "cpu_set_features": (_INT, [_INT]),
+    "cpu_kernel_slot": (ctypes.c_char_p, [_INT]),
+    "cpu_kernel_variant": (ctypes.c_char_p, [_INT]),
     "w8a8_variant": (_INT, []),
     "w8a16_linear_f32": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _INT]),
     "quantize_rows_s8": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR]),
@@ -191,21 +213,35 @@ def _compiler() -> tuple[list[str], str]:
     return compiler, version
 
 
-def _compile(compiler: list[str], flags: list[str], source: Path, target: Path) -> None:
-    """``source`` compiled into ``target``, written under a temporary name and renamed."""
+def _run(command: list[str], compiler: list[str]) -> None:
+    done = subprocess.run(command, check=False, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(compiler)} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+
+
+def _compile(compiler: list[str], flags: list[str], sources: list[Path], target: Path) -> None:
+    """``sources`` (C files, or objects to link) compiled into ``target``, written under a
+    temporary name and renamed, so processes that build at once never load half a file."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, partial = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
     os.close(fd)
     try:
-        done = subprocess.run([*compiler, *flags, str(source), "-o", partial, "-lm"], capture_output=True,
-                              text=True, timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(f"{' '.join(compiler)} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        _run([*compiler, *flags, *map(str, sources), "-o", partial, "-lm"], compiler)
         os.chmod(partial, 0o755)
         os.replace(partial, target)
     finally:
         if os.path.exists(partial):
             os.unlink(partial)
+
+
+def _source_digest() -> bytes:
+    """Every file of csrc/ (sources and headers), by name and content: a change to any of them
+    makes a new library and probe."""
+    digest = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        if path.suffix in (".c", ".h"):
+            digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.digest()
 
 
 def _cache_dir() -> Path:
@@ -224,11 +260,11 @@ def _probe() -> dict[str, bool]:
     if os.uname().machine not in ("x86_64", "amd64"):
         return {}
     compiler, version = _compiler()
-    key = hashlib.sha256(b"\0".join([PROBE_SOURCE.read_bytes(), version.encode()])).hexdigest()[:16]
+    key = hashlib.sha256(b"\0".join([_source_digest(), version.encode()])).hexdigest()[:16]
     program = _probe_dir() / f"cpu_probe-{key}"
     try:
         if not program.exists():
-            _compile(compiler, ["-O1"], PROBE_SOURCE, program)
+            _compile(compiler, ["-O1"], list(PROBE_SOURCES), program)
         done = subprocess.run([str(program)], capture_output=True, text=True, timeout=60)
         if done.returncode != 0:
             raise RuntimeError(f"exit status {done.returncode}: {done.stderr.strip()[-500:]}")
@@ -252,31 +288,62 @@ def _limit(probed: dict[str, bool]) -> dict[str, bool]:
     return {name: ok and name in names for name, ok in probed.items()}
 
 
+def _x86() -> bool:
+    return os.uname().machine in ("x86_64", "amd64")
+
+
 def _isa_flags(probed: dict[str, bool]) -> list[str]:
-    """The compiler's instruction-set flags for the library's base: on x86-64 only what the probe
-    saw execute (module docstring: why not -march=native there)."""
-    if os.uname().machine not in ("x86_64", "amd64"):
+    """The compiler's instruction-set flags for the library's base files (UNITS: None): on x86-64
+    only what the probe saw execute (module docstring: why not -march=native there)."""
+    if not _x86():
         return ["-march=native"]
-    flags = ["-mtune=native"]
-    if probed.get("avx2"):
-        flags += ["-mavx2", "-mfma", "-mf16c"]
-        if probed.get("avx512"):
-            flags += ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl"]
-    return flags
+    sets = _AVX512 if probed.get("avx2") and probed.get("avx512") else _AVX2 if probed.get("avx2") else ()
+    return ["-mtune=native", *sets]
+
+
+def _unit_flags(probed: dict[str, bool]) -> dict[str, list[str]]:
+    """Each file of the library that this architecture builds, with its instruction-set flags."""
+    if not _x86():
+        return {name: ["-march=native"] for name in UNITS if name not in _X86_ONLY}
+    return {name: _isa_flags(probed) if sets is None else ["-mtune=native", *sets] for name, sets in UNITS.items()}
 
 
 def _build(probed: dict[str, bool]) -> Path:
+    """The library: each file compiled to an object with its own flags (UNITS), then linked."""
     compiler, version = _compiler()
-    flags = [*CFLAGS, *_isa_flags(probed)]
-    key = hashlib.sha256(b"\0".join([SOURCE.read_bytes(), " ".join(flags).encode(), version.encode(),
-                                     _cpu_flags().encode()])).hexdigest()[:16]
+    units = _unit_flags(probed)
+    described = " ".join(f"{name}:{','.join(flags)}" for name, flags in units.items())
+    key = hashlib.sha256(b"\0".join([_source_digest(), " ".join(CFLAGS).encode(), described.encode(),
+                                     version.encode(), _cpu_flags().encode()])).hexdigest()[:16]
     target = _cache_dir() / f"cpu_kernels-{key}.so"
     if not target.exists():
-        _compile(compiler, flags, SOURCE, target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(prefix="atb-kernels-") as objects, \
+                ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            built = [Path(objects) / f"{Path(name).stem}.o" for name in units]
+            commands = [[*compiler, *CFLAGS, *flags, "-c", str(CSRC / name), "-o", str(obj)]
+                        for (name, flags), obj in zip(units.items(), built)]
+            list(pool.map(lambda command: _run(command, compiler), commands))  # raises the first failure
+            _compile(compiler, ["-shared", "-fopenmp"], built, target)
         _probe_dir().mkdir(parents=True, exist_ok=True)
         (_probe_dir() / f"{target.stem}.features").write_text("".join(f"{n} {int(ok)}\n" for n, ok in probed.items()))
-        logger.info("built the native CPU kernels: %s (%s)", target, " ".join(flags))
+        logger.info("built the native CPU kernels: %s (%s)", target, described)
     return target
+
+
+def kernel_map() -> dict[str, str]:
+    """Which variant each slot of the library's dispatch table holds (csrc/dispatch.c), e.g.
+    ``{"rms_norm": "avx512", "w8a8_block": "avx512_vnni", ...}``; empty where the library did not
+    load. It follows ``features()`` (and ``set_features``)."""
+    library, _ = _load()
+    if library is None:
+        return {}
+    slots = {}
+    for index in itertools.count():
+        name = library.cpu_kernel_slot(index)
+        if name is None:
+            return slots
+        slots[name.decode()] = library.cpu_kernel_variant(index).decode()
 
 
 # The decode kernel works in 16-float vectors; other head sizes take SDPA (torch_kernels).
@@ -310,7 +377,7 @@ def paged_decode(library, query, key_cache, value_cache, block_tables, seq_lens,
     return out
 
 
-# Columns per weight panel of linear_f32 (csrc/cpu_kernels.c: the layout is drawn there).
+# Columns per weight panel of linear_f32 (csrc/cpu_kernels.h; csrc/float_kernels.h draws the layout).
 PANEL = 64
 
 
@@ -363,7 +430,7 @@ def weight_panels_bf16(weight: torch.Tensor) -> torch.Tensor:
     """An ``(N, K)`` weight (any float dtype; rounded to bfloat16 as ``.to(torch.bfloat16)`` does)
     as ``(ceil(N / PANEL), ceil(K / 2), PANEL, 2)`` bfloat16 panels, contiguous:
     ``panels[p][k // 2][j][k % 2] = weight[p * PANEL + j][k]``, zeros past N and past K. Half the
-    bytes of ``weight_panels``; ``linear_bf16`` reads them (csrc/cpu_kernels.c draws the layout)."""
+    bytes of ``weight_panels``; ``linear_bf16`` reads them (csrc/float_kernels.h draws the layout)."""
     out_features, in_features = weight.shape
     padded = -(-out_features // PANEL) * PANEL
     steps = -(-in_features // 2)
@@ -523,12 +590,12 @@ def argmax(library, x: torch.Tensor) -> torch.Tensor:
 
 # -- the captured decode step (decode_step_f32; built from a model by models/native_decode.py) --------
 
-# What a DecodeLinear's weight holds, as LINEAR_* in csrc/cpu_kernels.c.
+# What a DecodeLinear's weight holds, as LINEAR_* in csrc/cpu_kernels.h (tests/test_cpu_kernel_map.py compares).
 LINEAR_F32, LINEAR_BF16, LINEAR_W8A16, LINEAR_W8A8_DYNAMIC = range(4)
 
 
 class DecodeLinear(ctypes.Structure):
-    """One linear layer of the plan, as ``decode_linear`` in csrc/cpu_kernels.c: ``format`` (a
+    """One linear layer of the plan, as ``decode_linear`` in csrc/cpu_kernels.h: ``format`` (a
     ``LINEAR_*``), the weight (float32 / bfloat16 panels, or int8 rows), the float32 bias,
     per-channel scale and offset (int8 only), each NULL where absent."""
     _fields_ = [("format", _I64), *((name, _PTR) for name in ("weight", "bias", "scale", "offset"))]
@@ -569,14 +636,14 @@ class LinearOperands:
 
 
 class DecodeLayer(ctypes.Structure):
-    """One decoder layer's addresses, as ``decode_layer`` in csrc/cpu_kernels.c."""
+    """One decoder layer's addresses, as ``decode_layer`` in csrc/cpu_kernels.h."""
     _fields_ = [("input_norm", _PTR), ("post_norm", _PTR),
                 *((name, DecodeLinear) for name in ("qkv", "o", "gate_up", "down")),
                 ("key_cache", _PTR), ("value_cache", _PTR)]
 
 
 class DecodeModel(ctypes.Structure):
-    """The decoder's sizes and its layers, as ``decode_model`` in csrc/cpu_kernels.c (``kv_bf16``:
+    """The decoder's sizes and its layers, as ``decode_model`` in csrc/cpu_kernels.h (``kv_bf16``:
     the KV caches hold bfloat16, else float32)."""
     _fields_ = [("num_layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
                 ("intermediate", _I64), ("block_size", _I64), ("kv_bf16", _I64), ("eps", _F32), ("scale", _F32),

@@ -9,16 +9,18 @@
  * The parent prints one line "name 0|1" per feature and exits 0.
  *
  * Compiled without -march: every test function names its own target, so the probe itself runs
- * on any x86-64 CPU. On other architectures it prints nothing. */
+ * on any x86-64 CPU. On other architectures it prints nothing. The names are cpu_native.FEATURES,
+ * in the order of the library's FEATURE_* bits (cpu_kernels.h). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "cpu_kernels.h"
+
 #if defined(__x86_64__)
 #include <immintrin.h>
-#include <sys/syscall.h>
 
 static volatile float sink_f;
 static volatile int sink_i;
@@ -66,56 +68,9 @@ __attribute__((target("avx2,avxvnni"))) static int try_avx_vnni(void) {
     return 0;
 }
 
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-struct tile_config {
-    unsigned char palette, start_row, reserved[14];
-    unsigned short colsb[16];
-    unsigned char rows[16];
-};
-
-/* The kernel's permission to use AMX tile data (0 when granted), and a palette-1 config of three
- * 16 x 64-byte tiles (accumulator, two operands) for the two probes below. */
-static int amx_prepare(struct tile_config *cfg) {
-    if ((int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) != 0) return 1;
-    memset(cfg, 0, sizeof *cfg);
-    cfg->palette = 1;
-    for (int t = 0; t < 3; t++) { cfg->colsb[t] = 64; cfg->rows[t] = 16; }
-    return 0;
-}
-
-__attribute__((target("amx-tile,amx-bf16"))) static int try_amx_bf16(void) {
-    static struct tile_config cfg __attribute__((aligned(64)));
-    if (amx_prepare(&cfg) != 0) return 1;
-    static unsigned short a[16 * 32] __attribute__((aligned(64)));
-    static float c[16 * 16] __attribute__((aligned(64)));
-    _tile_loadconfig(&cfg);
-    _tile_zero(0);
-    _tile_loadd(1, a, 64);
-    _tile_loadd(2, a, 64);
-    _tile_dpbf16ps(0, 1, 2);
-    _tile_stored(0, c, 64);
-    _tile_release();
-    sink_f = c[0];
-    return 0;
-}
-
-__attribute__((target("amx-tile,amx-int8"))) static int try_amx_int8(void) {
-    static struct tile_config cfg __attribute__((aligned(64)));
-    if (amx_prepare(&cfg) != 0) return 1;
-    static signed char a[16 * 64] __attribute__((aligned(64)));
-    static int c[16 * 16] __attribute__((aligned(64)));
-    _tile_loadconfig(&cfg);
-    _tile_zero(0);
-    _tile_loadd(1, a, 64);
-    _tile_loadd(2, a, 64);
-    _tile_dpbssd(0, 1, 2);
-    _tile_stored(0, c, 64);
-    _tile_release();
-    sink_i = c[0];
-    return 0;
-}
+/* The tile code is isa_amx.c's (compiled into this program beside this file). */
+static int try_amx_bf16(void) { return amx_try_dot(AMX_DOT_BF16); }
+static int try_amx_int8(void) { return amx_try_dot(AMX_DOT_INT8); }
 
 static const struct { const char *name; int (*run)(void); } FEATURES[] = {
     {"avx2", try_avx2},               /* with FMA and F16C */
