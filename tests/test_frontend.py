@@ -219,3 +219,58 @@ def test_one_place_builds_engine_core_requests():
     callers = sorted(str(path.relative_to(ROOT)) for path in (ROOT / "atb_plugin").rglob("*.py")
                      if "EngineCoreRequest(" in path.read_text(encoding="utf-8"))
     assert callers == ["atb_plugin/frontend/input_processor.py"], callers
+
+
+# -- no circle between files ------------------------------------------------------------------------
+
+def _module_of(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def _file_imports(path: Path, modules: set[str]):
+    """The atb_plugin modules one file imports, at any depth (a function-level import counts: it is
+    the same dependency, only deferred), relative imports resolved."""
+    module = _module_of(path)
+    package = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+            # "from atb_plugin.ops import cpu_native" imports the submodule, "from x import name" x itself
+            candidates = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base
+                          for alias in node.names]
+        else:
+            continue
+        for name in candidates:
+            parts = name.split(".")
+            while parts and ".".join(parts) not in modules:
+                parts.pop()
+            if parts and ".".join(parts) != module:
+                yield ".".join(parts)
+
+
+def test_no_import_circle_between_files():
+    """Imports flow one way between files too, not only between rooms: a circle (even one hidden in
+    a function) means neither file can be read, tested or replaced without the other."""
+    paths = {_module_of(p): p for p in (ROOT / "atb_plugin").rglob("*.py")
+             if "testing" not in p.relative_to(ROOT).parts}
+    modules = set(paths)
+    graph = {m: set(_file_imports(p, modules)) & modules for m, p in paths.items()}
+    circles, state = [], {}  # state: "open" while on the current path, "done" once fully walked
+
+    def walk(path):
+        state[path[-1]] = "open"
+        for target in sorted(graph[path[-1]]):
+            if state.get(target) == "open":
+                circles.append(" -> ".join(path[path.index(target):] + [target]))
+            elif target not in state:
+                walk(path + [target])
+        state[path[-1]] = "done"
+
+    for module in sorted(graph):
+        if module not in state:
+            walk([module])
+    assert not circles, "import circles between files:\n" + "\n".join(circles)
