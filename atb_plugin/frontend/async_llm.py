@@ -229,7 +229,8 @@ class AsyncLLM:
         return [(ids, start) for ids, start in encoded]
 
     async def check_grammar(self, params: SamplingParams, field_name: str | None) -> None:
-        """A bad schema, regex or grammar is the client's 400, found before the engine sees it.
+        """A bad schema, regex or grammar is the client's 400, found before the engine sees it; a
+        server without xgrammar answers 501 naming the extra to install.
         Off the event loop: the first check imports xgrammar (seconds), a large schema takes a
         while to compile."""
         if params.structured_outputs is None:
@@ -240,6 +241,9 @@ class AsyncLLM:
             await asyncio.to_thread(structured_output.check, params.structured_outputs)
         except ValueError as error:
             raise InvalidRequestError(f"{field_name}: {error}", param=field_name) from None
+        except structured_output.StructuredOutputUnavailable as error:
+            # An optional dependency this installation lacks: 501 naming the extra, never a 500.
+            raise RequestError(501, f"{field_name}: {error}", param=field_name) from None
 
     def release(self, prompt: PreparedPrompt) -> None:
         """Drop a prepared prompt's segments when it will not run (refused after preparing)."""
