@@ -321,6 +321,8 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         for ignored in mapping.ignored:
             logger.warning("--config %s: %s is ignored (%s)", args.config, ignored,
                            mapping.reasons.get(ignored, "not supported here"))
+        for note in mapping.notes:
+            logger.warning("--config %s: %s", args.config, note)
     if values["model"] is None:
         from atb_plugin.default_model import default_model_dir, embedding_model_dir
 
