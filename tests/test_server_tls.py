@@ -223,3 +223,37 @@ def test_a_key_file_others_can_read_is_a_warning_naming_it(pki, caplog):
     with caplog.at_level(logging.WARNING, logger="atb_plugin.server"):
         parse_config(["--model", MODEL, "--ssl-certfile", pki["server_cert"], "--ssl-keyfile", str(loose)])
     assert any(str(loose) in r.getMessage() and "0644" in r.getMessage() for r in caplog.records)
+
+
+# -- issue 45: MindIE's default httpsEnabled, an over-long key password ---------------------------------
+
+def _config_without_https_enabled(pki, name: str, **server) -> str:
+    path = Path(pki["root"]) / name
+    path.write_text(json.dumps({"ServerConfig": server}), encoding="utf-8")
+    return str(path)
+
+
+def test_tls_fields_without_https_enabled_serve_https_or_refuse_naming_them(pki, caplog):
+    config = _config_without_https_enabled(
+        pki, "no-https-enabled.json", tlsCaPath="security/ca/", tlsCaFile=["ca.pem"],
+        tlsCert="security/certs/server.pem", tlsPk="security/keys/server.key.pem", tlsPkPwd="security/pass/key_pwd.txt")
+    with caplog.at_level(logging.WARNING, logger="atb_plugin.server"):
+        tls = parse_config(["--model", MODEL, "--config", config]).tls
+    assert tls.enabled and tls.https_required and tls.cert_reqs == "required"
+    assert any("httpsEnabled is absent" in r.getMessage() and "serving HTTPS" in r.getMessage()
+               for r in caplog.records)
+    # Certificates named but no server certificate among them: refused, naming the fields to set.
+    ca_only = _config_without_https_enabled(pki, "ca-only.json", tlsCaPath="security/ca/", tlsCaFile=["ca.pem"])
+    with pytest.raises(ValueError, match="HTTPS was asked for.*set tlsCert and tlsPk"):
+        parse_config(["--model", MODEL, "--config", ca_only])
+
+
+def test_an_over_long_key_password_names_the_file_and_the_field(pki):
+    long_password = _write(Path(pki["root"]) / "security/pass/long_pwd.txt", b"k" * 1025 + b"\n")
+    with pytest.raises(ValueError, match=rf"--ssl-keyfile-password-file \(MindIE tlsPkPwd\) {long_password}: "
+                                         r"the password it holds is 1025 bytes, more than the 1024"):
+        parse_config(["--model", MODEL, "--config", mindie_config(pki, tlsPkPwd="security/pass/long_pwd.txt")])
+    # 1024 bytes and a newline: the newline is not part of the password (the key still fails: wrong password).
+    _write(Path(long_password), b"k" * 1024 + b"\n")
+    with pytest.raises(ValueError, match="do not load"):
+        parse_config(["--model", MODEL, "--config", mindie_config(pki, tlsPkPwd="security/pass/long_pwd.txt")])

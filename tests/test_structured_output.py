@@ -234,3 +234,23 @@ def test_check_refuses_bad_specs_naming_the_kind(structured, message):
         check(structured)
     assert str(error.value).startswith(message)
     assert ".cc:" not in str(error.value)  # xgrammar's source locations are stripped
+
+
+def test_without_xgrammar_a_structured_request_is_a_501_naming_the_extra(monkeypatch):
+    """An installation without the optional grammar engine (issue 45, item 2): the check says
+    what to install, and the server's answer is a 501 with that text, never a 500."""
+    import asyncio
+    import sys
+
+    from atb_plugin.engine.structured_output import StructuredOutputUnavailable
+    from atb_plugin.frontend.async_llm import AsyncLLM
+    from atb_plugin.frontend.errors import RequestError
+
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # `import xgrammar` now fails as if it were absent
+    with pytest.raises(StructuredOutputUnavailable, match=r"pip install 'atb-plugin\[structured\]'"):
+        check(StructuredOutputsParams(json_object=True))
+    params = SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMA))
+    with pytest.raises(RequestError) as error:
+        asyncio.run(AsyncLLM.check_grammar(None, params, "tool_choice"))  # uses nothing of the instance
+    assert error.value.status == 501 and error.value.param == "tool_choice"
+    assert error.value.message.startswith("tool_choice: structured output") and "atb-plugin[structured]" in error.value.message

@@ -33,7 +33,7 @@ from atb_plugin.engine.sampling_params import StructuredOutputsParams
 if TYPE_CHECKING:
     import xgrammar
 
-__all__ = ["check", "to_grammar", "GrammarViolation", "StructuredOutputManager"]
+__all__ = ["check", "to_grammar", "GrammarViolation", "StructuredOutputManager", "StructuredOutputUnavailable"]
 
 # OpenAI's json_object mode promises an object; xgrammar's builtin JSON grammar also allows a
 # top-level array, so json_object is this schema (vLLM's choice too).
@@ -52,8 +52,26 @@ _WHAT = {"json": "JSON schema", "regex": "regex", "choice": "choice", "grammar":
          "json_object": "JSON object grammar"}
 
 
+class StructuredOutputUnavailable(ImportError):
+    """xgrammar is not installed: this installation cannot constrain output to a grammar. Not
+    the client's mistake and not a crash: the server answers 501 with this message, which names
+    the install line (the extra ``structured`` in setup.py holds xgrammar's pin)."""
+
+    def __init__(self):
+        super().__init__("structured output (response_format json_object / json_schema, tool_choice \"required\" "
+                         "or a named function, structured_outputs) needs the xgrammar package, which this "
+                         "installation lacks: pip install 'atb-plugin[structured]' (on a CPU-only host, without "
+                         "its triton dependency: pip install --no-deps xgrammar, at setup.py's pin)",
+                         name="xgrammar")
+
+
 def _xgrammar():
-    import xgrammar  # noqa: PLC0415 - on first use: it imports transformers (module docstring)
+    try:
+        import xgrammar  # noqa: PLC0415 - on first use: it imports transformers (module docstring)
+    except ModuleNotFoundError as error:
+        if error.name != "xgrammar":
+            raise  # xgrammar is there but broken (one of its own imports): a real 500, with its cause
+        raise StructuredOutputUnavailable() from error
 
     return xgrammar
 

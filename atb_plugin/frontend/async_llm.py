@@ -58,7 +58,7 @@ class FrontendMetrics(Protocol):
 
     def record_finished(self, *, prompt_tokens: int, finish_reason: str | None, e2e: float,
                         queue_time: float | None, generation_tokens: int = 0, ttft: float | None = None,
-                        itls: Sequence[float] = ()) -> None: ...
+                        itls: Sequence[float] = (), engine: int = 0) -> None: ...
 
     def record_timeout(self, kind: str) -> None: ...
 
@@ -106,6 +106,7 @@ class _Tracked:
     first_token: float | None = None
     last_token: float | None = None
     itls: list = field(default_factory=list)
+    engine: int = 0  # the engine core whose outputs it got (data parallelism): its metrics' label
 
 
 class EngineDeadError(RequestError):
@@ -229,7 +230,8 @@ class AsyncLLM:
         return [(ids, start) for ids, start in encoded]
 
     async def check_grammar(self, params: SamplingParams, field_name: str | None) -> None:
-        """A bad schema, regex or grammar is the client's 400, found before the engine sees it.
+        """A bad schema, regex or grammar is the client's 400, found before the engine sees it; a
+        server without xgrammar answers 501 naming the extra to install.
         Off the event loop: the first check imports xgrammar (seconds), a large schema takes a
         while to compile."""
         if params.structured_outputs is None:
@@ -240,6 +242,9 @@ class AsyncLLM:
             await asyncio.to_thread(structured_output.check, params.structured_outputs)
         except ValueError as error:
             raise InvalidRequestError(f"{field_name}: {error}", param=field_name) from None
+        except structured_output.StructuredOutputUnavailable as error:
+            # An optional dependency this installation lacks: 501 naming the extra, never a 500.
+            raise RequestError(501, f"{field_name}: {error}", param=field_name) from None
 
     def release(self, prompt: PreparedPrompt) -> None:
         """Drop a prepared prompt's segments when it will not run (refused after preparing)."""
@@ -334,6 +339,7 @@ class AsyncLLM:
             if tracked is None:
                 continue  # aborted here while the core was still stepping it
             tracked_now[out.request_id] = tracked
+            tracked.engine = engine
             if out.new_token_ids:
                 if tracked.first_token is None:
                     tracked.first_token = now
@@ -354,7 +360,8 @@ class AsyncLLM:
             # vLLM counts a pooling request like a generation with no output tokens: success by
             # finish reason, its prompt tokens, its end-to-end and queue times.
             self.metrics.record_finished(prompt_tokens=len(output.prompt_token_ids), e2e=e2e,
-                                         finish_reason=output.finish_reason or "stop", queue_time=output.queue_time)
+                                         finish_reason=output.finish_reason or "stop", queue_time=output.queue_time,
+                                         engine=tracked.engine)
             logger.debug("pooling request %s: %d prompt tokens, finish %s%s", output.request_id,
                          len(output.prompt_token_ids), output.finish_reason, f" ({output.error})" if output.error else "")
             return
@@ -363,7 +370,7 @@ class AsyncLLM:
         ttft = None if tracked.first_token is None else tracked.first_token - tracked.arrival
         self.metrics.record_finished(
             prompt_tokens=num_prompt, generation_tokens=num_output, finish_reason=completion.finish_reason,
-            ttft=ttft, itls=tracked.itls, e2e=e2e, queue_time=output.queue_time)
+            ttft=ttft, itls=tracked.itls, e2e=e2e, queue_time=output.queue_time, engine=tracked.engine)
         logger.info("request %s: %d prompt + %d output tokens, TTFT %s, finish %s%s", output.request_id,
                     num_prompt, num_output, "-" if ttft is None else f"{ttft:.3f}s", completion.finish_reason,
                     f" ({output.error})" if output.error else "")

@@ -11,10 +11,12 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import json
 import logging
 import os
 import signal
+import socket
 import sys
 import threading
 
@@ -329,6 +331,8 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         for ignored in mapping.ignored:
             logger.warning("--config %s: %s is ignored (%s)", args.config, ignored,
                            mapping.reasons.get(ignored, "not supported here"))
+        for note in mapping.notes:
+            logger.warning("--config %s: %s", args.config, note)
     if values["model"] is None:
         from atb_plugin.default_model import default_model_dir, embedding_model_dir
 
@@ -393,6 +397,36 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                         ca_certs=tuple(values["ssl_ca_certs"]), cert_reqs=values["ssl_cert_reqs"],
                         crl=tuple(values["ssl_crl"]), https_required=values["require_https"],
                         allow_insecure_http=values["allow_insecure_http"]))
+
+
+def check_listen_address(host: str, port: int) -> None:
+    """Bind ``host``:``port`` as uvicorn will (and let go at once), before the model loads: a
+    port in use is a start-up error in a second, not once the whole model has loaded (vLLM binds
+    its socket before starting the engine too). ``ValueError`` naming the flags."""
+    try:
+        addresses = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as error:
+        raise ValueError(f"--host {host}: not an address this machine can listen on ({error.strerror})") from None
+    unavailable = []
+    for family, kind, proto, _, address in addresses:
+        with socket.socket(family, kind, proto) as sock:
+            # The options asyncio's create_server (uvicorn's) sets: a port left in TIME_WAIT is
+            # no conflict, and an IPv6 address does not claim the IPv4 one too.
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as error:
+                if error.errno == errno.EADDRINUSE:
+                    raise ValueError(f"--port {port}: {host}:{port}: address already in use (another server "
+                                     "listens there); stop it or choose another --port") from None
+                if error.errno != errno.EADDRNOTAVAIL:
+                    raise ValueError(f"--host {host} --port {port}: cannot listen there ({error.strerror})") from None
+                unavailable.append(error)  # asyncio skips an address family the host lacks; so do we
+    if unavailable and len(unavailable) == len(addresses):
+        raise ValueError(f"--host {host}: no interface of this machine has that address "
+                         f"({unavailable[0].strerror})")
 
 
 def _graceful_server_class():
@@ -462,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = parse_config(argv)
+        check_listen_address(config.host, config.port)  # before create_app starts loading the model
     except (ValueError, RuntimeError) as error:  # bad flags, or a platform that cannot run them
         print(f"atb-plugin serve: {error}", file=sys.stderr)
         return 2

@@ -1,6 +1,9 @@
 """Prometheus metrics for ``/metrics``, under vLLM's names so vLLM's dashboards and alerts work.
 
-Every series carries the label ``model_name`` (the served model name). Counters are exposed with
+Every series carries the label ``model_name`` (the served model name); under data parallelism the
+engines' scheduler series and ``vllm:request_success_total`` also carry ``engine`` (the engine
+core's index, as vLLM's do; a request no engine core answered, refused or aborted while its input
+was prepared, counts under engine 0). Counters are exposed with
 prometheus_client's ``_total`` suffix (``vllm:prompt_tokens`` -> ``vllm:prompt_tokens_total``,
 as vLLM's are) plus its ``_created`` companion series. Histogram buckets are vLLM's.
 
@@ -87,11 +90,14 @@ class ServerMetrics:
             Counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        # vLLM labels it per engine too (issue 45): one engine keeps the series dashboards read.
+        self._engine_labels = [] if engines == 1 else [str(i) for i in range(engines)]
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                          labels + ["finished_reason"], registry=r)
+                          labels + ["finished_reason"] + (["engine"] if engines > 1 else []), registry=r)
         self._request_success = success
         for reason in FINISH_REASONS:
-            success.labels(model_name, reason)
+            for engine in self._engine_labels or [None]:
+                success.labels(model_name, reason, *([] if engine is None else [engine]))
         self.time_to_first_token = histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.inter_token_latency = histogram(
@@ -159,13 +165,16 @@ class ServerMetrics:
 
     def record_finished(self, finish_reason: str, *, e2e: float, queue_time: float | None = None,
                         prompt_tokens: int | None = None, generation_tokens: int | None = None,
-                        ttft: float | None = None, itls: Iterable[float] = (), count_tokens: bool = True) -> None:
-        """One finished request: ``vllm:request_success_total{finished_reason}``, its end-to-end
+                        ttft: float | None = None, itls: Iterable[float] = (), count_tokens: bool = True,
+                        engine: int = 0) -> None:
+        """One finished request: ``vllm:request_success_total{finished_reason}`` (and ``engine``,
+        the engine core that ran it, under data parallelism), its end-to-end
         and queue times, and its prompt / output lengths (``vllm:request_*_tokens`` histograms).
         The lengths are also added to ``vllm:prompt_tokens`` / ``vllm:generation_tokens`` unless
         ``count_tokens`` is False (for a caller that counts them with ``add_tokens`` as they are
         processed); ``ttft`` / ``itls``, when given, go to their histograms."""
-        self._request_success.labels(self.model_name, finish_reason).inc()
+        engine_label = [self._engine_labels[engine]] if self._engine_labels else []
+        self._request_success.labels(self.model_name, finish_reason, *engine_label).inc()
         self.e2e_request_latency.observe(e2e)
         if queue_time is not None:
             self.request_queue_time.observe(queue_time)

@@ -26,7 +26,10 @@ So a MindIE deployment can switch over with its existing config file. Mapped fie
                                                            max_new_tokens)
     ServerConfig.e2eTimeout / tokenTimeout (seconds)    -> request_timeout / token_timeout
     ServerConfig.httpsEnabled                           -> require_https: with it true, a missing
-                                                           certificate is a start-up error
+                                                           certificate is a start-up error; absent,
+                                                           it is true when a tls* field below is
+                                                           set (MindIE's default is true), and a
+                                                           note says so
       tlsCert, tlsPk, tlsPkPwd                          -> ssl_certfile, ssl_keyfile,
                                                            ssl_keyfile_password_file (the file must
                                                            hold the plain password: MindIE's
@@ -34,7 +37,8 @@ So a MindIE deployment can switch over with its existing config file. Mapped fie
       tlsCaPath + tlsCaFile                             -> ssl_ca_certs, and ssl_cert_reqs
                                                            "required" (MindIE's mutual TLS)
       tlsCrlPath + tlsCrlFiles, tlsCrl                  -> ssl_crl
-      (relative paths: from the config file's folder; with httpsEnabled false they are unused)
+      (relative paths: from the config file's folder; with httpsEnabled false they are unused,
+      and a note says so)
 
 Every other field lands in ``MindieMapping.ignored`` (dotted paths, ``ModelConfig[0]`` style,
 with the reason in ``.reasons``) when it is unknown or asks for something this server does not
@@ -61,6 +65,7 @@ class MindieMapping:
     env: dict[str, str] = field(default_factory=dict)
     ignored: list[str] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)  # ignored path -> why it has no effect here
+    notes: list[str] = field(default_factory=list)  # how MindIE's defaults were read: logged at start-up
 
 
 # -- value checks --------------------------------------------------------------------------------
@@ -311,10 +316,21 @@ class _Mapper:
 
     def finish_tls(self) -> None:
         """With httpsEnabled true, the certificate fields become the server's TLS settings
-        (paths relative to the config file's folder); otherwise they are unused."""
-        if not self.out.flags.get("require_https"):
-            return
+        (paths relative to the config file's folder); otherwise they are unused. A config that
+        names certificates never ends up on plain HTTP without a note saying so."""
         tls, flags = self.tls, self.out.flags
+        named = [f"ServerConfig.{name}" for name in _TLS_FIELDS if tls.get(name)]
+        if "require_https" not in flags and named:
+            # MindIE serves HTTPS unless httpsEnabled says false: the same config there would.
+            flags["require_https"] = True
+            self.out.notes.append(f"ServerConfig.httpsEnabled is absent and {', '.join(named)} "
+                                  f"{'is' if len(named) == 1 else 'are'} set: serving HTTPS, MindIE's default "
+                                  "(set httpsEnabled: false to serve plain HTTP)")
+        if not flags.get("require_https"):
+            if named:
+                self.out.notes.append(f"ServerConfig.httpsEnabled is false: {', '.join(named)} "
+                                      "unused, serving plain HTTP")
+            return
 
         def path(*parts: str) -> str:
             return str(self.base_dir.joinpath(*parts))

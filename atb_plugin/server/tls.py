@@ -78,9 +78,10 @@ def check_tls(tls: TLSSettings, api_key: str | None) -> None:
     if not tls.enabled:
         if tls.https_required:
             if not tls.allow_insecure_http:
-                raise ValueError("HTTPS was asked for (MindIE httpsEnabled: true, or --require-https) but no server "
-                                 "certificate was given: set tlsCert and tlsPk in the config (or --ssl-certfile / "
-                                 "--ssl-keyfile); to serve plain HTTP anyway, pass --allow-insecure-http")
+                raise ValueError("HTTPS was asked for (MindIE httpsEnabled: true, its default when the config names "
+                                 "tls* files, or --require-https) but no server certificate was given: set tlsCert "
+                                 "and tlsPk in the config (or --ssl-certfile / --ssl-keyfile); to serve plain HTTP "
+                                 "anyway, pass --allow-insecure-http")
             if api_key:
                 raise ValueError("--allow-insecure-http with an API key: HTTPS was asked for, and the key would "
                                  "travel in cleartext over plain HTTP; give the server a certificate instead")
@@ -113,11 +114,24 @@ def check_tls(tls: TLSSettings, api_key: str | None) -> None:
     server_ssl_context(tls)  # the certificate, key, password, CAs and CRLs load, or the error says which
 
 
+# The longest key password the stdlib hands OpenSSL (its PEM_BUFSIZE): a longer one fails inside
+# load_cert_chain with a message that names neither the file nor the setting.
+MAX_KEY_PASSWORD_BYTES = 1024
+
+
 def _password(tls: TLSSettings) -> str | None:
     if tls.keyfile_password_file is None:
         return None
     with open(tls.keyfile_password_file, encoding="utf-8") as file:
-        return file.read().rstrip("\r\n")
+        password = file.read().rstrip("\r\n")
+    size = len(password.encode("utf-8"))
+    if size > MAX_KEY_PASSWORD_BYTES:
+        # MindIE's tlsPkPwd usually holds a KMC-encrypted password, which is long: say so.
+        raise ValueError(f"--ssl-keyfile-password-file (MindIE tlsPkPwd) {tls.keyfile_password_file}: the password "
+                         f"it holds is {size} bytes, more than the {MAX_KEY_PASSWORD_BYTES} OpenSSL accepts; the file "
+                         "must hold the key's plain password on one line (MindIE's KMC-encrypted form cannot be "
+                         "read here)")
+    return password
 
 
 def server_ssl_context(tls: TLSSettings) -> ssl.SSLContext:
