@@ -181,10 +181,11 @@ MANY_FRAMES = 300_000  # 60 s at 5,000 fps: over the default --max-video-decode-
 
 
 def video_data_url(seed: int) -> str:
-    """A short video (8 frames of 64x96 at 2 fps) as a data URL."""
+    """A short video (4 frames of 64x96 at 2 fps: 4 sampled, ~1.4 MB in shared memory, so the pool's
+    segments fit a media worker's share of the default --shm-budget) as a data URL."""
     from atb_plugin.testing.videos import video_bytes
 
-    return "data:video/mp4;base64," + base64.b64encode(video_bytes(8, 2, seed=seed)).decode()
+    return "data:video/mp4;base64," + base64.b64encode(video_bytes(4, 2, seed=seed)).decode()
 
 
 def many_frames_data_url() -> str:

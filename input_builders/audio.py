@@ -90,7 +90,7 @@ def load_audio(ref, config: MediaConfig) -> LoadedAudio:
     else:
         data = read_base64(raw, "input_audio.data", config, kind="audio", max_bytes=config.limits.max_audio_bytes,
                            hint=_INPUT_AUDIO_HINT)
-        source = f"input_audio.data ({len(data)} bytes)"
+        source = f"input_audio.data: {len(data)} bytes of base64-decoded data"
     if not data:
         raise MediaDecodeError(f"audio ({source}) is empty; send the audio file's contents")
     digest = hashlib.sha256(data).hexdigest()
