@@ -292,7 +292,7 @@ class InputBuilder:
         if len(parts) > self.max_images_per_prompt:
             raise TooManyImagesError(
                 f"the prompt has {len(parts)} images; this model takes at most "
-                f"{self.max_images_per_prompt} per prompt (max_images_per_prompt)"
+                f"{self.max_images_per_prompt} per prompt (--limit-mm-per-prompt image=N)"
             )
         # One call per request: its images share the request's pixel budget (max_request_pixels).
         return load_images([part.ref for part in parts], self.media_config)
