@@ -619,7 +619,7 @@ class TokenizerPool:
         items = media_items(job) if worker is None and self.num_media_workers else 0
         if items:
             worker = await self._free_media_worker()
-            # Nothing awaits from here to the send: no other call can take this worker meanwhile.
+            # Nothing awaits from here until the job is in its pending set: no other call can take it.
             seconds, worker.budget_error = self._media_budget(items)
             worker.deadline = time.monotonic() + seconds
         worker = worker or self._pick()
