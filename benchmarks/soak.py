@@ -12,9 +12,16 @@ seconds. Each client loops over a seeded mix of requests (``KIND_SHARES``):
   image_shared    a streamed chat with one image of a small shared pool (the workers' cache hits)
   image_unique    a streamed chat with an image no one sent before (new segments, cache eviction)
   disconnect      a long streamed chat (text or image) the client closes after 2-6 events
+  video           a streamed chat with one short video of a small shared pool (the media workers)
+  video_many_frames  the decode bomb's shape (16x16 frames at 5,000 fps, one keyframe; 60 s here)
+                  -> 400, over the default --max-video-decode-frames, refused from its header
+  audio           a streamed chat with a short input_audio clip no one sent before
   bad_model       unknown model -> 404          bad_json        invalid JSON -> 400
   bad_max_tokens  max_tokens > max_model_len -> 400
   bad_image       a data: URL that holds no image -> 400
+
+A kind the served model cannot take (images for a text-only model, video or audio for a model
+without them: asked through /tokenize at start) gives its share to text.
 
 Every outcome is one of: ok, expected_4xx, disconnect, fault (an error of a request in flight
 when the engine core was killed: expected) or UNEXPECTED (a 5xx, a 4xx where success was
@@ -82,14 +89,20 @@ KIND_SHARES: Mapping[str, float] = {
     "text": 0.35,
     "image_shared": 0.20,
     "image_unique": 0.15,
-    "disconnect": 0.14,
-    "bad_model": 0.04,
-    "bad_json": 0.04,
-    "bad_max_tokens": 0.04,
-    "bad_image": 0.04,
+    "disconnect": 0.07,
+    "video": 0.06,
+    "video_many_frames": 0.03,
+    "audio": 0.04,
+    "bad_model": 0.025,
+    "bad_json": 0.025,
+    "bad_max_tokens": 0.025,
+    "bad_image": 0.025,
 }
 IMAGE_KINDS = ("image_shared", "image_unique")
-EXPECTED_STATUS: Mapping[str, int] = {"bad_model": 404, "bad_json": 400, "bad_max_tokens": 400, "bad_image": 400}
+VIDEO_KINDS = ("video", "video_many_frames")
+AUDIO_KINDS = ("audio",)
+EXPECTED_STATUS: Mapping[str, int] = {"video_many_frames": 400, "bad_model": 404, "bad_json": 400,
+                                      "bad_max_tokens": 400, "bad_image": 400}
 
 OK, EXPECTED_4XX, DISCONNECT, FAULT, UNEXPECTED = "ok", "expected_4xx", "disconnect", "fault", "unexpected"
 RESULTS = (OK, EXPECTED_4XX, DISCONNECT, FAULT, UNEXPECTED)
@@ -117,8 +130,12 @@ class TrafficMix:
     def text_only(self) -> "TrafficMix":
         """The mix for a model that takes no images: the image kinds' shares go to text (bad_image
         stays: a text-only model answers it with a 400 too)."""
-        shares = {kind: share for kind, share in self.shares.items() if kind not in IMAGE_KINDS}
-        shares["text"] = shares.get("text", 0.0) + sum(self.shares.get(kind, 0.0) for kind in IMAGE_KINDS)
+        return self.as_text(IMAGE_KINDS)
+
+    def as_text(self, kinds: Sequence[str]) -> "TrafficMix":
+        """The mix with the shares of ``kinds`` (what the model cannot take) given to text."""
+        shares = {kind: share for kind, share in self.shares.items() if kind not in kinds}
+        shares["text"] = shares.get("text", 0.0) + sum(self.shares.get(kind, 0.0) for kind in kinds)
         return TrafficMix(shares)
 
     def plan(self, seed: int, client: int, count: int) -> list[str]:
@@ -159,6 +176,39 @@ def image_size(rng: random.Random) -> tuple[int, int]:
     return rng.randint(32, 160), rng.randint(32, 160)
 
 
+SHARED_VIDEOS = 4
+MANY_FRAMES = 300_000  # 60 s at 5,000 fps: over the default --max-video-decode-frames (216,000)
+
+
+def video_data_url(seed: int) -> str:
+    """A short video (4 frames of 64x96 at 2 fps: 4 sampled, ~1.4 MB in shared memory, so the pool's
+    segments fit a media worker's share of the default --shm-budget) as a data URL."""
+    from atb_plugin.testing.videos import video_bytes
+
+    return "data:video/mp4;base64," + base64.b64encode(video_bytes(4, 2, seed=seed)).decode()
+
+
+def many_frames_data_url() -> str:
+    from atb_plugin.testing.videos import many_frames_video_bytes
+
+    return "data:video/mp4;base64," + base64.b64encode(many_frames_video_bytes(MANY_FRAMES)).decode()
+
+
+def wav_base64(rng: random.Random) -> str:
+    """A 1-3 s tone at 16 kHz as base64 WAV (input_audio's data); each draw a new clip."""
+    import wave
+
+    seconds, pitch = rng.uniform(1.0, 3.0), rng.uniform(200.0, 800.0)
+    samples = np.sin(2 * np.pi * pitch * np.arange(int(seconds * 16000)) / 16000) * 8000
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(16000)
+        out.writeframes(samples.astype("<i2").tobytes())
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
 @dataclass(frozen=True)
 class RequestSpec:
     kind: str
@@ -176,9 +226,12 @@ class RequestFactory:
     generating when the client closes after a few events; a client that nevertheless saw its
     finish_reason reads the stream to the end and counts a success, never a disconnect."""
 
-    def __init__(self, model: str, max_model_len: int, max_tokens: int, seed: int, takes_images: bool = True):
+    def __init__(self, model: str, max_model_len: int, max_tokens: int, seed: int, takes_images: bool = True,
+                 takes_video: bool = True):
         self.model, self.max_model_len, self.max_tokens = model, max_model_len, max_tokens
         self.takes_images = takes_images
+        self.shared_videos = [video_data_url(seed * 100 + i) for i in range(SHARED_VIDEOS)] if takes_video else []
+        self.many_frames = many_frames_data_url() if takes_video else None
         self.disconnect_tokens = max(max_tokens + 1, min(2048, max_model_len // 2))
         pool_rng = random.Random(f"soak-shared-images-{seed}")
         self.shared_images = [png_data_url((seed, 1_000_000 + i), *image_size(pool_rng)) for i in range(SHARED_IMAGES)]
@@ -197,6 +250,13 @@ class RequestFactory:
             if rng.random() < 0.5 and self.takes_images:
                 content = image_content(png_data_url((self.seed, client, sequence), *image_size(rng)), content)
             fields.update(max_tokens=self.disconnect_tokens, ignore_eos=True)
+        elif kind == "video":
+            content = video_content(rng.choice(self.shared_videos), content)
+        elif kind == "video_many_frames":
+            content = video_content(self.many_frames, content)
+        elif kind == "audio":
+            content = [{"type": "input_audio", "input_audio": {"data": wav_base64(rng), "format": "wav"}},
+                       {"type": "text", "text": content}]
         elif kind == "bad_model":
             fields["model"] = "no-such-model"
         elif kind == "bad_max_tokens":
@@ -212,6 +272,10 @@ class RequestFactory:
 
 def image_content(url: str, text: str) -> list:
     return [{"type": "image_url", "image_url": {"url": url}}, {"type": "text", "text": text}]
+
+
+def video_content(url: str, text: str) -> list:
+    return [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": text}]
 
 
 # -- one request: what the client saw, and what that means ----------------------------------------
@@ -670,11 +734,15 @@ class Supervisor:
     async def takes_images(self, model: str) -> bool:
         """Whether the served model accepts images (a text-only one answers them with 400). Asked
         through /tokenize, which builds the input without generating: no request counter moves."""
-        content = image_content(png_data_url((0,), 32, 32), "hi")
+        return await self.takes(model, image_content(png_data_url((0,), 32, 32), "hi"))
+
+    async def takes(self, model: str, content: list) -> bool:
+        """Whether the served model accepts a message of ``content`` (asked through /tokenize)."""
         body = {"model": model, "messages": [{"role": "user", "content": content}]}
         response = await self.http.post("/tokenize", json=body)
         if response.status_code not in (200, 400):
-            raise StartError(f"/tokenize of an image answered {response.status_code}: {response.text[:300]}")
+            raise StartError(f"/tokenize of {content[0]['type']} answered {response.status_code}: "
+                             f"{response.text[:300]}")
         return response.status_code == 200
 
     async def kill_engine_and_restart(self) -> None:
@@ -870,10 +938,19 @@ async def soak(args: argparse.Namespace) -> dict:
         await supervisor.start()
         model, max_model_len = await supervisor.served_model()
         images = await supervisor.takes_images(model)
-        factory = RequestFactory(model, max_model_len, args.max_tokens, args.seed, takes_images=images)
-        run = Run(args, supervisor, factory, TrafficMix() if images else TrafficMix().text_only())
+        video = await supervisor.takes(model, video_content(video_data_url(0), "hi"))
+        audio = await supervisor.takes(model, [{"type": "input_audio", "input_audio": {
+            "data": wav_base64(random.Random(0)), "format": "wav"}}])
+        factory = RequestFactory(model, max_model_len, args.max_tokens, args.seed, takes_images=images,
+                                 takes_video=video)
+        mix = TrafficMix() if images else TrafficMix().text_only()
+        untaken = (() if video else VIDEO_KINDS) + (() if audio else AUDIO_KINDS)
+        run = Run(args, supervisor, factory, mix.as_text(untaken))
         if not images:
             log(f"{model} takes no images: the image kinds' share goes to text")
+        if untaken:
+            log(f"{model} takes no {' or '.join(k for k, taken in (('video', video), ('audio', audio)) if not taken)}: "
+                "that share goes to text")
         supervisor.origin, supervisor.current.up_at = time.monotonic(), 0.0
         log(f"{args.clients} clients for {args.duration}s" +
             (f", engine core killed at {args.kill_engine_at}s" if args.kill_engine_at is not None else ""))
@@ -914,7 +991,8 @@ def report(run: Run, model: str, log_dir: Path, idle: CoreMetrics | None) -> dic
     return {
         "clients": args.clients, "duration_s": args.duration, "seed": args.seed, "model": model,
         "max_tokens": args.max_tokens, "kill_engine_at_s": args.kill_engine_at, "log_dir": str(log_dir),
-        "takes_images": run.factory.takes_images, "mix": dict(run.mix.shares),
+        "takes_images": run.factory.takes_images, "takes_video": run.factory.many_frames is not None,
+        "mix": dict(run.mix.shares),
         "requests": {kind: {r: counts[r] for r in RESULTS} for kind, counts in sorted(run.tally.by_kind.items())},
         "totals": totals, "unexpected": totals[UNEXPECTED], "unexpected_examples": run.tally.unexpected_examples,
         "samples": len(run.samples), "series": series, "timeline": timeline(run.samples),

@@ -19,7 +19,8 @@ Decoding is PyAV (FFmpeg's demuxers, decoders and libswresample), then::
 Limits (``MediaConfig``, server flags of the same names): encoded bytes (``max_audio_bytes``, 25 MiB,
 checked before decoding), duration (``max_audio_seconds``, 240 s, checked from the container header
 when it states one and again while decoding, so a long file is cut off rather than decoded whole),
-clips per prompt (the builder's: ``--limit-mm-per-prompt audio=N``).
+clips per prompt (the builder's: ``--limit-mm-per-prompt audio=N``), wall-clock decode time
+(``media_decode_timeout``, input_builders.decode_budget).
 A clip longer than one 30 s window is split into windows, each a media block of its own
 (docs/wire-format.md, "Audio").
 """
@@ -34,10 +35,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from input_builders.decode_budget import DecodeBudget
 from input_builders.media_config import MediaConfig, knob
 from input_builders.media_errors import MediaDecodeError, MediaError, MediaTooLargeError
 from input_builders.pyav import pyav
-from input_builders.sources import read_media_bytes
+from input_builders.sources import read_base64, read_media_bytes
 
 __all__ = ["AUDIO_FORMATS", "AudioRef", "LoadedAudio", "SAMPLE_RATE", "load_audio", "load_audios"]
 
@@ -47,10 +49,15 @@ SAMPLE_RATE = 16000  # what every Whisper-style encoder takes
 # also the only containers accepted from any source: each demuxer is attack surface.
 AUDIO_FORMATS = {"wav": "wav", "mp3": "mp3", "flac": "flac", "ogg": "ogg"}
 
+_INPUT_AUDIO_HINT = ("; input_audio.data takes the audio file's bytes as base64 (OpenAI's input_audio), a URL or "
+                     'server path goes in an audio_url part: {"type": "audio_url", "audio_url": {"url": ...}}')
+
 
 @dataclass(frozen=True)
 class AudioRef:
-    """One audio item of a request: where it is, and for ``input_audio`` the declared format."""
+    """One audio item of a request: where it is, and for ``input_audio`` the declared format. With
+    a ``format`` (``input_audio``) ``ref`` is base64 and nothing else, as OpenAI defines
+    ``input_audio.data``; without, any source ``read_media_bytes`` takes."""
 
     ref: object  # str (path / file:// / data: / http(s) URL / base64) or bytes
     format: str | None = None
@@ -78,7 +85,12 @@ def load_audio(ref, config: MediaConfig) -> LoadedAudio:
     if declared is not None and declared not in AUDIO_FORMATS:
         raise MediaDecodeError(f"input_audio format {declared!r} is not supported; use one of "
                                f"{', '.join(AUDIO_FORMATS)}")
-    data, source = read_media_bytes(raw, config, kind="audio", max_bytes=config.limits.max_audio_bytes)
+    if declared is None:
+        data, source = read_media_bytes(raw, config, kind="audio", max_bytes=config.limits.max_audio_bytes)
+    else:
+        data = read_base64(raw, "input_audio.data", config, kind="audio", max_bytes=config.limits.max_audio_bytes,
+                           hint=_INPUT_AUDIO_HINT)
+        source = f"input_audio.data: {len(data)} bytes of base64-decoded data"
     if not data:
         raise MediaDecodeError(f"audio ({source}) is empty; send the audio file's contents")
     digest = hashlib.sha256(data).hexdigest()
@@ -97,8 +109,8 @@ def _decode(data: bytes, source: str, declared: str | None, config: MediaConfig)
     av = pyav()
 
     try:
-        with av.open(io.BytesIO(data), mode="r") as container:
-            return _decode_container(container, source, declared, config), container.format.name
+        with DecodeBudget(config, "audio", source).running() as budget, av.open(io.BytesIO(data), mode="r") as container:
+            return _decode_container(container, source, declared, config, budget), container.format.name
     except MediaError:
         raise
     except MemoryError:
@@ -110,7 +122,8 @@ def _decode(data: bytes, source: str, declared: str | None, config: MediaConfig)
         ) from None
 
 
-def _decode_container(container, source: str, declared: str | None, config: MediaConfig) -> np.ndarray:
+def _decode_container(container, source: str, declared: str | None, config: MediaConfig,
+                      budget: DecodeBudget) -> np.ndarray:
     av = pyav()
 
     name = container.format.name
@@ -130,6 +143,7 @@ def _decode_container(container, source: str, declared: str | None, config: Medi
     resampler = av.AudioResampler(format="fltp", rate=SAMPLE_RATE)  # the stream's own channels
     chunks, total = [], 0
     for frame in container.decode(stream):
+        budget.tick()  # the clip's wall-clock budget (media_decode_timeout)
         for out in resampler.resample(frame):
             total += _keep(out, chunks)
         if total > max_samples:

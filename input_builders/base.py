@@ -132,6 +132,7 @@ class InputBuilder:
                      adapt_to_max_length: bool = False, **kwargs) -> list[int]:
         """Chat template + media blocks. kwargs: ``request_id``, ``max_length``, ``truncate``,
         ``chat_template_kwargs`` (extra variables for the template, e.g. ``enable_thinking``),
+        ``check_length`` (called with the prompt's length before its media are decoded: may raise),
         ``tools`` (OpenAI's list of ``{"type": "function", "function": {...}}``, given to the
         template as ``tools``; a template that does not use them renders without them, as in
         transformers), ``mm_processor_kwargs`` (handed to ``_load_media``: video sampling overrides).
@@ -171,7 +172,7 @@ class InputBuilder:
                     f"{len(images)} image(s)); max_length is {max_length}. Shorten it, send fewer or "
                     "smaller images, or pass truncate=True"
                 )
-        return self._with_media(ids, images, kwargs.get("request_id"))
+        return self._with_media(ids, images, kwargs.get("request_id"), kwargs.get("check_length"))
 
     def tokenize(self, inputs, **kwargs) -> list[int]:
         """A string, or MindIE's list of ``{"text": ...}`` / ``{"image": ...}`` items, in order."""
@@ -179,7 +180,7 @@ class InputBuilder:
         images = self._load_media(self.media_parts(parts), kwargs.get("mm_processor_kwargs"))
         text = self._prompt_text(parts)
         ids = self.tokenizer(text, add_special_tokens=kwargs.get("add_special_tokens", True))["input_ids"]
-        return self._with_media(list(ids), images, kwargs.get("request_id"))
+        return self._with_media(list(ids), images, kwargs.get("request_id"), kwargs.get("check_length"))
 
     # -- family hooks ----------------------------------------------------------------------------
 
@@ -274,7 +275,7 @@ class InputBuilder:
                 continue
             if not isinstance(part, self.media_part_type):
                 raise UnsupportedContentError(
-                    f"{type(self).__name__} serves a model without {part.kind} input: the prompt has {part.kind} "
+                    f"this server serves a model without {part.kind} input: the prompt has {part.kind} "
                     f"content; remove the {part.kind} parts or use a model that takes them"
                 )
             found.append(part)
@@ -285,13 +286,13 @@ class InputBuilder:
         the request's processing overrides (vLLM's), for a family whose media take any (video)."""
         if parts and not self.max_images_per_prompt:
             raise UnsupportedContentError(
-                f"{type(self).__name__} serves a text-only model: the prompt has {len(parts)} image(s); "
+                f"this server serves a text-only model: the prompt has {len(parts)} image(s); "
                 "remove the image parts"
             )
         if len(parts) > self.max_images_per_prompt:
             raise TooManyImagesError(
                 f"the prompt has {len(parts)} images; this model takes at most "
-                f"{self.max_images_per_prompt} per prompt (max_images_per_prompt)"
+                f"{self.max_images_per_prompt} per prompt (--limit-mm-per-prompt image=N)"
             )
         # One call per request: its images share the request's pixel budget (max_request_pixels).
         return load_images([part.ref for part in parts], self.media_config)
@@ -327,7 +328,11 @@ class InputBuilder:
         dropped = sum(1 for position in anchors if position < cut)
         return ids[cut:], images[dropped:]
 
-    def _with_media(self, ids: list[int], images: list[LoadedImage], request_id) -> list[int]:
+    def _with_media(self, ids: list[int], images: list[LoadedImage], request_id, check_length=None) -> list[int]:
+        """``ids`` with each anchor replaced by its item's media block, the items preprocessed into
+        shared memory (leased to ``request_id``). ``check_length(n)`` first sees the length the
+        prompt will have: a caller refuses an over-long prompt there, before its media are decoded
+        (a video's tokens are known from its container's header and packet index alone)."""
         if not images:
             return ids
         if request_id is None:
@@ -339,6 +344,8 @@ class InputBuilder:
                 f"found {len(anchors)} image placeholders ({self.media_anchor!r}) for {len(images)} images: "
                 "the text must not contain the image token itself"
             )
+        if check_length is not None:
+            check_length(self._expanded_length(ids, images))
         with self._leases_released_on_error(request_id) as store:
             out, start = [], 0
             for position, image in zip(anchors, images):

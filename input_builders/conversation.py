@@ -24,6 +24,8 @@ import json
 from dataclasses import dataclass
 from typing import ClassVar, Union
 
+from atb_plugin.multimodal.parts import AUDIO_PART_TYPES, VIDEO_PART_TYPES, unknown_part_keys, unknown_part_type
+
 ROLES = ("system", "user", "assistant", "tool")
 
 
@@ -157,8 +159,8 @@ class Message:
         return "".join(p.text for p in self.parts if isinstance(p, TextPart))
 
 
-_VIDEO_KINDS = ("video", "video_url")
-_AUDIO_KINDS = ("audio", "audio_url", "input_audio")
+_VIDEO_KINDS = VIDEO_PART_TYPES
+_AUDIO_KINDS = AUDIO_PART_TYPES
 
 
 def _short(value, limit: int = 60) -> str:
@@ -181,10 +183,7 @@ def parse_part(item, where: str) -> Part:
         else:
             kind = next((k for k in item if k in _VIDEO_KINDS + _AUDIO_KINDS), None)
             if kind is None:
-                raise ConversationError(
-                    f"{where}: unknown content item with keys {sorted(item)}; "
-                    'use {"text": ...} / {"image": ...} or {"type": "text" | "image_url", ...}'
-                )
+                raise ConversationError(f"{where}: {unknown_part_keys(item, 'item')}")
     if kind == "text":
         text = item.get("text")
         if not isinstance(text, str):
@@ -205,7 +204,7 @@ def parse_part(item, where: str) -> Part:
         return parse_audio_part(item, kind, where)
     if kind in _VIDEO_KINDS:
         return parse_video_part(item, kind, where)
-    raise ConversationError(f"{where}: unknown content type {kind!r}; expected 'text' or 'image_url'")
+    raise ConversationError(f"{where}: {unknown_part_type(_short(kind))}")
 
 
 def parse_audio_part(item: dict, kind: str, where: str) -> AudioPart:

@@ -39,7 +39,7 @@ from input_builders.fetch import fetch_bytes
 from input_builders.media_config import ByteCap, MediaConfig, check_bytes, clip, image_cap, knob
 from input_builders.media_errors import MediaDecodeError, MediaNotAllowedError, MediaNotFoundError
 
-__all__ = ["read_local", "read_media_bytes", "read_str"]
+__all__ = ["read_base64", "read_local", "read_media_bytes", "read_str"]
 
 _PATH_MAX = 4096  # Linux PATH_MAX: a longer string cannot be a path
 _BASE64_ONLY = re.compile(r"[A-Za-z0-9+/=\r\n]+")
@@ -74,6 +74,18 @@ def read_media_bytes(ref, config: MediaConfig, *, kind: str, max_bytes: int) -> 
     raise MediaDecodeError(f"unsupported {kind} reference of type {type(ref).__name__}{unwrap}; send a path, "
                            "a file://, data: or http(s) URL, a base64 string or bytes")
 
+
+
+def read_base64(text, what: str, config: MediaConfig, *, kind: str, max_bytes: int, hint: str = "") -> bytes:
+    """The bytes of ``text``, which must be standard base64 and nothing else: no path, no file://,
+    data: or http(s) URL (OpenAI's ``input_audio.data``). ``what`` names the field in messages;
+    ``hint`` says where the other spellings go."""
+    if not isinstance(text, str):
+        raise MediaDecodeError(f"{what} must be a base64 string, got {type(text).__name__}{hint}")
+    head = text.strip()[:8].lower()
+    if head.startswith(("data:", "file:")) or _OTHER_SCHEME.match(text.strip()):
+        raise MediaDecodeError(f"{what} must be base64-encoded {kind} bytes, not a URL ({clip(text, 40)!r}){hint}")
+    return _b64decode(text, what, config, hint, ByteCap(kind, max_bytes))
 
 
 def read_str(ref: str, config: MediaConfig, cap: ByteCap | None = None) -> tuple[bytes, str, str]:

@@ -55,6 +55,7 @@ from atb_plugin.multimodal.budgets import (
     VIDEO_MIN_PIXELS,
     VIDEO_TOTAL_PIXELS,
 )
+from input_builders.decode_budget import DecodeBudget
 from input_builders.media_config import MediaConfig, knob
 from input_builders.media_errors import MediaDecodeError, MediaError, MediaTooLargeError
 from input_builders.preprocess import smart_resize
@@ -265,9 +266,16 @@ def _ffmpeg_message(error) -> str:
     return str(getattr(error, "strerror", None) or error)
 
 
-def probe_video(data: bytes, source: str, config: MediaConfig) -> VideoStream:
+def probe_video(data: bytes, source: str, config: MediaConfig, budget: DecodeBudget | None = None) -> VideoStream:
     """The container's first video stream, checked against ``config`` from its header (duration,
-    frame size) before its packets are demuxed, and its packet index. Decodes nothing."""
+    frame size, frames to demux) before its packets are demuxed, and its packet index, demuxed under
+    ``budget`` (the item's decode budget: frames and wall clock). Decodes nothing."""
+    budget = budget or DecodeBudget(config, "video", source)
+    with budget.running():
+        return _probe(data, source, config, budget)
+
+
+def _probe(data: bytes, source: str, config: MediaConfig, budget: DecodeBudget) -> VideoStream:
     if not data:
         raise MediaDecodeError(f"{source} is empty; send the video file's contents")
     av = pyav()
@@ -291,12 +299,15 @@ def probe_video(data: bytes, source: str, config: MediaConfig) -> VideoStream:
                 f"{config.limits.max_video_frame_pixels} ({knob(config, 'max_video_frame_pixels')}); send a smaller video")
         duration = _header_duration(container, stream)
         _check_duration(duration, source, config)
+        header_rate = stream.average_rate or stream.guessed_rate
+        budget.check_header(stream.frames, duration, float(header_rate) if header_rate else None)
         pts, keys = [], []
         try:
             for packet in container.demux(stream):
                 stamp = packet.pts if packet.pts is not None else packet.dts
                 if stamp is None or packet.size == 0:
                     continue  # the demuxer's flush packet
+                budget.count()
                 pts.append(stamp)
                 if packet.is_keyframe:
                     keys.append(stamp)
@@ -343,12 +354,22 @@ class DecodedFrames:
 
 
 def decode_frames(data: bytes, stream: VideoStream, indices: Sequence[int], source: str = "video",
-                  keep: Callable[[int, Image.Image], object] | None = None) -> DecodedFrames:
+                  keep: Callable[[int, Image.Image], object] | None = None,
+                  budget: DecodeBudget | None = None) -> DecodedFrames:
     """The frames at ``indices`` (ascending, presentation order) and nothing much else: for each,
     seek to the keyframe before it when one lies past the last decoded frame (else decoding on
     from where we are is cheaper), then decode forward to it. Each kept frame becomes an RGB PIL
     image; ``keep(i, image)`` is what is kept of the i-th (the image itself by default: a caller
-    that resizes at once holds one full-size frame at a time, not all of them)."""
+    that resizes at once holds one full-size frame at a time, not all of them). ``budget``: each
+    decoded frame counts against it (frames and wall clock; this pass's frames counted afresh)."""
+    if budget is None:
+        return _decode_frames(data, stream, indices, source, keep, None)
+    budget.frames = 0
+    with budget.running():
+        return _decode_frames(data, stream, indices, source, keep, budget)
+
+
+def _decode_frames(data, stream, indices, source, keep, budget: DecodeBudget | None) -> DecodedFrames:
     av = pyav()
     targets = stream.pts[np.asarray(indices, dtype=np.int64)]
     if len(targets) and (np.diff(targets) <= 0).any():
@@ -368,6 +389,8 @@ def decode_frames(data: bytes, stream: VideoStream, indices: Sequence[int], sour
                 found = None
                 for frame in frames:
                     decoded += 1
+                    if budget is not None:
+                        budget.count()
                     stamp = frame.pts if frame.pts is not None else frame.dts
                     if stamp is None:
                         continue
@@ -411,10 +434,11 @@ class LoadedVideo:
     stream: VideoStream
     sampling: VideoSampling
     plan: VideoPlan
+    budget: DecodeBudget | None = None  # what its probe spent of the decode budget; its decode spends the rest
 
     def frames(self) -> DecodedFrames:
         """The kept frames, full size (tests and the benchmark compare them with decoding everything)."""
-        return decode_frames(self.data, self.stream, self.plan.indices, self.source)
+        return decode_frames(self.data, self.stream, self.plan.indices, self.source, budget=self.budget)
 
     def resized_frames(self) -> np.ndarray:
         """The kept frames at the plan's size, uint8 ``(n, 3, H, W)``: each resized as soon as it is
@@ -425,7 +449,7 @@ class LoadedVideo:
         def keep(index: int, image: Image.Image) -> None:
             out[index] = _resized_chw(image, height, width)
 
-        decode_frames(self.data, self.stream, self.plan.indices, self.source, keep)
+        decode_frames(self.data, self.stream, self.plan.indices, self.source, keep, self.budget)
         return out
 
 
@@ -435,9 +459,10 @@ def load_video(ref, config: MediaConfig, sampling: VideoSampling | None = None, 
     string or bytes) under ``config``; ``options``: the request's sampling overrides."""
     sampling = (sampling or VideoSampling()).with_options(options or {}, config)
     data, source = read_media_bytes(ref, config, kind="video", max_bytes=config.limits.max_video_bytes)
-    stream = probe_video(data, source, config)
+    budget = DecodeBudget(config, "video", source)
+    stream = probe_video(data, source, config, budget)
     plan = sampling.plan(stream)
-    return LoadedVideo(data, hashlib.sha256(data).hexdigest(), source, stream, sampling, plan)
+    return LoadedVideo(data, hashlib.sha256(data).hexdigest(), source, stream, sampling, plan, budget)
 
 
 def resize_frames(frames: Sequence[Image.Image], size: tuple[int, int]) -> np.ndarray:

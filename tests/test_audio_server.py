@@ -1,9 +1,9 @@
 """Audio chat through the real service with the ``openai`` client (``input_audio`` parts): a
-tokenizer worker decodes the clip and writes its log-mel features into shared memory, the
+media worker decodes the clip and writes its log-mel features into shared memory, the
 engine-core process reads them, and the greedy answer equals the offline engine's. One server for
 the module, started with ``--limit-mm-per-prompt audio=2``. Bad audio is a 400 naming the problem,
-and leaves no segment behind; a chat resending its clip reuses the clip's segment and the prefix
-cache."""
+and leaves no segment behind; ``input_audio.data`` is base64 alone (OpenAI's definition); a chat
+resending its clip reuses the clip's segment and the prefix cache."""
 
 from __future__ import annotations
 
@@ -93,3 +93,14 @@ def test_bad_audio_is_a_400_and_leaks_nothing(server, case, content, says):
     assert response.status_code == 400, response.text
     assert says in response.json()["error"]["message"], response.json()
     assert our_segments(server) <= before  # nothing new stays behind (leases released, nothing written)
+
+
+@pytest.mark.parametrize("data", ["!!!not base64$$$", "file:///etc/passwd", "data:audio/wav;base64,UklGRg==",
+                                  "/etc/passwd"])
+def test_input_audio_data_is_base64_only(server, data):
+    content = {"type": "input_audio", "input_audio": {"data": data, "format": "wav"}}
+    response = server.post("/v1/chat/completions", {"messages": [message(content)], "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    says = response.json()["error"]["message"]
+    assert "outside the allowed media directories" not in says
+    assert "base64" in says, says  # "/etc/passwd" is valid base64 (of bytes that are no audio), never a path

@@ -92,7 +92,8 @@ def test_the_flags_take_their_defaults_from_the_limits():
     defaults = vars(build_parser().parse_args([]))
     limits = MediaLimits()
     for name in ("max_image_bytes", "max_image_pixels", "max_video_bytes", "max_video_seconds", "max_video_frames",
-                 "max_video_frame_pixels", "max_audio_bytes", "max_audio_seconds"):
+                 "max_video_frame_pixels", "max_audio_bytes", "max_audio_seconds", "max_video_decode_frames",
+                 "media_decode_timeout"):
         assert defaults[name] == getattr(limits, name), name
 
 
@@ -117,7 +118,7 @@ def test_the_defaults():
 
 
 POSITIVE_INTS = ["max_image_bytes", "max_image_pixels", "max_request_pixels", "max_video_bytes",
-                 "max_video_frame_pixels", "max_audio_bytes"]
+                 "max_video_frame_pixels", "max_video_decode_frames", "max_audio_bytes"]
 
 
 @pytest.mark.parametrize("name", POSITIVE_INTS)
@@ -139,7 +140,7 @@ def test_frames_per_video_are_at_least_one_temporal_patch(bad):
     assert MediaLimits(max_video_frames=2).max_video_frames == 2
 
 
-@pytest.mark.parametrize("name", ["max_video_seconds", "max_audio_seconds"])
+@pytest.mark.parametrize("name", ["max_video_seconds", "max_audio_seconds", "media_decode_timeout"])
 @pytest.mark.parametrize("bad", [0, -1.0, math.inf, math.nan, True, "60", None])
 def test_a_duration_must_be_a_positive_number_of_seconds(name, bad):
     with pytest.raises(ValueError, match=rf"MediaLimits\.{name} must be a positive number of seconds, got .*; "

@@ -111,8 +111,10 @@ class StreamInThread:
 
 @pytest.fixture
 def server(serve):
-    # Each test checks the exit code itself (one kills the engine core: the service exits 1).
-    with serve(tiny_checkpoint("qwen2_vl"), check_exit=False) as server:
+    # Each test checks the exit code itself (one kills the engine core: the service exits 1). No media
+    # worker: the tests count and kill the tokenizer worker's shm instance (tests/test_media_workers.py
+    # has the media workers').
+    with serve(tiny_checkpoint("qwen2_vl"), "--media-workers", "0", check_exit=False) as server:
         yield server
 
 

@@ -4,7 +4,8 @@ The same three parts as the offline ``LLM`` (input processor, engine client, out
 through the ``RequestTracker``), arranged for an event loop:
 
     route ──► prompt_ids / chat_ids / pooling_ids / pair_ids: the InputProcessor's own methods,
-              run in a tokenizer worker (TokenizerPool; ids + handles leased in worker i's store)
+              run in a tokenizer worker (TokenizerPool; ids + handles leased in worker i's store),
+              or in a media worker when the request carries video or audio
           ──► InputProcessor.check_prompt / finalize (API process) ──► generate() / encode()
           ──► InputProcessor.make_requests ─► RequestTracker.add ─► MPClient (engine-core process)
           ◄── one asyncio.Queue per call ◄── on_outputs (the client's reader task:
@@ -122,7 +123,7 @@ class AsyncLLM:
     def __init__(self, config: EngineConfig, settings: WorkerSettings, *, num_workers: int,
                  shm_budget_bytes: int | None, limits: InputLimits, metrics: FrontendMetrics,
                  max_queued_requests: int, on_engine_death=None, shm_help: str = "",
-                 data_parallel_routing: str = "cache-aware"):
+                 data_parallel_routing: str = "cache-aware", num_media_workers: int = 0):
         self.config = config
         self.metrics = metrics
         self.max_queued_requests = max_queued_requests
@@ -134,7 +135,7 @@ class AsyncLLM:
         self.tokenizer = self.router.tokenizer
         self.processor = InputProcessor(config, self.router, limits)
         self.pool = TokenizerPool(settings, num_workers, shm_budget_bytes, on_worker_death=self.on_worker_death,
-                                  shm_help=shm_help)
+                                  shm_help=shm_help, num_media_workers=num_media_workers)
         self.client = make_client(config, on_outputs=self.on_outputs, on_death=self.on_engine_death,
                                   routing=data_parallel_routing)
         self.tracker = RequestTracker(self.client, self.tokenizer, release=self._release, on_finish=self._on_finish)

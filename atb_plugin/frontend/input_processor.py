@@ -213,7 +213,8 @@ class InputProcessor:
             return validate_client_token_ids(prompt, self.config.vocab_size)
         if isinstance(prompt, list) and prompt and all(isinstance(item, dict) for item in prompt):
             return self.router.input_builder.tokenize(prompt, request_id=request_id,
-                                                      add_special_tokens=add_special_tokens)
+                                                      add_special_tokens=add_special_tokens,
+                                                      check_length=self.check_media_prompt)
         raise InvalidRequestError(f"a prompt must be a string, a non-empty list of token ids or of MindIE items "
                                   f"({{'image': ...}} / {{'text': ...}}); got {prompt!r:.80}", param="prompt")
 
@@ -225,8 +226,15 @@ class InputProcessor:
         check_text_fits(text_chars(messages), self.tokenizer, self.config.max_model_len, "The conversation")
         return self.router.input_builder.make_context(
             0, messages, add_generation_prompt=add_generation_prompt, request_id=request_id,
-            chat_template_kwargs=chat_template_kwargs, tools=tools,
+            chat_template_kwargs=chat_template_kwargs, tools=tools, check_length=self.check_media_prompt,
             **({"mm_processor_kwargs": mm_processor_kwargs} if mm_processor_kwargs else {}))
+
+    def check_media_prompt(self, num_prompt_tokens: int) -> None:
+        """A prompt with media, measured before its media are decoded and written to shared memory
+        (a video's tokens follow from its header and packet index): one over the context window is
+        refused now, with the 400 ``check_prompt`` would give it after all that work."""
+        check_context_length(num_prompt_tokens, self.config.max_model_len,
+                             max_input_tokens=self.limits.max_input_tokens)
 
     def pooling_ids(self, prompts: Sequence, truncate_to: int | None = None, label: str = "input") -> list[list[int]]:
         """Each pooling prompt's ids: texts tokenised with the tokenizer's special tokens, a

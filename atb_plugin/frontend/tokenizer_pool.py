@@ -17,6 +17,15 @@ store is shared across processes, and a worker that dies takes nothing with it: 
 replacement's ``ShmStore()`` reaps the dead instance's segments on start, and the API process
 fails the requests that were using them.
 
+Media workers: a chat or prompt job that carries video or audio (``media_items``) runs on one of
+the pool's media workers, the same worker code in processes of their own, so decoding never holds
+up a text request's tokenisation. A media worker takes one job at a time (later ones wait in the
+API process for a free one), so whatever happens to it concerns that one job: the builders refuse
+a video or audio item over its decode budget (frames, wall clock: ``MediaLimits``) with a 400,
+and a media worker still busy past its job's budget (a stuck decoder) is killed and replaced,
+failing that job alone with a 504. /health looks at the tokenizer workers only: it stays 200
+while a media worker is being replaced.
+
 Errors: bad input (the builders' ``InputBuilderError`` / ``MediaError``, the input processor's
 ``InvalidRequestError``) is the client's 400; a full store is 503; anything else raised in a
 worker is our bug: a 500, its traceback logged by the worker.
@@ -45,6 +54,7 @@ import zmq.asyncio
 from atb_plugin import processes
 from atb_plugin.engine.config import EngineConfig
 from atb_plugin.frontend.errors import InvalidRequestError, RequestError
+from atb_plugin.multimodal.parts import AUDIO_PART_TYPES, VIDEO_PART_TYPES
 from atb_plugin.utils import trim_heap
 
 logger = logging.getLogger(__name__)
@@ -220,6 +230,28 @@ def media_urls(job: Job) -> list[str]:
     return found
 
 
+_DECODED_KINDS = frozenset(VIDEO_PART_TYPES + AUDIO_PART_TYPES)
+_DECODED_KEYS = ("video", "audio")  # MindIE's spelling: the key names the kind
+
+
+def media_items(job: Job) -> int:
+    """How many video and audio items a chat or prompt job carries (what a media worker decodes);
+    0 for any other job. Reads the parts where a message's content holds them, nothing deeper."""
+    if isinstance(job, ChatJob):
+        contents = [message.get("content") for message in job.messages if isinstance(message, dict)]
+    elif isinstance(job, PromptJob) and isinstance(job.prompt, list):
+        contents = [job.prompt]
+    else:
+        return 0
+    count = 0
+    for content in contents:
+        for part in content if isinstance(content, list) else [content]:
+            if isinstance(part, dict) and (part.get("type") in _DECODED_KINDS
+                                           or ("type" not in part and any(key in part for key in _DECODED_KEYS))):
+                count += 1
+    return count
+
+
 class _WorkerLoop:
     """The worker's job loop. Jobs run one at a time on the main thread, in arrival order, except
     that a job naming http(s) media waits for its downloads on the fetch threads while the jobs
@@ -354,10 +386,16 @@ class _Worker:
     process: multiprocessing.process.BaseProcess
     jobs: zmq.asyncio.Socket
     address: str
+    media: bool = False  # a media worker: video and audio jobs, one at a time
     instance_id: str | None = None
     pending: set = field(default_factory=set)
     # Since when it has owed a reply without sending one (None: it owes none): the watchdog's clock.
     silent_since: float | None = None
+    # A media worker's running job: when its budget ends (monotonic), and what to tell its client
+    # if the watchdog kills the worker for it.
+    deadline: float | None = None
+    budget_error: str | None = None
+    killed_for_budget: bool = False
 
     def stuck(self, now: float, limit_s: float) -> bool:
         return self.silent_since is not None and now - self.silent_since > limit_s
@@ -373,18 +411,28 @@ STUCK_AFTER_S = 60.0
 _ZERO_COPY_BYTES = 64 << 10
 
 
+def _kind(worker: _Worker) -> str:
+    return "media" if worker.media else "tokenizer"
+
+
 class TokenizerPool:
-    """N tokenizer workers. ``await call(job)`` runs a job on the least busy worker (or
-    ``worker=...``) and returns ``(worker index, instance id, result)``; a client error becomes
-    an ``InvalidRequestError`` (400), a full shm store a 503 ``RequestError``, anything else a 500."""
+    """N tokenizer workers (indices 0..N-1) and M media workers (N..N+M-1). ``await call(job)``
+    runs a job on the least busy tokenizer worker, a job with video or audio on a free media worker
+    when there are any (or on ``worker=...``), and returns ``(worker index, instance id, result)``;
+    a client error becomes an ``InvalidRequestError`` (400), a full shm store a 503
+    ``RequestError``, a media job killed for its budget a 504, anything else a 500."""
 
     def __init__(self, settings: WorkerSettings, num_workers: int, shm_budget_bytes: int | None,
                  on_worker_death: Callable[[int, str | None], None], shm_help: str = "",
-                 stuck_after_s: float = STUCK_AFTER_S):
+                 stuck_after_s: float = STUCK_AFTER_S, num_media_workers: int = 0):
         if num_workers < 1:
             raise ValueError(f"--tokenizer-workers must be >= 1, got {num_workers}")
+        if num_media_workers < 0:
+            raise ValueError(f"--media-workers must be >= 0, got {num_media_workers}")
         self.num_workers = num_workers
-        per_worker = None if shm_budget_bytes is None else max(1, shm_budget_bytes // num_workers)
+        self.num_media_workers = num_media_workers
+        total = num_workers + num_media_workers
+        per_worker = None if shm_budget_bytes is None else max(1, shm_budget_bytes // total)
         # Cached segments count against the budget too: keep at most half of it as cache.
         cache = settings.shm_cache_bytes
         if per_worker is not None:
@@ -396,7 +444,8 @@ class TokenizerPool:
         self._context = zmq.asyncio.Context()
         self._results = self._context.socket(zmq.PULL)
         self._results_address = processes.ipc_address("results")
-        self._workers: list[_Worker | None] = [None] * num_workers
+        self._workers: list[_Worker | None] = [None] * total
+        self._media_waiters: list[asyncio.Future] = []  # calls waiting for a free media worker
         self._futures: dict[int, tuple[asyncio.Future, int]] = {}
         self._ready: dict[int, asyncio.Future] = {}
         self._job_ids = itertools.count()
@@ -412,28 +461,43 @@ class TokenizerPool:
     async def start(self, timeout_s: float = 300.0) -> None:
         self._results.bind(self._results_address)
         self._reader = asyncio.ensure_future(self._read_results())
-        await asyncio.gather(*(self._spawn(i, timeout_s) for i in range(self.num_workers)))
+        await asyncio.gather(*(self._spawn(i, timeout_s) for i in range(len(self._workers))))
         self._watchdog = asyncio.ensure_future(self._watch())
 
     def health_problem(self) -> str | None:
         """Why the pool cannot take a request now (for /health), or None: no worker is ready, or
         every live one owes a reply for longer than ``stuck_after_s``."""
         now = time.monotonic()
-        live = [w for w in self._workers if w is not None and w.instance_id is not None and w.process.is_alive()]
+        live = self._live(media=False)  # media workers being replaced leave text requests served
         if not live:
             return "no tokenizer worker is running (one is being restarted)"
         if all(w.stuck(now, self.stuck_after_s) for w in live):
             return f"every tokenizer worker has been busy on one job for over {self.stuck_after_s:g} s"
         return None
 
+    def _live(self, media: bool) -> list[_Worker]:
+        return [w for w in self._workers if w is not None and w.media == media and w.instance_id is not None
+                and w.process.is_alive()]
+
     async def _watch(self) -> None:
-        """A worker that owes a reply for longer than ``stuck_after_s`` is stuck (a job that never
-        ends, a stopped process): it is killed, its requests fail with a 500, and it is replaced."""
+        """A tokenizer worker that owes a reply for longer than ``stuck_after_s`` is stuck (a job
+        that never ends, a stopped process): it is killed, its requests fail with a 500, and it is
+        replaced. A media worker past its job's budget is killed and replaced: that job fails with
+        a 504."""
         while True:
             await asyncio.sleep(min(1.0, self.stuck_after_s / 4))
             now = time.monotonic()
             for worker in list(self._workers):
-                if worker is not None and worker.process.is_alive() and worker.stuck(now, self.stuck_after_s):
+                if worker is None or not worker.process.is_alive():
+                    continue
+                if worker.media:
+                    if worker.deadline is not None and now > worker.deadline and not worker.killed_for_budget:
+                        logger.error("media worker %d is still decoding past its job's budget; killing and "
+                                     "replacing it", worker.index)
+                        worker.killed_for_budget = True
+                        worker.process.kill()  # its exit runs _worker_ended
+                    continue
+                if worker.stuck(now, self.stuck_after_s):
                     logger.error("tokenizer worker %d has not answered for %.0f s; killing and replacing it",
                                  worker.index, now - worker.silent_since)
                     worker.silent_since = None
@@ -444,15 +508,18 @@ class TokenizerPool:
         jobs = self._context.socket(zmq.PUSH)
         jobs.bind(address)
         ready = self._ready[index] = asyncio.get_running_loop().create_future()
-        process = processes.spawn(run_tokenizer_worker, f"atb-tokenizer-worker-{index}", index, self.settings,
-                                  address, self._results_address)
-        worker = _Worker(index, process, jobs, address)
+        media = index >= self.num_workers
+        name = f"atb-media-worker-{index}" if media else f"atb-tokenizer-worker-{index}"
+        process = processes.spawn(run_tokenizer_worker, name, index, self.settings, address, self._results_address)
+        worker = _Worker(index, process, jobs, address, media)
         self._workers[index] = worker
         worker.instance_id = await processes.wait_started(process, ready, timeout_s)
         if worker.instance_id is None:
-            raise RuntimeError(f"tokenizer worker {index} did not start (exit code {process.exitcode})")
-        logger.info("tokenizer worker %d ready, shm instance %s", index, worker.instance_id)
+            raise RuntimeError(f"{_kind(worker)} worker {index} did not start (exit code {process.exitcode})")
+        logger.info("%s worker %d ready, shm instance %s", _kind(worker), index, worker.instance_id)
         processes.on_exit(process, lambda: self._worker_ended(worker))
+        if media:
+            self._wake_media_waiters()
 
     async def _read_results(self) -> None:
         while True:
@@ -470,18 +537,28 @@ class TokenizerPool:
             if worker is not None:
                 worker.pending.discard(message.id)
                 worker.silent_since = time.monotonic() if worker.pending else None
+                if worker.media and not worker.pending:
+                    worker.deadline = worker.budget_error = None
+                    self._wake_media_waiters()
             if not future.done():
                 future.set_result(message)
 
     def _worker_ended(self, worker: _Worker) -> None:
         if self._stopping:
             return
-        logger.error("tokenizer worker %d died (exit code %s); replacing it", worker.index, worker.process.exitcode)
+        logger.error("%s worker %d died (exit code %s); replacing it", _kind(worker), worker.index,
+                     worker.process.exitcode)
+        if worker.killed_for_budget and worker.budget_error is not None:
+            error = RequestError(504, worker.budget_error)
+        elif worker.media:
+            error = RequestError(500, f"the media worker decoding this request's video or audio died (exit code "
+                                      f"{worker.process.exitcode}); retry it, or send a smaller file")
+        else:
+            error = RequestError(500, f"tokenizer worker {worker.index} died while preparing this request; retry it")
         for job_id in list(worker.pending):
             future, _ = self._futures.pop(job_id, (None, None))
             if future is not None and not future.done():
-                future.set_exception(RequestError(500, f"tokenizer worker {worker.index} died while preparing "
-                                                   "this request; retry it"))
+                future.set_exception(error)
         worker.jobs.close(linger=0)
         processes.unlink_ipc([worker.address])  # its replacement binds a fresh one
         self.on_worker_death(worker.index, worker.instance_id)
@@ -495,18 +572,64 @@ class TokenizerPool:
             logger.exception("could not replace tokenizer worker %d", index)
 
     def _pick(self) -> _Worker:
-        live = [w for w in self._workers if w is not None and w.instance_id is not None and w.process.is_alive()]
+        live = self._live(media=False)
         if not live:
             raise RequestError(503, "no tokenizer worker is available (one is being restarted); retry shortly",
                            retry_after=1)
         return min(live, key=lambda w: len(w.pending))
 
+    async def _free_media_worker(self) -> _Worker:
+        """A live media worker with no job, waiting for one (its job done, its replacement up) up
+        to ``stuck_after_s``: 503 beyond."""
+        give_up = time.monotonic() + self.stuck_after_s
+        while True:
+            free = [w for w in self._live(media=True) if not w.pending]
+            if free:
+                return free[0]
+            waiter = asyncio.get_running_loop().create_future()
+            self._media_waiters.append(waiter)
+            try:
+                await asyncio.wait_for(waiter, max(give_up - time.monotonic(), 0.0))
+            except asyncio.TimeoutError:
+                raise RequestError(503, f"every media worker has been busy for {self.stuck_after_s:g} s; retry "
+                                        "shortly, or start the server with more --media-workers",
+                                   retry_after=1) from None
+            finally:
+                if waiter in self._media_waiters:
+                    self._media_waiters.remove(waiter)
+
+    def _wake_media_waiters(self) -> None:
+        waiters, self._media_waiters = self._media_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _media_budget(self, items: int) -> tuple[float, str]:
+        """Seconds a media job of ``items`` video / audio items may keep its worker, and the 504's
+        message: each item's decode budget, one more for the rest of its preparation, and its
+        download's timeout."""
+        config = self.settings.media_config
+        per_item = config.limits.media_decode_timeout
+        seconds = (items + 1) * per_item + getattr(config, "http_timeout_s", 0.0)
+        return seconds, (f"preparing this request's {items} video / audio item(s) took longer than {seconds:g} s "
+                         f"(--media-decode-timeout {per_item:g} s per item, plus its download and preprocessing); "
+                         "its media worker was stopped. Send shorter or smaller media")
+
     async def call(self, job: Job, worker: _Worker | None = None) -> tuple[int, str, object]:
+        items = media_items(job) if worker is None and self.num_media_workers else 0
+        if items:
+            worker = await self._free_media_worker()
+            # Nothing awaits from here until the job is in its pending set: no other call can take it.
+            seconds, worker.budget_error = self._media_budget(items)
+            worker.deadline = time.monotonic() + seconds
         worker = worker or self._pick()
         job_id = next(self._job_ids)
         try:
             payload = _encoder.encode(Envelope(job_id, job))
         except (UnicodeEncodeError, OverflowError, TypeError) as error:  # unpaired surrogates, huge ints
+            if items:
+                worker.deadline = worker.budget_error = None
+                self._wake_media_waiters()
             raise InvalidRequestError(f"the request holds a value that cannot be processed: {error}") from None
         future = asyncio.get_running_loop().create_future()
         self._futures[job_id] = (future, worker.index)
@@ -576,6 +699,7 @@ class TokenizerPool:
         for task in (self._reader, self._watchdog):
             if task is not None:
                 task.cancel()
+        self._wake_media_waiters()
         self._results.close(linger=0)
         self._context.term()
         processes.unlink_ipc([self._results_address] + [w.address for w in self._workers if w is not None])

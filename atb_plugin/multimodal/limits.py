@@ -74,10 +74,20 @@ class MediaLimits:
     # Width x height of the source frames, from the stream header: DCI 4K. Every kept frame is decoded
     # at this size before its resize (a 768-frame 8K video would be 25 GB of RGB while decoding).
     max_video_frame_pixels: int = 4096 * 2160
+    # Frames (packets) one video may make the server demux and decode, whatever it keeps: a frame
+    # sampled from a long GOP costs every frame before it since the keyframe, so the frames kept
+    # bound nothing. Checked from the header (its frame count, duration x frame rate) before the
+    # packets are read, then counted while demuxing and decoding. 216,000 is 30 minutes (the
+    # default max_video_seconds) at 120 fps; a 16x16 video at 5,000 fps is refused.
+    max_video_decode_frames: int = 216_000
     # Audio (input_builders.audio), per clip. Encoded size: OpenAI's 25 MB audio upload limit.
     max_audio_bytes: int = 25 * 1024 * 1024
     # Duration: 240 s is eight 30 s windows, 6000 audio tokens, inside Qwen2-Audio's 8192-token context.
     max_audio_seconds: float = 240.0
+    # Wall-clock seconds the server spends demuxing and decoding one video or audio item (its
+    # download has http_timeout_s): checked while decoding, 400 beyond. A media worker that
+    # overruns its request's budget anyway (one stuck FFmpeg call) is killed: 504.
+    media_decode_timeout: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("limit_mm_per_prompt", "limit_videos_per_prompt"):
@@ -88,14 +98,14 @@ class MediaLimits:
         if self.max_request_pixels is None and _int_at_least(self.max_image_pixels, 1):
             object.__setattr__(self, "max_request_pixels", default_max_request_pixels(self.max_image_pixels))
         for name in ("max_image_bytes", "max_image_pixels", "max_request_pixels", "max_video_bytes",
-                     "max_video_frame_pixels", "max_audio_bytes"):
+                     "max_video_frame_pixels", "max_video_decode_frames", "max_audio_bytes"):
             value = getattr(self, name)
             if not _int_at_least(value, 1):
                 raise ValueError(f"MediaLimits.{name} must be a positive integer, got {value!r}; {_fix(name)}")
         if not _int_at_least(self.max_video_frames, 2):
             raise ValueError(f"MediaLimits.max_video_frames must be an integer >= 2 (one temporal patch is 2 "
                              f"frames), got {self.max_video_frames!r}; {_fix('max_video_frames')}")
-        for name in ("max_video_seconds", "max_audio_seconds"):
+        for name in ("max_video_seconds", "max_audio_seconds", "media_decode_timeout"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"MediaLimits.{name} must be a positive number of seconds, got {value!r}; "

@@ -86,6 +86,7 @@ class Service:
                             metrics=self.metrics, max_queued_requests=config.max_queued_requests,
                             on_engine_death=self._on_engine_death,
                             data_parallel_routing=config.data_parallel_routing,
+                            num_media_workers=config.media_workers,
                             shm_help=" (in Docker: run with --shm-size=1g or more)")
         self.tokenizer = self.llm.tokenizer
         # Every error message a client gets passes through it (errors.Redactor).
@@ -103,9 +104,10 @@ class Service:
         config = self.config
         info = self.llm.client.info
         logger.info("ready: model %s (%s), %d KV blocks of %d tokens (up to %d tokens per request), "
-                    "%d tokenizer worker(s), shm budget %s", config.served_model_name, config.engine.model_type,
+                    "%d tokenizer worker(s), %d media worker(s), shm budget %s", config.served_model_name,
+                    config.engine.model_type,
                     info["kv_cache_blocks"], config.engine.block_size, info["max_tokens_per_request"],
-                    config.tokenizer_workers,
+                    config.tokenizer_workers, config.media_workers,
                     "unlimited" if config.shm_budget_bytes is None else f"{config.shm_budget_bytes} bytes")
         if config.enable_auto_tool_choice and template_renders_tools(self.tokenizer, config.chat_template) is False:
             logger.warning("--enable-auto-tool-choice is set but the chat template of %s does not render tools (the "

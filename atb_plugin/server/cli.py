@@ -200,10 +200,20 @@ def build_parser() -> argparse.ArgumentParser:
     add("--max-video-frame-pixels", type=int, default=limits.max_video_frame_pixels,
         help="width x height of a video's frames, from its stream header (every kept frame is decoded at this "
              "size before its resize)")
+    add("--max-video-decode-frames", type=int, default=limits.max_video_decode_frames,
+        help="frames (packets) one video may make the server demux and decode, however few it samples: checked "
+             "from the header (frame count, duration x frame rate) before reading, then counted while reading "
+             "(a sampled frame costs every frame since its keyframe)")
     add("--max-audio-bytes", type=_size, default=limits.max_audio_bytes,
         help="encoded bytes per audio clip (base64 data too)")
     add("--max-audio-seconds", type=float, default=limits.max_audio_seconds,
         help="duration per audio clip (longer clips are cut into 30 s windows, one media block each)")
+    add("--media-decode-timeout", type=float, default=limits.media_decode_timeout,
+        help="wall-clock seconds to demux and decode one video or audio item (400 beyond); a media worker still "
+             "busy past its request's budget is killed and replaced (504)")
+    add("--media-workers", type=int, default=None,
+        help="processes that decode video and audio, apart from the tokenizer workers, so a text request "
+             "never waits behind a video (default: 1 for a model that takes video or audio, else 0)")
     add("--max-request-body-bytes", type=_size, default=64 << 20, help="HTTP request body limit (413 beyond)")
     add("--max-queued-requests", type=int, default=256, help="requests in flight before 429")
     add("--max-pooling-inputs", type=int, default=2048,
@@ -348,7 +358,9 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                         max_request_pixels=values["max_request_pixels"], max_video_bytes=values["max_video_bytes"],
                         max_video_seconds=values["max_video_seconds"], max_video_frames=values["max_video_frames"],
                         max_video_frame_pixels=values["max_video_frame_pixels"],
-                        max_audio_bytes=values["max_audio_bytes"], max_audio_seconds=values["max_audio_seconds"])
+                        max_audio_bytes=values["max_audio_bytes"], max_audio_seconds=values["max_audio_seconds"],
+                        max_video_decode_frames=values["max_video_decode_frames"],
+                        media_decode_timeout=values["media_decode_timeout"])
     engine = EngineConfig(model=values["model"], dtype=values["dtype"], device=values["device"],
                           quantization=values["quantization"], quantize_lm_head=values["quantize_lm_head"],
                           max_model_len=values["max_model_len"], block_size=values["block_size"],
@@ -380,7 +392,7 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         engine = engine.replace(**changes)
     return ServerConfig(
         engine=engine, served_model_name=values["served_model_name"], host=values["host"], port=values["port"],
-        api_key=values["api_key"], tokenizer_workers=values["tokenizer_workers"],
+        api_key=values["api_key"], tokenizer_workers=values["tokenizer_workers"], media_workers=values["media_workers"],
         data_parallel_routing=values["data_parallel_routing"],
         max_queued_requests=values["max_queued_requests"], max_pooling_inputs=values["max_pooling_inputs"],
         allowed_local_media_paths=tuple(values["allowed_local_media_path"]),

@@ -39,6 +39,15 @@ def default_tokenizer_workers() -> int:
     return max(1, min(4, available_cores() - 1))
 
 
+def takes_video_or_audio(engine: EngineConfig) -> bool:
+    """Whether the model's requests may carry video or audio (what the media workers decode)."""
+    from atb_plugin.models.interfaces import model_modality
+    from atb_plugin.models.registry import import_model_class
+
+    return engine.limit_videos_per_prompt > 0 or (
+        engine.limit_mm_per_prompt > 0 and model_modality(import_model_class(engine.model_cls_path)) == "audio")
+
+
 # limit_mm_per_prompt by name is the engine's, resolved (the property below).
 @flat_limits("media", [name for name in LIMIT_FIELDS if name != "limit_mm_per_prompt"])
 @dataclass(frozen=True)
@@ -49,6 +58,10 @@ class ServerConfig:
     port: int = 1025  # MindIE's default
     api_key: str | None = None
     tokenizer_workers: int = field(default_factory=default_tokenizer_workers)
+    # Processes that decode video and audio (the same worker code as the tokenizer workers, apart
+    # from them): a text request never waits behind a video. None: one for a model that takes
+    # video or audio, none otherwise (its requests cannot carry any).
+    media_workers: int | None = None
     max_queued_requests: int = 256
     # Which engine core takes a request under data parallelism (engine/dp_client.py).
     data_parallel_routing: str = "cache-aware"
@@ -84,7 +97,9 @@ class ServerConfig:
             object.__setattr__(self, "served_model_name", default_served_model_name(self.engine.model))
         if not isinstance(self.media, MediaLimits):
             raise ValueError(f"ServerConfig.media must be a MediaLimits, got {type(self.media).__name__}")
-        for name, low in (("port", 0), ("tokenizer_workers", 1), ("max_queued_requests", 1), ("max_parallel_samples", 1),
+        if self.media_workers is None:
+            object.__setattr__(self, "media_workers", 1 if takes_video_or_audio(self.engine) else 0)
+        for name, low in (("port", 0), ("tokenizer_workers", 1), ("media_workers", 0), ("max_queued_requests", 1), ("max_parallel_samples", 1),
                           ("max_pooling_inputs", 1), ("max_request_body_bytes", 1)):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validat
 from atb_plugin.engine.sampling_params import SamplingParams, StructuredOutputsParams
 from atb_plugin.frontend.errors import InvalidRequestError
 from atb_plugin.frontend.input_processor import fit_max_tokens, generation_defaults_from_config
+from atb_plugin.multimodal.parts import AUDIO_PART_TYPES, VIDEO_PART_TYPES, unknown_part_keys, unknown_part_type
 
 if TYPE_CHECKING:  # annotations only: the HTTP process need not import the sampler (torch)
     from atb_plugin.engine.messages import LogprobsEntry
@@ -537,8 +538,6 @@ class _GenerationRequest(OpenAIBaseModel):
 Role = Literal["system", "user", "assistant", "tool", "developer"]
 
 _UNSUPPORTED_PART_TYPES = ("file",)
-_VIDEO_PART_TYPES = ("video_url", "video")  # shape checked by the input builder (conversation.py)
-_AUDIO_PART_TYPES = ("input_audio", "audio_url", "audio")  # shape checked by the input builder (conversation.py)
 _IMAGE_DETAILS = ("auto", "low", "high")
 
 
@@ -554,8 +553,7 @@ def _check_part(item, where: str):
         kind = "text" if "text" in item else "image" if "image" in item else "audio" if "audio" in item else \
             "video" if "video" in item else None
         if kind is None:
-            raise ValueError(f"{where}: unknown content part with keys {sorted(item)}; expected "
-                             '{"type": "text" | "image_url", ...} or MindIE\'s {"text": ...} / {"image": ...}')
+            raise ValueError(f"{where}: {unknown_part_keys(item)}")
     if kind == "text":
         if not isinstance(item.get("text"), str):
             raise ValueError(f"{where}: a text part needs a string 'text'")
@@ -571,13 +569,13 @@ def _check_part(item, where: str):
         ref = item.get("image")
         if not isinstance(ref, str) or not ref:
             raise ValueError(f'{where}: an image part needs {{"image": "<path, URL or base64>"}}')
-    elif kind in _AUDIO_PART_TYPES or kind in _VIDEO_PART_TYPES:
+    elif kind in AUDIO_PART_TYPES or kind in VIDEO_PART_TYPES:
         pass  # input_builders.conversation checks it (parse_audio_part, parse_video_part), with the model's own
         # refusal if it takes none
     elif kind in _UNSUPPORTED_PART_TYPES:
         raise ValueError(f"{where}: content type {kind!r} is not supported; only text, images, video and audio are")
     else:
-        raise ValueError(f"{where}: unknown content type {_short_repr(kind)}; expected 'text' or 'image_url'")
+        raise ValueError(f"{where}: {unknown_part_type(_short_repr(kind))}")
     return item
 
 

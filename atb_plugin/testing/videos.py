@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["video_bytes", "write_video"]
+__all__ = ["many_frames_video_bytes", "video_bytes", "write_video"]
 
 
 def _frame(index: int, height: int, width: int, rng: np.random.Generator) -> np.ndarray:
@@ -66,6 +66,38 @@ def video_bytes(frames: int, fps: float | Fraction, size: tuple[int, int] = (64,
                     output.mux(packet)
             for packet in sound.encode():
                 output.mux(packet)
+    return buffer.getvalue()
+
+
+def many_frames_video_bytes(frames: int, fps: int = 5000, size: tuple[int, int] = (16, 16)) -> bytes:
+    """The shape of a decode bomb (issue #45: 16x16 frames at 5,000 fps, one keyframe): an H.264
+    MP4 of ``frames`` identical tiny frames, only the first a keyframe, so sampling any late frame
+    means decoding every frame before it. Made in milliseconds: one keyframe and one empty P-frame
+    are encoded, and that P-frame's packet is muxed again for every later frame (a few bytes each).
+    The stream header states the frame count and duration, as the real one's did."""
+    import av
+
+    height, width = size
+    buffer = io.BytesIO()
+    with av.open(buffer, mode="w", format="mp4") as output:
+        stream = output.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.codec_context.options = {"preset": "ultrafast", "x264-params": "keyint=infinite:scenecut=0:bframes=0"}
+        still = np.full((height, width, 3), 128, dtype=np.uint8)
+        packets = []
+        for index in range(2):
+            frame = av.VideoFrame.from_ndarray(still, format="rgb24")
+            frame.pts = index
+            packets += stream.encode(frame)
+        packets += stream.encode()
+        keyframe, repeat = packets[0], bytes(packets[1])
+        time_base = keyframe.time_base
+        output.mux(keyframe)
+        for index in range(1, frames):
+            packet = av.Packet(repeat)
+            packet.stream, packet.time_base = stream, time_base
+            packet.pts = packet.dts = index
+            output.mux(packet)
     return buffer.getvalue()
 
 
