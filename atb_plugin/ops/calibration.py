@@ -246,11 +246,13 @@ def _rule_form(rule: PackingRule, dtype: torch.dtype) -> str:
     return "panels" if dtype in rule.native else "onednn" if dtype in rule.onednn else "dense"
 
 
-def calibrate(shapes: Iterable[Shape], budget_s: float = DEFAULT_BUDGET_S,
-              min_timed_bytes: int = MIN_TIMED_BYTES) -> dict[str, Choice]:
+def calibrate(shapes: Iterable[Shape], budget_s: float | None = None,
+              min_timed_bytes: int | None = None) -> dict[str, Choice]:
     """A ``Choice`` per weight dtype of ``shapes`` (one entry per layer, of DTYPES): check every
     available candidate, time those left (when the dtype's weights reach ``min_timed_bytes``),
-    decide. Uncached; ``packing_rule`` caches."""
+    decide (None: DEFAULT_BUDGET_S, MIN_TIMED_BYTES). Uncached; ``packing_rule`` caches."""
+    budget_s = DEFAULT_BUDGET_S if budget_s is None else budget_s
+    min_timed_bytes = MIN_TIMED_BYTES if min_timed_bytes is None else min_timed_bytes
     counted = Counter(shape for shape in shapes if shape[0] in DTYPES)
     rule = PackingRule.current()
     generator = torch.Generator().manual_seed(0)
@@ -313,8 +315,7 @@ def _cache_path(key: dict) -> Path:
     return cpu_native._cache_dir() / f"linear-calibration-{digest}.json"
 
 
-def cached_choices(shapes: list[Shape], budget_s: float = DEFAULT_BUDGET_S,
-                   min_timed_bytes: int = MIN_TIMED_BYTES) -> tuple[dict[str, Choice], bool]:
+def cached_choices(shapes: list[Shape], budget_s: float | None = None, min_timed_bytes: int | None = None) -> tuple[dict[str, Choice], bool]:
     """``calibrate``'s answer for ``shapes``, from the cache where this key was measured (True)
     or measured now and cached (False). Answers nothing timed are not written: they are the checks
     alone, cheap enough to run at every load, and would only litter the cache."""
@@ -341,8 +342,8 @@ def cached_choices(shapes: list[Shape], budget_s: float = DEFAULT_BUDGET_S,
     return choices, False
 
 
-def packing_rule(shapes: Iterable[Shape], budget_s: float = DEFAULT_BUDGET_S,
-                 min_timed_bytes: int = MIN_TIMED_BYTES) -> PackingRule:
+def packing_rule(shapes: Iterable[Shape], budget_s: float | None = None,
+                 min_timed_bytes: int | None = None) -> PackingRule:
     """The rule packing the model whose CPU float linear layers ``shapes`` lists (one entry per
     layer: dtype name, out, in, bias): measured (``cached_choices``), each dtype pinned by
     ``ATB_PLUGIN_CPU_KERNELS`` taken as pinned, and the ISA rule alone under ``=torch``. Logs the
