@@ -70,6 +70,11 @@ def test_every_candidate_agrees_with_float64_and_the_choice_follows_the_timings(
         assert (choice.form, choice.reason) == calibration.decide(choice.timings)
 
 
+def test_the_candidates_are_the_forms_the_env_may_pin():
+    assert tuple(calibration.CANDIDATES) == cpu_native.LINEAR_FORMS
+    assert tuple(calibration.DTYPES) == cpu_native.LINEAR_FORM_DTYPES
+
+
 def test_the_decision_rule():
     def timings(**forms):
         return {name: {1: one, 32: batch} for name, (one, batch) in forms.items()}

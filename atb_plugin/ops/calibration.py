@@ -37,6 +37,7 @@ choice barely matters there): the rule decides among the candidates that passed 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import logging
 import math
@@ -69,7 +70,7 @@ COLD_BYTES = 64 << 20  # the copies timed per candidate: past the last-level cac
 CHECK_MAX_OUT, PANEL_GROUP = 2048, 512
 DEFAULT_BUDGET_S = 3.0  # the timing's share of a first start (the checks and builds come on top)
 MAX_ROUNDS = 7
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {name: getattr(torch, name) for name in cpu_native.LINEAR_FORM_DTYPES}
 
 Shape = tuple[str, int, int, bool]  # (dtype name, out_features, in_features, bias)
 
@@ -103,7 +104,7 @@ def _onednn_unavailable(dtype: torch.dtype) -> str | None:
     return None if dtype in packed_linear.packable_dtypes() else f"oneDNN does not pack {dtype} here"
 
 
-# In PackingRule's order of preference (a tie at one row keeps the earlier).
+# One per name of cpu_native.LINEAR_FORMS (what ATB_PLUGIN_CPU_KERNELS may pin), in this order.
 CANDIDATES: dict[str, Candidate] = {
     "panels": Candidate("panels", PanelLinear, _panels_unavailable),
     "onednn": Candidate("onednn", PackedLinear, _onednn_unavailable),
@@ -133,7 +134,7 @@ class Choice:
 
 
 def tolerance(dtype: torch.dtype, in_features: int) -> float:
-    """The error bound of one output, relative to ``sum_k |x_k w_k| + |b|`` (the float64 product of
+    """The error bound of one output of ``dtype``, relative to ``sum_k |x_k w_k| + |b|`` (the float64 product of
     the same rounded weights and inputs is the reference, so only the kernel's arithmetic counts):
     float32 sums of ``in_features`` products, bounded by ``in_features * 2^-23`` (twice the
     worst-case ``n u`` with u = 2^-24, a margin for blocked sums and fused multiply-adds; a real
@@ -146,7 +147,8 @@ def tolerance(dtype: torch.dtype, in_features: int) -> float:
 
 def check(candidate: Candidate, shape: Shape, generator: torch.Generator) -> str | None:
     """Why ``candidate`` disagrees with the float64 reference on ``shape`` (None: it agrees), at
-    every row count of ROWS, inputs in the weight's dtype as the eager model runs them."""
+    every row count of ROWS, inputs in the weight's dtype as the eager model runs them (and float32
+    ones for bfloat16 panels, as the captured step runs them)."""
     dtype_name, out_features, in_features, has_bias = shape
     dtype = DTYPES[dtype_name]
     if out_features > CHECK_MAX_OUT:  # outputs are independent along out: the same tail of a panel, fewer of them
@@ -155,8 +157,10 @@ def check(candidate: Candidate, shape: Shape, generator: torch.Generator) -> str
     bias = torch.randn(out_features, generator=generator).to(dtype) if has_bias else None
     try:
         module = candidate.build(weight, bias)
-        for rows in ROWS:
-            x = torch.randn(rows, in_features, generator=generator).to(dtype)
+        # bfloat16 panels also take float32 rows: the captured decode step's activations
+        activations = (dtype, torch.float32) if isinstance(module, PanelLinear) and module.bf16 else (dtype,)
+        for rows, x_dtype in itertools.product(ROWS, activations):
+            x = torch.randn(rows, in_features, generator=generator).to(x_dtype)
             with torch.inference_mode():
                 got = module(x)
             reference = x.double() @ weight.double().T
@@ -165,11 +169,12 @@ def check(candidate: Candidate, shape: Shape, generator: torch.Generator) -> str
                 reference, scale = reference + bias.double(), scale + bias.double().abs()
             if got.shape != reference.shape:
                 return f"({out_features}, {in_features}) at {rows} rows: shape {tuple(got.shape)}"
-            excess = ((got.double() - reference).abs() - tolerance(dtype, in_features) * scale).max().item()
+            bound = tolerance(x_dtype, in_features)  # the result has x's dtype
+            excess = ((got.double() - reference).abs() - bound * scale).max().item()
             if not excess <= 0:  # NaN fails too
                 error = (got.double() - reference).abs().max().item()
                 return (f"({out_features}, {in_features}) at {rows} rows: max |error| {error:.3g} beyond "
-                        f"{tolerance(dtype, in_features):.2g} x |x| |w|")
+                        f"{bound:.2g} x |x| |w|")
     except Exception as exc:  # noqa: BLE001 -- a candidate that raises is as disabled as a wrong one
         return f"({out_features}, {in_features}): {type(exc).__name__}: {exc}"
     return None
@@ -205,7 +210,7 @@ def measure(dtype_name: str, shapes: Counter, candidates: list[Candidate], budge
     widths = {inp for (_, _, inp, _) in shapes}
     inputs = {rows: {w: torch.randn(rows, w, generator=generator).to(dtype) for w in widths} for rows in ROWS}
     samples: dict[str, dict[int, list[float]]] = {c.name: {r: [] for r in ROWS} for c in candidates}
-    for name, modules in built.items():  # warm up: first-call allocations, page faults of the copies
+    for modules in built.values():  # warm up: first-call allocations, page faults of the copies
         for rows in ROWS:
             _time_pass(modules, inputs[rows])
     deadline = time.perf_counter() + budget_s
@@ -351,10 +356,9 @@ def packing_rule(shapes: Iterable[Shape], budget_s: float | None = None,
     shapes = list(shapes)
     pinned = cpu_native.linear_forms()
     rule = PackingRule.current()
-    if cpu_native.choice() == "torch" and not pinned:
-        return rule
     forms = {dtype: _rule_form(rule, DTYPES[dtype]) for dtype in DTYPES}
-    measured = [shape for shape in shapes if shape[0] not in pinned]
+    torch_ops = cpu_native.choice() == "torch"  # the torch path as it was: the rule, nothing timed
+    measured = [] if torch_ops else [shape for shape in shapes if shape[0] not in pinned]
     if measured:
         start = time.perf_counter()
         choices, cached = cached_choices(measured, budget_s, min_timed_bytes)

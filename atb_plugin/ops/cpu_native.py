@@ -34,7 +34,10 @@ and renamed, so processes that build at once never load half a file. OpenMP reso
 ``torch.get_num_threads()`` threads.
 
 Which path runs: ``ATB_PLUGIN_CPU_KERNELS`` = ``auto`` (default: the library where it builds, else
-the torch ops after one warning naming why), ``native`` (the library, or an error), ``torch``. The
+the torch ops after one warning naming why), ``native`` (the library, or an error), ``torch``;
+after it, comma-separated, a float linear form per weight dtype may be pinned (``linear_forms``:
+``auto,bfloat16=onednn``), which the calibration then takes instead of measuring that dtype
+(``ops/calibration.py``). The
 eager elementwise and attention calls take float32 tensors: other dtypes and CUDA tensors take the
 torch ops (``library_for``). The linear kernels also take bfloat16 weights (``linear_bf16``, with
 float32 or bfloat16 activations) and int8 weights (``w8a16_linear``, ``w8a8_dynamic_linear``),
