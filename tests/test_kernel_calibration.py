@@ -7,6 +7,7 @@ form wins on this machine (they check consistency, never a winner)."""
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -149,6 +150,26 @@ def test_the_cache_is_keyed_and_measured_again_on_a_flag_or_thread_change(monkey
     # other shapes (another model): measured again
     _, cached = calibration.cached_choices(SHAPES[:3])
     assert not cached and len(measured) == 4
+
+
+def test_loads_at_once_measure_once(monkeypatch, tmp_path):
+    """Two loads at once (the ranks of a tensor-parallel model): one measures, the other waits
+    for the lock and reads its answer."""
+    measured = []
+    real = calibration.calibrate
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: measured.append(1) or real(*a, **k))
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda _: calibration.cached_choices(SHAPES), range(2)))
+    assert len(measured) == 1 and sorted(cached for _, cached in answers) == [False, True]
+    assert len(_cached_files(tmp_path)) == 1
+
+
+def test_other_dtypes_are_not_measured(monkeypatch, tmp_path):
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: pytest.fail("measured float16"))
+    rule, current = calibration.packing_rule([("float16", 200, 96, False)] * 4), calibration.PackingRule.current()
+    for dtype in (*calibration.DTYPES.values(), torch.float16):
+        assert calibration._rule_form(rule, dtype) == calibration._rule_form(current, dtype)
+    assert _cached_files(tmp_path) == []
 
 
 def test_a_model_too_small_to_time_follows_the_isa_rule_and_writes_no_cache(monkeypatch, tmp_path):

@@ -36,6 +36,7 @@ choice barely matters there): the rule decides among the candidates that passed 
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import itertools
 import json
@@ -83,6 +84,11 @@ class Candidate:
     name: str
     build: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
     unavailable: Callable[[torch.dtype], str | None]
+
+
+def _weight_bytes(shape: Shape, count: int = 1) -> int:
+    dtype_name, out_features, in_features, _ = shape
+    return count * out_features * in_features * DTYPES[dtype_name].itemsize
 
 
 def _dense(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
@@ -197,7 +203,7 @@ def measure(dtype_name: str, shapes: Counter, candidates: list[Candidate], budge
     """Per candidate, seconds per pass over the layers ``shapes`` counts at each of ROWS: medians
     of rounds that interleave the candidates (a shared machine's drift hits them alike)."""
     dtype = DTYPES[dtype_name]
-    total_bytes = sum(count * out * inp for (_, out, inp, _), count in shapes.items()) * dtype.itemsize
+    total_bytes = sum(_weight_bytes(shape, count) for shape, count in shapes.items())
     built: dict[str, list[tuple[nn.Module, float]]] = {}
     for candidate in candidates:
         modules = []
@@ -279,7 +285,7 @@ def calibrate(shapes: Iterable[Shape], budget_s: float | None = None,
                 passed.append(candidate)
             else:
                 disabled[candidate.name] = why
-        bytes_ = sum(count * out * inp for (_, out, inp, _), count in mine.items()) * dtype.itemsize
+        bytes_ = sum(_weight_bytes(shape, count) for shape, count in mine.items())
         if bytes_ < min_timed_bytes:
             preferred = _rule_form(rule, dtype)
             form = preferred if any(c.name == preferred for c in passed) else (passed[0].name if passed else "dense")
@@ -320,30 +326,49 @@ def _cache_path(key: dict) -> Path:
     return cpu_native._cache_dir() / f"linear-calibration-{digest}.json"
 
 
-def cached_choices(shapes: list[Shape], budget_s: float | None = None, min_timed_bytes: int | None = None) -> tuple[dict[str, Choice], bool]:
-    """``calibrate``'s answer for ``shapes``, from the cache where this key was measured (True)
-    or measured now and cached (False). Answers nothing timed are not written: they are the checks
-    alone, cheap enough to run at every load, and would only litter the cache."""
-    key = cache_key(shapes)
-    path = _cache_path(key)
+def _read_cache(path: Path, key: dict) -> dict[str, Choice] | None:
     try:
         stored = json.loads(path.read_text())
-        if stored["key"] == key:
-            choices = {name: Choice.from_json(data) for name, data in stored["choices"].items()}
-            for name, choice in choices.items():
-                for form, why in choice.disabled.items():
-                    if why.startswith("wrong"):
-                        logger.warning("linear form %r disabled for %s weights (cached): %s", form, name, why)
-            return choices, True
+        if stored["key"] != key:
+            return None
+        choices = {name: Choice.from_json(data) for name, data in stored["choices"].items()}
     except (OSError, ValueError, KeyError, TypeError):
-        pass
-    choices = calibrate(shapes, budget_s, min_timed_bytes)
-    if any(choice.timings for choice in choices.values()):
-        path.parent.mkdir(parents=True, exist_ok=True)
+        return None
+    for name, choice in choices.items():
+        for form, why in choice.disabled.items():
+            if why.startswith("wrong"):
+                logger.warning("linear form %r disabled for %s weights (cached): %s", form, name, why)
+    return choices
+
+
+def cached_choices(shapes: list[Shape], budget_s: float | None = None,
+                   min_timed_bytes: int | None = None) -> tuple[dict[str, Choice], bool]:
+    """``calibrate``'s answer for ``shapes``, from the cache where this key was measured (True)
+    or measured now and cached (False). A model too small to time is only checked, at every load
+    (milliseconds), and writes nothing. Processes that start at once (the ranks of a tensor-parallel
+    model hold the same shapes) measure one at a time: the first writes, the others read it."""
+    min_timed_bytes = MIN_TIMED_BYTES if min_timed_bytes is None else min_timed_bytes
+    by_dtype = Counter()
+    for shape in shapes:
+        by_dtype[shape[0]] += _weight_bytes(shape)
+    if all(total < min_timed_bytes for total in by_dtype.values()):
+        return calibrate(shapes, budget_s, min_timed_bytes), False
+    key = cache_key(shapes)
+    path = _cache_path(key)
+    choices = _read_cache(path, key)
+    if choices is not None:
+        return choices, True
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed
+        choices = _read_cache(path, key)  # measured by a process that held the lock before
+        if choices is not None:
+            return choices, True
+        choices = calibrate(shapes, budget_s, min_timed_bytes)
         fd, partial = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         with os.fdopen(fd, "w") as out:
             json.dump({"key": key, "choices": {n: c.to_json() for n, c in choices.items()}}, out, indent=1)
-        os.replace(partial, path)  # processes starting at once never read half a file
+        os.replace(partial, path)  # a reader without the lock never sees half a file
     return choices, False
 
 
@@ -358,7 +383,7 @@ def packing_rule(shapes: Iterable[Shape], budget_s: float | None = None,
     rule = PackingRule.current()
     forms = {dtype: _rule_form(rule, DTYPES[dtype]) for dtype in DTYPES}
     torch_ops = cpu_native.choice() == "torch"  # the torch path as it was: the rule, nothing timed
-    measured = [] if torch_ops else [shape for shape in shapes if shape[0] not in pinned]
+    measured = [] if torch_ops else [shape for shape in shapes if shape[0] in DTYPES and shape[0] not in pinned]
     if measured:
         start = time.perf_counter()
         choices, cached = cached_choices(measured, budget_s, min_timed_bytes)
