@@ -114,6 +114,16 @@ def test_a_broken_candidate_is_never_timed(broken_panels):
     assert "panels" not in choice.timings and choice.form != "panels"
 
 
+def test_a_lone_form_is_taken_untimed(monkeypatch):
+    for name in ("panels", "onednn"):
+        monkeypatch.setitem(calibration.CANDIDATES, name, calibration.Candidate(
+            name, calibration.CANDIDATES[name].build, lambda dtype: "not on this machine"))
+    monkeypatch.setattr(calibration, "measure", lambda *a, **k: pytest.fail("timed a lone form"))
+    for choice in calibration.calibrate(SHAPES).values():
+        assert choice.form == "dense" and not choice.timings
+        assert choice.reason == "the only form left here (panels: not on this machine; onednn: not on this machine)"
+
+
 def test_the_check_bound_holds_for_a_right_product_and_fails_a_wrong_one():
     generator = torch.Generator().manual_seed(1)
     for dtype in ("float32", "bfloat16"):

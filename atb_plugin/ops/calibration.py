@@ -211,7 +211,7 @@ def measure(dtype_name: str, shapes: Counter, candidates: list[Candidate], budge
             copies = max(1, min(count, math.ceil(count * COLD_BYTES / total_bytes)))
             weight = (torch.randn(out, inp, generator=generator) / math.sqrt(inp)).to(dtype)
             bias = torch.zeros(out, dtype=dtype) if has_bias else None
-            modules += [(candidate.build(weight.clone(), bias), count / copies) for _ in range(copies)]
+            modules += [(candidate.build(weight, bias), count / copies) for _ in range(copies)]  # each a copy
         built[candidate.name] = modules
     widths = {inp for (_, _, inp, _) in shapes}
     inputs = {rows: {w: torch.randn(rows, w, generator=generator).to(dtype) for w in widths} for rows in ROWS}
@@ -278,25 +278,28 @@ def calibrate(shapes: Iterable[Shape], budget_s: float | None = None,
             if why is None:
                 why = next(filter(None, (check(candidate, shape, generator) for shape in mine)), None)
                 if why is not None:
-                    logger.warning("linear form %r disabled for %s weights: it disagrees with the float64 reference, "
-                                   "%s", candidate.name, dtype_name, why)
+                    logger.warning("linear form %r disabled for %s weights: its check against a float64 reference "
+                                   "failed, %s", candidate.name, dtype_name, why)
                     why = f"wrong: {why}"
             if why is None:
                 passed.append(candidate)
             else:
                 disabled[candidate.name] = why
         bytes_ = sum(_weight_bytes(shape, count) for shape, count in mine.items())
-        if bytes_ < min_timed_bytes:
-            preferred = _rule_form(rule, dtype)
-            form = preferred if any(c.name == preferred for c in passed) else (passed[0].name if passed else "dense")
+        if len(passed) > 1 and bytes_ >= min_timed_bytes:
+            timings = measure(dtype_name, mine, passed, budget_s / len(dtype_names), generator)
+            choices[dtype_name] = Choice(*decide(timings), timings, disabled)
+            continue
+        preferred = _rule_form(rule, dtype)
+        if len(passed) <= 1:  # nothing to compare (dense is always there, unless it failed too)
+            form = passed[0].name if passed else "dense"
+            reason = f"the only form left here ({'; '.join(f'{n}: {w}' for n, w in disabled.items())})"
+        else:
+            form = preferred if any(c.name == preferred for c in passed) else passed[0].name
             reason = (f"not timed ({bytes_ / 2**20:.2f} MiB of weights, under {min_timed_bytes / 2**20:.0f}: call "
                       f"overhead, not the kernels); the ISA rule" + ("" if form == preferred else
                                                                      f" ({preferred} disabled)"))
-            choices[dtype_name] = Choice(form, reason, {}, disabled)
-            continue
-        timings = measure(dtype_name, mine, passed, budget_s / len(dtype_names), generator)
-        form, reason = decide(timings)
-        choices[dtype_name] = Choice(form, reason, timings, disabled)
+        choices[dtype_name] = Choice(form, reason, {}, disabled)
     return choices
 
 
