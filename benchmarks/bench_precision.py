@@ -40,11 +40,14 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import logging
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -135,10 +138,12 @@ def ours(model: str, model_dir: Path, precisions: list[str], args, peers: dict |
     """Every side loaded at once, then --runs rounds over the sides in turn (the order rotated
     each round), so that a busy spell on the machine falls on all of them; medians. ``peers``:
     ``{name: run()}`` measured once per round between ours (llama.cpp, one process per run)."""
-    llms = {}
+    llms, load_s = {}, {}
     for precision in precisions:
         try:
+            start = time.perf_counter()
             llms[precision] = load(model_dir, precision, args)
+            load_s[precision] = time.perf_counter() - start  # the linear calibration included, on a first start
         except Exception as exc:  # a side that cannot load is reported, the others still run
             print(f"{model} {precision}: failed to load: {type(exc).__name__}: {exc}", flush=True)
     singles = {p: [] for p in llms}
@@ -182,6 +187,7 @@ def ours(model: str, model_dir: Path, precisions: list[str], args, peers: dict |
                 "batch_tok_s": statistics.median(batches[precision]) if batches[precision] else None,
                 "runs_single": [round(r, 2) for r in singles[precision]],
                 "runs_batch": [round(r, 2) for r in batches[precision]], "decode_capture": capture,
+                "linear_forms": linear_forms(runner.model), "load_s": round(load_s[precision], 2),
                 "single_tokens": tokens[precision][:16]}
             print(f"{model} ours {precision}: {json.dumps(sides[precision])}", flush=True)
         return sides
@@ -190,6 +196,12 @@ def ours(model: str, model_dir: Path, precisions: list[str], args, peers: dict |
             llm.close()
         llms.clear()
         gc.collect()
+
+
+def linear_forms(model) -> dict[str, int]:
+    """How many linear layers each module class serves: the calibration's choice of form per dtype
+    (atb_plugin/ops/calibration.py; its log line is printed at load) or a quantized layer."""
+    return dict(Counter(type(m).__name__ for m in model.modules() if hasattr(m, "linear_spec")))
 
 
 def weight_mib(model) -> dict[str, float]:
@@ -255,6 +267,12 @@ def main() -> None:
     parser.add_argument("--llamacpp-types", default="F32,BF16,Q8_0", help="the GGUF types llama.cpp runs")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    # The calibration's choices (form per weight dtype, and why) beside the ratios.
+    chosen = logging.getLogger("atb_plugin.ops.calibration")
+    chosen.setLevel(logging.INFO)
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("calibration: %(message)s"))
+    chosen.addHandler(handler)
     report = {}
     for model in args.model.split(","):
         model_dir = default_model_dir() if model == "smollm2" else tinyllama_checkpoint(args.tinyllama_layers)

@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from atb_plugin.ops import cpu_native
+from atb_plugin.ops import calibration, cpu_native
 from atb_plugin.ops.packed_linear import PackingRule, PackingSummary, PanelLinear
 
 logger = logging.getLogger(__name__)
@@ -196,6 +196,12 @@ def make_linear(spec: LinearSpec, prefix: str) -> nn.Module:
     return attach(method.create_weights(spec), method, spec)
 
 
+def _float_shapes(model: nn.Module, method: UnquantizedLinearMethod) -> list[tuple[str, int, int, bool]]:
+    """(dtype name, out, in, bias) of each float layer of ``model`` that ``method`` packs."""
+    return [(str(m.weight.dtype).removeprefix("torch."), *m.weight.shape, m.bias is not None) for m in model.modules()
+            if isinstance(getattr(m, "quant_method", method), UnquantizedLinearMethod) and method.packs(m)]
+
+
 def process_weights_after_loading(model: nn.Module, config: QuantizationConfig) -> PackingSummary:
     """Finish every linear layer of the loaded ``model`` with its method (module docstring), a
     plain ``nn.Linear`` with ``config.float_method``; each layer is replaced by what its method
@@ -204,7 +210,9 @@ def process_weights_after_loading(model: nn.Module, config: QuantizationConfig) 
     for module in model.modules():
         for parameter in module.parameters(recurse=False):
             holders[id(parameter)] = holders.get(id(parameter), 0) + 1
-    rule = PackingRule.current() if config.float_method.pack else None
+    rule = None
+    if config.float_method.pack:  # the forms this machine runs fastest, measured once (ops/calibration.py)
+        rule = calibration.packing_rule(_float_shapes(model, config.float_method))
     summary = PackingSummary()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):

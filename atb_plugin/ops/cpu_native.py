@@ -34,7 +34,10 @@ and renamed, so processes that build at once never load half a file. OpenMP reso
 ``torch.get_num_threads()`` threads.
 
 Which path runs: ``ATB_PLUGIN_CPU_KERNELS`` = ``auto`` (default: the library where it builds, else
-the torch ops after one warning naming why), ``native`` (the library, or an error), ``torch``. The
+the torch ops after one warning naming why), ``native`` (the library, or an error), ``torch``;
+after it, comma-separated, a float linear form per weight dtype may be pinned (``linear_forms``:
+``auto,bfloat16=onednn``), which the calibration then takes instead of measuring that dtype
+(``ops/calibration.py``). The
 eager elementwise and attention calls take float32 tensors: other dtypes and CUDA tensors take the
 torch ops (``library_for``). The linear kernels also take bfloat16 weights (``linear_bf16``, with
 float32 or bfloat16 activations) and int8 weights (``w8a16_linear``, ``w8a8_dynamic_linear``),
@@ -69,6 +72,11 @@ logger = logging.getLogger(__name__)
 
 KERNELS_ENV = "ATB_PLUGIN_CPU_KERNELS"
 CHOICES = ("auto", "native", "torch")
+# The forms a float linear weight takes on the CPU (ops/packed_linear.py: the native kernels' panels,
+# oneDNN's packed layout, the dense checkpoint layout) and the weight dtypes they are chosen for; a
+# form per dtype is measured at start (ops/calibration.py) unless ATB_PLUGIN_CPU_KERNELS pins it.
+LINEAR_FORMS = ("panels", "onednn", "dense")
+LINEAR_FORM_DTYPES = ("float32", "bfloat16")
 CSRC = Path(__file__).with_name("csrc")
 PROBE_SOURCES = (CSRC / "cpu_probe.c", CSRC / "isa_amx.c")  # the probe runs isa_amx.c's tile test
 # No -ffast-math: linked into a shared library it would switch the whole process to flushing
@@ -105,9 +113,36 @@ class NativeKernelError(RuntimeError):
 
 def choice() -> str:
     value = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
-    if value not in CHOICES:
-        raise ValueError(f"{KERNELS_ENV}={value!r}: expected one of {', '.join(CHOICES)}")
-    return value
+    if value in CHOICES:  # the hot path (read by every op): the plain choice
+        return value
+    return _parse_choice(value)[0]
+
+
+def linear_forms() -> dict[str, str]:
+    """The float linear forms ``ATB_PLUGIN_CPU_KERNELS`` pins, weight dtype name -> form (of
+    ``LINEAR_FORMS``); the dtypes it leaves out are chosen by measurement (ops/calibration.py)."""
+    value = os.environ.get(KERNELS_ENV, "auto").strip().lower() or "auto"
+    return {} if value in CHOICES else _parse_choice(value)[1]
+
+
+def _parse_choice(value: str) -> tuple[str, dict[str, str]]:
+    """``ATB_PLUGIN_CPU_KERNELS``: one of CHOICES (default auto), and after it, comma-separated, a
+    float linear form per weight dtype (``native,bfloat16=onednn``)."""
+    library, forms = "auto", {}
+    expected = (f"expected one of {', '.join(CHOICES)}, optionally followed by a linear form per weight dtype "
+                f"(e.g. 'auto,bfloat16=panels'; dtypes {', '.join(LINEAR_FORM_DTYPES)}, forms {', '.join(LINEAR_FORMS)})")
+    for position, item in enumerate(part.strip() for part in value.split(",")):
+        dtype, _, form = item.partition("=")
+        if position == 0 and item in CHOICES:
+            library = item
+        elif dtype.strip() in LINEAR_FORM_DTYPES and form.strip() in LINEAR_FORMS and dtype.strip() not in forms:
+            forms[dtype.strip()] = form.strip()
+        else:
+            raise ValueError(f"{KERNELS_ENV}={value!r}: {expected}; {item!r} is neither (or repeats a dtype)")
+    if library == "torch" and "panels" in forms.values():
+        raise ValueError(f"{KERNELS_ENV}={value!r}: the panels form runs on the native kernels, which 'torch' "
+                         f"switches off")
+    return library, forms
 
 
 def library_for(dtype: torch.dtype, device: torch.device):

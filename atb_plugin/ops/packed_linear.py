@@ -19,13 +19,15 @@ its weight in their column panels instead (``PanelLinear``): the kernel reads th
 from DRAM while it computes on the current one, which makes it faster than oneDNN up to 32 rows
 and a little slower at prefill sizes (benchmarks/RESULTS.md, bench_engine "Fourth round",
 bench_linear.py). A bfloat16 weight is held in bfloat16 panels (half the bytes; widened to float32
-in registers, float32 sums: ``cpu_native.linear_bf16``) unless this CPU executes bfloat16 dot
-products (AVX-512 BF16 or AMX-BF16, by the kernels' probe) and oneDNN packs bfloat16: there
-oneDNN's kernels use those instructions and the native ones do not (yet), so oneDNN keeps
-bfloat16 (an ISA rule, not a measurement at load: ``native_bf16_preferred``). Where neither
-holds (AVX2 alone: oneDNN does not pack bfloat16 there) a bfloat16 linear used to stay dense,
-slower than float32 (benchmarks/RESULTS.md, "Low precision"). oneDNN packing remains wherever
-the library is unavailable.
+in registers, float32 sums: ``cpu_native.linear_bf16``). Which form each weight dtype takes on
+this machine is measured at the model's first load (``ops/calibration.py``: every form checked
+against float64, then timed at 1 and 32 rows; docs/architecture.md, "Chosen by measurement").
+``PackingRule.current`` is the rule without a measurement, for models too small to time and
+``ATB_PLUGIN_CPU_KERNELS=torch``: the panels, except bfloat16 where this CPU executes bfloat16
+dot products (AVX-512 BF16 or AMX-BF16, by the kernels' probe) and oneDNN packs bfloat16
+(``native_bf16_preferred``); oneDNN wherever the library is unavailable. Where neither holds
+(AVX2 alone: oneDNN does not pack bfloat16 there) a bfloat16 linear used to stay dense, slower
+than float32 (benchmarks/RESULTS.md, "Low precision").
 
 The dense weight is dropped once packed (no memory grows) unless another module still reads it:
 a tied LM head shares the input embedding's weight, so it gets a packed copy and the embedding
@@ -139,7 +141,8 @@ def native_bf16_preferred() -> bool:
 @dataclass(frozen=True)
 class PackingRule:
     """Which packed form a CPU linear weight takes here (module docstring): ``native``, the dtypes
-    going to the native kernels' panels; ``onednn``, those oneDNN packs. Read once per load."""
+    going to the native kernels' panels; ``onednn``, those oneDNN packs; the rest stay dense. Made
+    once per load by the calibration (``ops/calibration.py``), or ``current()``, the ISA rule."""
 
     native: tuple[torch.dtype, ...]
     onednn: tuple[torch.dtype, ...]

@@ -1,0 +1,406 @@
+"""Which form a CPU float linear weight takes, chosen by measuring this machine (docs/architecture.md,
+"Native CPU kernels": "Chosen by measurement").
+
+A float linear layer on the CPU can hold its weight in three forms (``packed_linear.py``): the
+native kernels' column panels (``panels``: ``PanelLinear``, the only form the captured decode step
+reads), oneDNN's packed layout (``onednn``: ``PackedLinear``), or the checkpoint's dense layout
+(``dense``: ``nn.Linear``, MKL / oneDNN through torch). Which is fastest depends on the CPU: where
+it runs bfloat16 dot products (AVX-512 BF16, AMX) oneDNN uses them and the native panels widen to
+float32; the ISA rule that decided before (``packed_linear.native_bf16_preferred``) was never
+measured on such a CPU. So, once per machine, at the model's load:
+
+1. every candidate form of each weight dtype the model holds (float32, bfloat16) is built over
+   random weights of the model's distinct linear shapes and **checked against a float64 product of
+   the same (dtype-rounded) weights and inputs** at each row bucket; one that disagrees beyond
+   ``tolerance`` is disabled with one warning naming it (this is what makes a variant for an
+   instruction set the development machines lack safe to ship: a wrong one loses, it never serves);
+2. the candidates left are timed at ``ROWS`` (1: a decode step of one request; 32: a prefill chunk
+   or a batch of 32 decoding requests), weights streamed from DRAM as in a real step (enough
+   copies of each shape to overflow the caches), in interleaved rounds, medians; each shape's time
+   weighted by how many layers have it;
+3. per dtype the form fastest at one row wins (the captured decode step then takes it, if it is
+   ``panels``), unless it is slower than the best at 32 rows by more than ``PREFILL_MARGIN``; the
+   panels win ties within ``CAPTURE_MARGIN`` at one row, because only they are captured, which
+   saves the eager layer's host time the measurement of one product leaves out. One packed form per
+   layer: the engine does not keep a second copy for prefill.
+
+The answer is cached (JSON beside the kernels, ``${XDG_CACHE_HOME:-~/.cache}/atb-plugin/kernels``)
+under a name hashed from the CPU model, the probed features (``cpu_native.features()``), the thread
+count, torch's version, this package's linear sources and the kernels' sources, and the shapes: any
+change measures again; later starts read it (no timing). ``ATB_PLUGIN_CPU_KERNELS`` pins a form per
+dtype (``cpu_native.linear_forms``: ``auto,bfloat16=onednn``), and ``=torch`` keeps the rule of
+``PackingRule.current`` (no native kernels, nothing measured). A model whose weights of a dtype are
+below ``MIN_TIMED_BYTES`` in all is not timed (its products measure call overhead, not a kernel; the
+choice barely matters there): the rule decides among the candidates that passed the check.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import itertools
+import json
+import logging
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from atb_plugin.ops import cpu_native, packed_linear
+from atb_plugin.ops.packed_linear import PackedLinear, PackingRule, PanelLinear
+
+logger = logging.getLogger(__name__)
+
+ROWS = (1, 32)  # the row buckets timed: decode of one request; a prefill chunk / 32 requests decoding
+DECODE_ROWS, PREFILL_ROWS = ROWS
+PREFILL_MARGIN = 1.5  # the decode winner keeps the layer unless this much slower than the best at 32 rows
+CAPTURE_MARGIN = 1.10  # the panels win decode unless another form is this much faster (only they are captured)
+MIN_TIMED_BYTES = 8 << 20  # a dtype's weights below this in all are checked, not timed (module docstring)
+COLD_BYTES = 64 << 20  # the copies timed per candidate: past the last-level cache, as a real step reads them
+# A layer wider than this is checked at this width less one PANEL_GROUP plus its own remainder (an
+# LM head's 49152 outputs would take a second in float64): its last panel's tail and the blocking
+# along ``in`` stay its own.
+CHECK_MAX_OUT, PANEL_GROUP = 2048, 512
+DEFAULT_BUDGET_S = 3.0  # the timing's share of a first start (the checks and builds come on top)
+MAX_ROUNDS = 7
+DTYPES = {name: getattr(torch, name) for name in cpu_native.LINEAR_FORM_DTYPES}
+
+Shape = tuple[str, int, int, bool]  # (dtype name, out_features, in_features, bias)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One form: ``build(weight, bias)`` the module serving the layer; ``unavailable(dtype)`` why
+    it cannot take that weight dtype here (None: it can)."""
+
+    name: str
+    build: Callable[[torch.Tensor, torch.Tensor | None], nn.Module]
+    unavailable: Callable[[torch.dtype], str | None]
+
+
+def _weight_bytes(shape: Shape, count: int = 1) -> int:
+    dtype_name, out_features, in_features, _ = shape
+    return count * out_features * in_features * DTYPES[dtype_name].itemsize
+
+
+def _dense(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is not None:
+            layer.bias.copy_(bias)
+    return layer.requires_grad_(False)
+
+
+def _panels_unavailable(dtype: torch.dtype) -> str | None:
+    if cpu_native.linear_library(torch.device("cpu")) is None:
+        return "the native CPU kernels are not in use"
+    return None
+
+
+def _onednn_unavailable(dtype: torch.dtype) -> str | None:
+    return None if dtype in packed_linear.packable_dtypes() else f"oneDNN does not pack {dtype} here"
+
+
+# One per name of cpu_native.LINEAR_FORMS (what ATB_PLUGIN_CPU_KERNELS may pin), in this order.
+CANDIDATES: dict[str, Candidate] = {
+    "panels": Candidate("panels", PanelLinear, _panels_unavailable),
+    "onednn": Candidate("onednn", PackedLinear, _onednn_unavailable),
+    "dense": Candidate("dense", _dense, lambda dtype: None),
+}
+
+
+@dataclass
+class Choice:
+    """One dtype's answer: ``form`` and ``reason``; per form its seconds per pass over the model's
+    linear layers at each of ``ROWS`` (``timings``, empty where not timed) or why it was out
+    (``disabled``: wrong against the reference, or unavailable here)."""
+
+    form: str
+    reason: str
+    timings: dict[str, dict[int, float]] = field(default_factory=dict)
+    disabled: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        return {"form": self.form, "reason": self.reason, "disabled": self.disabled,
+                "timings": {f: {str(r): t for r, t in rows.items()} for f, rows in self.timings.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Choice":
+        return cls(data["form"], data["reason"], {f: {int(r): t for r, t in rows.items()}
+                                                  for f, rows in data["timings"].items()}, dict(data["disabled"]))
+
+
+def tolerance(dtype: torch.dtype, in_features: int) -> float:
+    """The error bound of one output of ``dtype``, relative to ``sum_k |x_k w_k| + |b|`` (the float64 product of
+    the same rounded weights and inputs is the reference, so only the kernel's arithmetic counts):
+    float32 sums of ``in_features`` products, bounded by ``in_features * 2^-23`` (twice the
+    worst-case ``n u`` with u = 2^-24, a margin for blocked sums and fused multiply-adds; a real
+    error is ~sqrt(n) u), plus the output's rounding, 2^-8 for a bfloat16 result (relative to the
+    output, so no more than relative to the absolute sum). A wrong kernel (a misplaced panel,
+    a lost tail, a wrong instruction) errs by the order of the output itself."""
+    rounding = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -23
+    return in_features * 2.0 ** -23 + rounding
+
+
+def check(candidate: Candidate, shape: Shape, generator: torch.Generator) -> str | None:
+    """Why ``candidate`` disagrees with the float64 reference on ``shape`` (None: it agrees), at
+    every row count of ROWS, inputs in the weight's dtype as the eager model runs them (and float32
+    ones for bfloat16 panels, as the captured step runs them)."""
+    dtype_name, out_features, in_features, has_bias = shape
+    dtype = DTYPES[dtype_name]
+    if out_features > CHECK_MAX_OUT:  # outputs are independent along out: the same tail of a panel, fewer of them
+        out_features = CHECK_MAX_OUT - PANEL_GROUP + out_features % PANEL_GROUP
+    weight = (torch.randn(out_features, in_features, generator=generator) / math.sqrt(in_features)).to(dtype)
+    bias = torch.randn(out_features, generator=generator).to(dtype) if has_bias else None
+    try:
+        module = candidate.build(weight, bias)
+        # bfloat16 panels also take float32 rows: the captured decode step's activations
+        activations = (dtype, torch.float32) if isinstance(module, PanelLinear) and module.bf16 else (dtype,)
+        for rows, x_dtype in itertools.product(ROWS, activations):
+            x = torch.randn(rows, in_features, generator=generator).to(x_dtype)
+            with torch.inference_mode():
+                got = module(x)
+            reference = x.double() @ weight.double().T
+            scale = x.double().abs() @ weight.double().abs().T
+            if bias is not None:
+                reference, scale = reference + bias.double(), scale + bias.double().abs()
+            if got.shape != reference.shape:
+                return f"({out_features}, {in_features}) at {rows} rows: shape {tuple(got.shape)}"
+            bound = tolerance(x_dtype, in_features)  # the result has x's dtype
+            excess = ((got.double() - reference).abs() - bound * scale).max().item()
+            if not excess <= 0:  # NaN fails too
+                error = (got.double() - reference).abs().max().item()
+                return (f"({out_features}, {in_features}) at {rows} rows: max |error| {error:.3g} beyond "
+                        f"{bound:.2g} x |x| |w|")
+    except Exception as exc:  # noqa: BLE001 -- a candidate that raises is as disabled as a wrong one
+        return f"({out_features}, {in_features}): {type(exc).__name__}: {exc}"
+    return None
+
+
+def _time_pass(modules: list[tuple[nn.Module, float]], inputs: dict[int, torch.Tensor]) -> float:
+    """Seconds for one weighted pass: each module called once, its time times its weight."""
+    total = 0.0
+    with torch.inference_mode():
+        for module, weight in modules:
+            x = inputs[module.in_features]
+            start = time.perf_counter()
+            module(x)
+            total += (time.perf_counter() - start) * weight
+    return total
+
+
+def measure(dtype_name: str, shapes: Counter, candidates: list[Candidate], budget_s: float,
+            generator: torch.Generator) -> dict[str, dict[int, float]]:
+    """Per candidate, seconds per pass over the layers ``shapes`` counts at each of ROWS: medians
+    of rounds that interleave the candidates (a shared machine's drift hits them alike)."""
+    dtype = DTYPES[dtype_name]
+    total_bytes = sum(_weight_bytes(shape, count) for shape, count in shapes.items())
+    built: dict[str, list[tuple[nn.Module, float]]] = {}
+    for candidate in candidates:
+        modules = []
+        for (_, out, inp, has_bias), count in shapes.items():
+            copies = max(1, min(count, math.ceil(count * COLD_BYTES / total_bytes)))
+            weight = (torch.randn(out, inp, generator=generator) / math.sqrt(inp)).to(dtype)
+            bias = torch.zeros(out, dtype=dtype) if has_bias else None
+            modules += [(candidate.build(weight, bias), count / copies) for _ in range(copies)]  # each a copy
+        built[candidate.name] = modules
+    widths = {inp for (_, _, inp, _) in shapes}
+    inputs = {rows: {w: torch.randn(rows, w, generator=generator).to(dtype) for w in widths} for rows in ROWS}
+    samples: dict[str, dict[int, list[float]]] = {c.name: {r: [] for r in ROWS} for c in candidates}
+    for modules in built.values():  # warm up: first-call allocations, page faults of the copies
+        for rows in ROWS:
+            _time_pass(modules, inputs[rows])
+    deadline = time.perf_counter() + budget_s
+    for round_ in range(MAX_ROUNDS):
+        for rows in ROWS:
+            for name, modules in built.items():
+                samples[name][rows].append(_time_pass(modules, inputs[rows]))
+        if time.perf_counter() >= deadline and round_ >= 2:
+            break
+    return {name: {rows: statistics.median(times) for rows, times in by_rows.items()}
+            for name, by_rows in samples.items()}
+
+
+def decide(timings: dict[str, dict[int, float]]) -> tuple[str, str]:
+    """The form (of ``timings``' keys, in CANDIDATES' order) a dtype's layers take, and why
+    (module docstring, step 3)."""
+    best_prefill = min(t[PREFILL_ROWS] for t in timings.values())
+    fit = {name: t for name, t in timings.items() if t[PREFILL_ROWS] <= PREFILL_MARGIN * best_prefill}
+    fastest = min(fit, key=lambda name: fit[name][DECODE_ROWS])
+    chosen = fastest
+    if "panels" in fit and fit["panels"][DECODE_ROWS] <= CAPTURE_MARGIN * fit[fastest][DECODE_ROWS]:
+        chosen = "panels"
+
+    def ms(name: str) -> str:
+        return f"{name} {timings[name][DECODE_ROWS] * 1e3:.2f} / {timings[name][PREFILL_ROWS] * 1e3:.2f} ms"
+
+    listed = ", ".join(ms(name) for name in timings)
+    why = f"1 / {PREFILL_ROWS} rows: {listed}"
+    if chosen != fastest:
+        why += f"; panels within {CAPTURE_MARGIN:.2f}x of the fastest at 1 row, and only they are captured"
+    left = sorted(set(timings) - set(fit))
+    if left:
+        why += f"; {', '.join(left)} over {PREFILL_MARGIN}x the best at {PREFILL_ROWS} rows"
+    return chosen, why
+
+
+def _rule_form(rule: PackingRule, dtype: torch.dtype) -> str:
+    return "panels" if dtype in rule.native else "onednn" if dtype in rule.onednn else "dense"
+
+
+def calibrate(shapes: Iterable[Shape], budget_s: float | None = None,
+              min_timed_bytes: int | None = None) -> dict[str, Choice]:
+    """A ``Choice`` per weight dtype of ``shapes`` (one entry per layer, of DTYPES): check every
+    available candidate, time those left (when the dtype's weights reach ``min_timed_bytes``),
+    decide (None: DEFAULT_BUDGET_S, MIN_TIMED_BYTES). Uncached; ``packing_rule`` caches."""
+    budget_s = DEFAULT_BUDGET_S if budget_s is None else budget_s
+    min_timed_bytes = MIN_TIMED_BYTES if min_timed_bytes is None else min_timed_bytes
+    counted = Counter(shape for shape in shapes if shape[0] in DTYPES)
+    rule = PackingRule.current()
+    generator = torch.Generator().manual_seed(0)
+    choices = {}
+    dtype_names = sorted({shape[0] for shape in counted})
+    for dtype_name in dtype_names:
+        dtype = DTYPES[dtype_name]
+        mine = Counter({shape: count for shape, count in counted.items() if shape[0] == dtype_name})
+        disabled, passed = {}, []
+        for candidate in CANDIDATES.values():
+            why = candidate.unavailable(dtype)
+            if why is None:
+                why = next(filter(None, (check(candidate, shape, generator) for shape in mine)), None)
+                if why is not None:
+                    logger.warning("linear form %r disabled for %s weights: its check against a float64 reference "
+                                   "failed, %s", candidate.name, dtype_name, why)
+                    why = f"wrong: {why}"
+            if why is None:
+                passed.append(candidate)
+            else:
+                disabled[candidate.name] = why
+        bytes_ = sum(_weight_bytes(shape, count) for shape, count in mine.items())
+        if len(passed) > 1 and bytes_ >= min_timed_bytes:
+            timings = measure(dtype_name, mine, passed, budget_s / len(dtype_names), generator)
+            choices[dtype_name] = Choice(*decide(timings), timings, disabled)
+            continue
+        preferred = _rule_form(rule, dtype)
+        if len(passed) <= 1:  # nothing to compare (dense is always there, unless it failed too)
+            form = passed[0].name if passed else "dense"
+            reason = f"the only form left here ({'; '.join(f'{n}: {w}' for n, w in disabled.items())})"
+        else:
+            form = preferred if any(c.name == preferred for c in passed) else passed[0].name
+            reason = (f"not timed ({bytes_ / 2**20:.2f} MiB of weights, under {min_timed_bytes / 2**20:.0f}: call "
+                      f"overhead, not the kernels); the ISA rule" + ("" if form == preferred else
+                                                                     f" ({preferred} disabled)"))
+        choices[dtype_name] = Choice(form, reason, {}, disabled)
+    return choices
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("model name", "Hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return os.uname().machine
+
+
+def cache_key(shapes: Iterable[Shape]) -> dict:
+    """What a cached answer depends on (module docstring); a change to any of it measures again."""
+    sources = hashlib.sha256()
+    for path in (Path(__file__), Path(packed_linear.__file__)):
+        sources.update(path.read_bytes())
+    sources.update(cpu_native._source_digest())
+    return {"cpu": _cpu_model(), "features": cpu_native.features(), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "sources": sources.hexdigest()[:16], "rows": list(ROWS),
+            "shapes": sorted(f"{d}:{o}x{i}{'+b' if b else ''}:{n}" for (d, o, i, b), n in Counter(shapes).items())}
+
+
+def _cache_path(key: dict) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    return cpu_native._cache_dir() / f"linear-calibration-{digest}.json"
+
+
+def _read_cache(path: Path, key: dict) -> dict[str, Choice] | None:
+    try:
+        stored = json.loads(path.read_text())
+        if stored["key"] != key:
+            return None
+        choices = {name: Choice.from_json(data) for name, data in stored["choices"].items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    for name, choice in choices.items():
+        for form, why in choice.disabled.items():
+            if why.startswith("wrong"):
+                logger.warning("linear form %r disabled for %s weights (cached): %s", form, name, why)
+    return choices
+
+
+def cached_choices(shapes: list[Shape], budget_s: float | None = None,
+                   min_timed_bytes: int | None = None) -> tuple[dict[str, Choice], bool]:
+    """``calibrate``'s answer for ``shapes``, from the cache where this key was measured (True)
+    or measured now and cached (False). A model too small to time is only checked, at every load
+    (milliseconds), and writes nothing. Processes that start at once (the ranks of a tensor-parallel
+    model hold the same shapes) measure one at a time: the first writes, the others read it."""
+    min_timed_bytes = MIN_TIMED_BYTES if min_timed_bytes is None else min_timed_bytes
+    by_dtype = Counter()
+    for shape in shapes:
+        by_dtype[shape[0]] += _weight_bytes(shape)
+    if all(total < min_timed_bytes for total in by_dtype.values()):
+        return calibrate(shapes, budget_s, min_timed_bytes), False
+    key = cache_key(shapes)
+    path = _cache_path(key)
+    choices = _read_cache(path, key)
+    if choices is not None:
+        return choices, True
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed
+        choices = _read_cache(path, key)  # measured by a process that held the lock before
+        if choices is not None:
+            return choices, True
+        choices = calibrate(shapes, budget_s, min_timed_bytes)
+        fd, partial = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
+        with os.fdopen(fd, "w") as out:
+            json.dump({"key": key, "choices": {n: c.to_json() for n, c in choices.items()}}, out, indent=1)
+        os.replace(partial, path)  # a reader without the lock never sees half a file
+    return choices, False
+
+
+def packing_rule(shapes: Iterable[Shape], budget_s: float | None = None,
+                 min_timed_bytes: int | None = None) -> PackingRule:
+    """The rule packing the model whose CPU float linear layers ``shapes`` lists (one entry per
+    layer: dtype name, out, in, bias): measured (``cached_choices``), each dtype pinned by
+    ``ATB_PLUGIN_CPU_KERNELS`` taken as pinned, and the ISA rule alone under ``=torch``. Logs the
+    form of each dtype and why."""
+    shapes = list(shapes)
+    pinned = cpu_native.linear_forms()
+    rule = PackingRule.current()
+    forms = {dtype: _rule_form(rule, DTYPES[dtype]) for dtype in DTYPES}
+    torch_ops = cpu_native.choice() == "torch"  # the torch path as it was: the rule, nothing timed
+    measured = [] if torch_ops else [shape for shape in shapes if shape[0] in DTYPES and shape[0] not in pinned]
+    if measured:
+        start = time.perf_counter()
+        choices, cached = cached_choices(measured, budget_s, min_timed_bytes)
+        spent = time.perf_counter() - start
+        for dtype_name, choice in choices.items():
+            forms[dtype_name] = choice.form
+            logger.info("linear layers in %s: %s (%s%s)", dtype_name, choice.form, choice.reason,
+                        "; cached" if cached else f"; measured in {spent:.1f} s")
+    for dtype_name, form in pinned.items():
+        why = CANDIDATES[form].unavailable(DTYPES[dtype_name])
+        if why is not None:
+            raise ValueError(f"{cpu_native.KERNELS_ENV} pins {dtype_name}={form}, but {why}")
+        forms[dtype_name] = form
+        if any(shape[0] == dtype_name for shape in shapes):
+            logger.info("linear layers in %s: %s (pinned by %s)", dtype_name, form, cpu_native.KERNELS_ENV)
+    return PackingRule(tuple(DTYPES[d] for d, f in forms.items() if f == "panels"),
+                       tuple(DTYPES[d] for d, f in forms.items() if f == "onednn"))

@@ -1,0 +1,245 @@
+"""The CPU float linear form chosen by measurement (atb_plugin/ops/calibration.py): every candidate
+checked against float64 before it is timed (a wrong one disabled, the engine still right), the
+answer cached per CPU model / flags / threads / sources / shapes, ``ATB_PLUGIN_CPU_KERNELS``
+pinning a form, the choice logged. Tiny shapes and a small time budget: these tests hold whichever
+form wins on this machine (they check consistency, never a winner)."""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from torch import nn
+
+from atb_plugin import LLM, SamplingParams
+from atb_plugin.ops import calibration, cpu_native
+from atb_plugin.ops.packed_linear import PackedLinear, PanelLinear
+from atb_plugin.testing.tiny import tiny_checkpoint
+
+SHAPES = [("float32", 200, 96, True)] * 3 + [("float32", 64, 200, False)] * 2 + [("bfloat16", 130, 64, False)] * 2
+PROMPTS = ["hello world", "the quick brown fox"]
+
+
+def native_available() -> bool:
+    return cpu_native.library_for(torch.float32, torch.device("cpu")) is not None
+
+
+needs_native = pytest.mark.skipif(not native_available(), reason="the native CPU kernels do not build here")
+
+
+@pytest.fixture(autouse=True)
+def quick(monkeypatch, tmp_path):
+    """A cache of this test's own, every model timed (tiny ones too), a budget of milliseconds."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    monkeypatch.delenv(cpu_native.KERNELS_ENV, raising=False)
+    monkeypatch.setattr(calibration, "MIN_TIMED_BYTES", 0)
+    monkeypatch.setattr(calibration, "DEFAULT_BUDGET_S", 0.02)
+    monkeypatch.setattr(calibration, "COLD_BYTES", 1 << 16)
+    monkeypatch.setattr(calibration, "MAX_ROUNDS", 3)
+
+
+class BrokenPanels(PanelLinear):
+    """A deliberately wrong variant of the panels (one output column off), as a kernel for an
+    instruction set the development machines lack could be."""
+
+    def forward(self, x):
+        out = super().forward(x).clone()
+        out[..., 0] += 1.0
+        return out
+
+
+@pytest.fixture
+def broken_panels(monkeypatch):
+    monkeypatch.setitem(calibration.CANDIDATES, "panels",
+                        calibration.Candidate("panels", BrokenPanels, calibration._panels_unavailable))
+
+
+def _cached_files(tmp_path):
+    return sorted((tmp_path / "cache" / "atb-plugin" / "kernels").glob("linear-calibration-*.json"))
+
+
+@needs_native
+def test_every_candidate_agrees_with_float64_and_the_choice_follows_the_timings():
+    choices = calibration.calibrate(SHAPES)
+    assert set(choices) == {"float32", "bfloat16"}
+    for choice in choices.values():
+        assert not any(why.startswith("wrong") for why in choice.disabled.values())
+        assert choice.form in choice.timings and set(choice.timings) | set(choice.disabled) == set(calibration.CANDIDATES)
+        assert all(set(rows) == set(calibration.ROWS) and min(rows.values()) > 0 for rows in choice.timings.values())
+        assert (choice.form, choice.reason) == calibration.decide(choice.timings)
+
+
+def test_the_candidates_are_the_forms_the_env_may_pin():
+    assert tuple(calibration.CANDIDATES) == cpu_native.LINEAR_FORMS
+    assert tuple(calibration.DTYPES) == cpu_native.LINEAR_FORM_DTYPES
+
+
+def test_the_decision_rule():
+    def timings(**forms):
+        return {name: {1: one, 32: batch} for name, (one, batch) in forms.items()}
+
+    # the fastest at one row wins ...
+    assert calibration.decide(timings(panels=(2.0, 5.0), onednn=(1.0, 5.0), dense=(3.0, 5.0)))[0] == "onednn"
+    # ... the panels (captured) within CAPTURE_MARGIN of it ...
+    assert calibration.decide(timings(panels=(1.05, 5.0), onednn=(1.0, 5.0)))[0] == "panels"
+    # ... unless it loses 32 rows by more than PREFILL_MARGIN: then the best of the others at one row
+    chosen, why = calibration.decide(timings(panels=(1.0, 10.0), onednn=(1.5, 4.0), dense=(1.2, 5.0)))
+    assert chosen == "dense" and "panels over 1.5x the best at 32 rows" in why
+
+
+@needs_native
+def test_a_wrong_candidate_is_disabled_with_one_warning_and_the_engine_stays_right(broken_panels, caplog):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(tiny_checkpoint("qwen2"), block_size=4, pack_weights=False) as llm:  # the reference: dense layers
+        reference = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    with caplog.at_level(logging.INFO, logger=calibration.__name__):
+        with LLM(tiny_checkpoint("qwen2"), block_size=4) as llm:
+            model = llm.engine.core.runner.model
+            tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "linear form 'panels' disabled for float32 weights" in warnings[0]
+    assert "float64 reference" in warnings[0] and "beyond" in warnings[0]
+    assert not any(isinstance(m, PanelLinear) for m in model.modules())
+    assert any(isinstance(m, (PackedLinear, nn.Linear)) for m in model.modules())
+    assert llm.engine.core.runner.decode_capture != "captured"  # only the panels are captured
+    assert tokens == reference
+
+
+@needs_native
+def test_a_broken_candidate_is_never_timed(broken_panels):
+    choice = calibration.calibrate(SHAPES)["float32"]
+    assert choice.disabled["panels"].startswith("wrong: (200, 96) at 1 rows: max |error|")
+    assert "panels" not in choice.timings and choice.form != "panels"
+
+
+def test_a_lone_form_is_taken_untimed(monkeypatch):
+    for name in ("panels", "onednn"):
+        monkeypatch.setitem(calibration.CANDIDATES, name, calibration.Candidate(
+            name, calibration.CANDIDATES[name].build, lambda dtype: "not on this machine"))
+    monkeypatch.setattr(calibration, "measure", lambda *a, **k: pytest.fail("timed a lone form"))
+    for choice in calibration.calibrate(SHAPES).values():
+        assert choice.form == "dense" and not choice.timings
+        assert choice.reason == "the only form left here (panels: not on this machine; onednn: not on this machine)"
+
+
+def test_the_check_bound_holds_for_a_right_product_and_fails_a_wrong_one():
+    generator = torch.Generator().manual_seed(1)
+    for dtype in ("float32", "bfloat16"):
+        assert calibration.check(calibration.CANDIDATES["dense"], (dtype, 70, 300, True), generator) is None
+    wrong = calibration.Candidate("dense", lambda w, b: calibration._dense(w * 1.01, b), lambda dtype: None)
+    assert "beyond" in calibration.check(wrong, ("float32", 70, 300, False), generator)
+    assert calibration.tolerance(torch.float32, 576) < 1e-4 < calibration.tolerance(torch.bfloat16, 576) < 1e-2
+
+
+def test_the_cache_is_keyed_and_measured_again_on_a_flag_or_thread_change(monkeypatch, tmp_path):
+    measured = []
+    real = calibration.calibrate
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: measured.append(1) or real(*a, **k))
+    first, cached = calibration.cached_choices(SHAPES)
+    assert not cached and len(measured) == 1 and len(_cached_files(tmp_path)) == 1
+    again, cached = calibration.cached_choices(SHAPES)
+    assert cached and len(measured) == 1
+    assert {n: c.form for n, c in again.items()} == {n: c.form for n, c in first.items()}
+    # another CPU's flags (a VM migrated, ATB_PLUGIN_CPU_ISA): measured again, in a file of its own
+    flags = cpu_native.features()
+    monkeypatch.setattr(cpu_native, "features", lambda: {**flags, "amx_bf16": not flags.get("amx_bf16")})
+    _, cached = calibration.cached_choices(SHAPES)
+    assert not cached and len(measured) == 2 and len(_cached_files(tmp_path)) == 2
+    monkeypatch.setattr(cpu_native, "features", lambda: flags)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        _, cached = calibration.cached_choices(SHAPES)
+        assert not cached and len(measured) == 3
+    finally:
+        torch.set_num_threads(threads)
+    _, cached = calibration.cached_choices(SHAPES)
+    assert cached and len(measured) == 3
+    # other shapes (another model): measured again
+    _, cached = calibration.cached_choices(SHAPES[:3])
+    assert not cached and len(measured) == 4
+
+
+def test_loads_at_once_measure_once(monkeypatch, tmp_path):
+    """Two loads at once (the ranks of a tensor-parallel model): one measures, the other waits
+    for the lock and reads its answer."""
+    measured = []
+    real = calibration.calibrate
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: measured.append(1) or real(*a, **k))
+    with ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(lambda _: calibration.cached_choices(SHAPES), range(2)))
+    assert len(measured) == 1 and sorted(cached for _, cached in answers) == [False, True]
+    assert len(_cached_files(tmp_path)) == 1
+
+
+def test_other_dtypes_are_not_measured(monkeypatch, tmp_path):
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: pytest.fail("measured float16"))
+    rule, current = calibration.packing_rule([("float16", 200, 96, False)] * 4), calibration.PackingRule.current()
+    for dtype in (*calibration.DTYPES.values(), torch.float16):
+        assert calibration._rule_form(rule, dtype) == calibration._rule_form(current, dtype)
+    assert _cached_files(tmp_path) == []
+
+
+def test_a_model_too_small_to_time_follows_the_isa_rule_and_writes_no_cache(monkeypatch, tmp_path):
+    monkeypatch.setattr(calibration, "MIN_TIMED_BYTES", 1 << 30)
+    choices = calibration.calibrate(SHAPES)
+    rule = calibration.PackingRule.current()
+    for name, choice in choices.items():
+        assert choice.form == calibration._rule_form(rule, calibration.DTYPES[name]) and not choice.timings
+        assert "not timed" in choice.reason
+    calibration.cached_choices(SHAPES)
+    assert _cached_files(tmp_path) == []
+
+
+@needs_native
+def test_the_env_pins_a_form_per_dtype_without_measuring(monkeypatch, tmp_path, caplog):
+    monkeypatch.setattr(calibration, "calibrate", lambda *a, **k: pytest.fail("measured a pinned dtype"))
+    monkeypatch.setenv(cpu_native.KERNELS_ENV, "native,float32=onednn,bfloat16=panels")
+    with caplog.at_level(logging.INFO, logger=calibration.__name__):
+        rule = calibration.packing_rule(SHAPES)
+    assert rule.native == (torch.bfloat16,) and rule.onednn == (torch.float32,)
+    assert "linear layers in float32: onednn (pinned by ATB_PLUGIN_CPU_KERNELS)" in caplog.text
+    monkeypatch.setenv(cpu_native.KERNELS_ENV, "float32=dense")
+    rule = calibration.packing_rule([s for s in SHAPES if s[0] == "float32"])
+    assert torch.float32 not in rule.native + rule.onednn
+    assert _cached_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("value, message", [
+    ("auto,float32=fast", "'float32=fast' is neither"),
+    ("auto,int8=panels", "'int8=panels' is neither"),
+    ("float32=dense,float32=panels", "repeats a dtype"),
+    ("torch,bfloat16=panels", "the panels form runs on the native kernels, which 'torch' switches off"),
+])
+def test_a_bad_pin_is_a_clear_error(monkeypatch, value, message):
+    monkeypatch.setenv(cpu_native.KERNELS_ENV, value)
+    with pytest.raises(ValueError, match="ATB_PLUGIN_CPU_KERNELS=.*expected one of auto, native, torch, optionally|"
+                                         "ATB_PLUGIN_CPU_KERNELS=.*switches off") as raised:
+        cpu_native.choice()
+    assert message in str(raised.value)
+
+
+def test_a_bad_pin_fails_the_engine_config(monkeypatch):
+    from atb_plugin.engine.config import EngineConfig
+
+    monkeypatch.setenv(cpu_native.KERNELS_ENV, "auto,bfloat16=amx")
+    with pytest.raises(ValueError, match="ATB_PLUGIN_CPU_KERNELS='auto,bfloat16=amx'"):
+        EngineConfig(model=str(tiny_checkpoint("qwen2")))
+
+
+@needs_native
+def test_the_choice_is_logged_at_start_up_measured_then_cached(caplog):
+    for cached in (False, True):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger=calibration.__name__):
+            with LLM(tiny_checkpoint("qwen2"), block_size=4) as llm:
+                model = llm.engine.core.runner.model
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("linear layers in float32: ")]
+        assert len(lines) == 1 and "1 / 32 rows: panels " in lines[0]
+        assert lines[0].endswith("; cached)") == cached and ("measured in" in lines[0]) != cached
+        form = lines[0].removeprefix("linear layers in float32: ").split(" ")[0]
+        served = {"panels": PanelLinear, "onednn": PackedLinear, "dense": nn.Linear}[form]
+        assert all(type(m) is served for m in model.modules() if isinstance(m, (PanelLinear, PackedLinear, nn.Linear)))
+        assert (llm.engine.core.runner.decode_capture == "captured") == (form == "panels")
