@@ -6,11 +6,14 @@
   (``read_array``);
 - store: ``ShmStore``, one per service instance: dedup by key, leases per request, LRU of
   unleased segments, cleanup on close;
-- reaper: removes segments of dead instances.
+- reaper: removes segments of dead instances;
+- adoption: ``AdoptedSegments``, a dead instance's segments kept for the requests still reading
+  them, by the process that adopts them.
 
 Depends on the standard library and numpy only.
 """
 
+from shm.adoption import AdoptedSegments
 from shm.codec import (
     ALPHABET,
     MAX_NAME_CHARS,
@@ -27,6 +30,7 @@ from shm.store import ShmHandle, ShmStore, ShmStoreConfig
 
 __all__ = [
     "ALPHABET",
+    "AdoptedSegments",
     "MAX_NAME_CHARS",
     "SHAPE_WIDTHS",
     "ShmHandle",

@@ -298,6 +298,28 @@ def write_segment(name: str, array: np.ndarray | None, instance_id: str, owner: 
     return total
 
 
+def take_over_marker(instance_id: str, owner: ProcessIdentity) -> bool:
+    """Make ``owner`` the owner of instance ``instance_id`` (its marker now names it), so that
+    the reaper counts the instance as live and spares every segment of it while ``owner`` lives
+    (a dead worker's segments that running requests still read: ``shm.adoption``). The new
+    marker is written aside and renamed over the old one, so a reaper reads one or the other,
+    never half of each. False when the marker is gone (the instance was reaped already)."""
+    marker = marker_name(instance_id)
+    path = segment_path(marker)
+    if not os.path.exists(path):
+        return False
+    header = SegmentHeader(0, (), 0, marker, instance_id, owner).pack()
+    # Not a name of our scheme: list_segment_names() and the reaper never see it.
+    aside = os.path.join(SHM_DIR, f".{marker}.{os.getpid()}.{threading.get_ident()}")
+    fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        _pwrite_all(fd, header, 0)
+    finally:
+        os.close(fd)
+    os.rename(aside, path)
+    return True
+
+
 # ---------------------------------------------------------------------------------------------
 # reading
 

@@ -256,6 +256,11 @@ class ShmStore:
         self._unlink(victims)
         return len(names)
 
+    def leased_names(self, request_id: str) -> list[str]:
+        """The segments ``request_id`` holds a lease on (what it reads), sorted."""
+        with self._lock:
+            return sorted(self._leases.get(request_id, ()))
+
     def close(self) -> None:
         """Unlink every segment this instance owns, leased or not, and its marker. Idempotent."""
         with self._lock:

@@ -383,10 +383,12 @@ class AsyncLLM:
             self._on_engine_death(exit_code)
 
     def on_worker_death(self, index: int, instance_id: str | None) -> None:
-        # Its segments are about to be reaped: the requests built there cannot go on.
+        # Its segments are about to be reaped: the requests built there cannot go on, except those
+        # whose lease the pool adopted (a media worker's: their segments live on until they end).
         def built_there(request_id: str) -> bool:
             lease = self.tracker.lease_of(request_id)
-            return lease is not None and lease.owner == index
+            return (lease is not None and lease.owner == index
+                    and not self.pool.lease_adopted(index, lease.lease_id))
 
         self.fail_all(RequestError(500, f"tokenizer worker {index} died; this request's images are gone. Retry it"),
                       built_there)

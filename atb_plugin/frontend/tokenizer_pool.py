@@ -51,6 +51,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
+import shm
 from atb_plugin import processes
 from atb_plugin.engine.config import EngineConfig
 from atb_plugin.frontend.errors import InvalidRequestError, RequestError
@@ -132,6 +133,7 @@ class Reply(msgspec.Struct, tag="reply"):
     ok: Any = None
     error: str | None = None
     kind: str | None = None  # with error: "client" (400), "busy" (503), "internal" (500) or "cancelled"
+    leased: list[str] = []  # with ok: the segments the job's request holds a lease on
 
 
 class Ready(msgspec.Struct, tag="ready"):
@@ -377,7 +379,7 @@ def _run(job_id: int, job: Job, processor, store) -> Reply:
         raise RuntimeError(f"unknown job {type(job).__name__}")
     if getattr(job, "release_now", False):
         store.release(job.request_id)  # /tokenize: the ids are all the caller wants
-    return Reply(job_id, ok)
+    return Reply(job_id, ok, leased=store.leased_names(job.request_id) if hasattr(job, "request_id") else [])
 
 
 @dataclass
@@ -396,6 +398,8 @@ class _Worker:
     deadline: float | None = None
     budget_error: str | None = None
     killed_for_budget: bool = False
+    # A media worker's leases still held (request id -> segment names): adopted if it dies.
+    leases: dict[str, list[str]] = field(default_factory=dict)
 
     def stuck(self, now: float, limit_s: float) -> bool:
         return self.silent_since is not None and now - self.silent_since > limit_s
@@ -453,6 +457,9 @@ class TokenizerPool:
         self._watchdog: asyncio.Task | None = None
         self.stuck_after_s = stuck_after_s
         self._stopping = False
+        # The segments of dead media workers that running requests still read (docs/architecture.md,
+        # "Failure handling"), keyed by (worker index, request id) like a lease.
+        self.adopted = shm.AdoptedSegments()
 
     @property
     def queue_depth(self) -> int:
@@ -561,6 +568,11 @@ class TokenizerPool:
                 future.set_exception(error)
         worker.jobs.close(linger=0)
         processes.unlink_ipc([worker.address])  # its replacement binds a fresh one
+        if worker.media and worker.instance_id is not None and worker.leases:
+            # The requests it built earlier keep their media: adopted before the replacement's
+            # store starts (and reaps), released here as each of them ends.
+            self.adopted.adopt(worker.instance_id,
+                               {(worker.index, request_id): names for request_id, names in worker.leases.items()})
         self.on_worker_death(worker.index, worker.instance_id)
         self._workers[worker.index] = None
         asyncio.ensure_future(self._replace(worker.index))
@@ -654,6 +666,8 @@ class TokenizerPool:
                                         f"{self._budget_text()}; retry shortly, or give the service more "
                                         f"shared memory{self.shm_help}", retry_after=1)
             raise RequestError(500, reply.error)
+        if worker.media and not getattr(job, "release_now", True):
+            worker.leases[job.request_id] = reply.leased
         return worker.index, worker.instance_id, reply.ok
 
     def _budget_text(self) -> str:
@@ -662,9 +676,18 @@ class TokenizerPool:
         return f"{self.shm_budget_bytes} bytes (--shm-budget-bytes)"
 
     def release(self, index: int, request_id: str) -> None:
+        if self.adopted.release((index, request_id)):
+            return  # built by a worker that died since: its segments are the API process's now
         worker = self._workers[index]
+        if worker is not None:
+            worker.leases.pop(request_id, None)
         if worker is not None and worker.process.is_alive():
             worker.jobs.send(_encoder.encode(Envelope(-1, ReleaseJob(request_id))))
+
+    def lease_adopted(self, index: int, request_id: str) -> bool:
+        """Whether the lease of ``request_id`` (built by worker ``index``, dead since) was adopted:
+        its segments live on until it is released."""
+        return self.adopted.holds((index, request_id))
 
     async def stats(self) -> dict:
         totals = {"segments": 0, "bytes": 0, "leased_segments": 0}
@@ -703,3 +726,4 @@ class TokenizerPool:
         self._results.close(linger=0)
         self._context.term()
         processes.unlink_ipc([self._results_address] + [w.address for w in self._workers if w is not None])
+        self.adopted.close()
