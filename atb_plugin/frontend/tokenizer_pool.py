@@ -15,7 +15,7 @@ input rules. A request's lease ends when the API process sends ``ReleaseJob`` to
 that built it (the request tracker, whatever ended the request). Ownership is per worker so no
 store is shared across processes, and a worker that dies takes nothing with it: the
 replacement's ``ShmStore()`` reaps the dead instance's segments on start, and the API process
-fails the requests that were using them.
+fails the requests that were using them (a media worker's are adopted instead: below).
 
 Media workers: a chat or prompt job that carries video or audio (``media_items``) runs on one of
 the pool's media workers, the same worker code in processes of their own, so decoding never holds
@@ -23,7 +23,8 @@ up a text request's tokenisation. A media worker takes one job at a time (later 
 API process for a free one), so whatever happens to it concerns that one job: the builders refuse
 a video or audio item over its decode budget (frames, wall clock: ``MediaLimits``) with a 400,
 and a media worker still busy past its job's budget (a stuck decoder) is killed and replaced,
-failing that job alone with a 504. /health looks at the tokenizer workers only: it stays 200
+failing that job alone with a 504: the requests it built earlier keep their media, their leases
+adopted by the API process (``self.adopted``), which unlinks their segments as each ends. /health looks at the tokenizer workers only: it stays 200
 while a media worker is being replaced.
 
 Errors: bad input (the builders' ``InputBuilderError`` / ``MediaError``, the input processor's
