@@ -288,3 +288,35 @@ def test_metrics_render_vllm_spec_decode_counters():
     for name, value in (("num_drafts", 1), ("num_draft_tokens", 4), ("num_accepted_tokens", 3)):
         assert f'vllm:spec_decode_{name}_total{{engine="0",model_name="tiny"}} {float(value)}' in text
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="tiny",position="2"} 1.0' in text
+
+
+# -- tensor parallelism and the server (slow) ----------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_verify_the_drafts_the_core_proposed(plain):
+    """The proposer runs in the core; the drafts travel with the step to every rank, whose
+    mirrors roll back as the core does: TP = 2 with drafts gives plain TP = 1's tokens."""
+    outputs, scheduler = generate(speculative_config=NGRAM, tensor_parallel_size=2)
+    assert scheduler.spec_decoding.num_accepted_tokens > 0
+    assert token_ids(outputs) == plain
+
+
+@pytest.mark.slow
+def test_server_streams_the_same_greedy_text_with_drafts(serve):
+    model = tiny_checkpoint("qwen2")
+    texts = {}
+    for flags in ((), ("-sc", json.dumps(NGRAM))):
+        with serve(model, *flags) as server:
+            client = server.client()
+            completion = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[0],
+                                                   max_tokens=24, temperature=0, extra_body={"ignore_eos": True})
+            stream = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[0],
+                                               max_tokens=24, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True})
+            streamed = "".join(chunk.choices[0].text for chunk in stream)
+            assert streamed == completion.choices[0].text
+            texts[flags] = completion.choices[0].text
+            metrics = server.get("/metrics").text
+            assert ("vllm:spec_decode_num_accepted_tokens_total" in metrics) == bool(flags)
+    assert len(set(texts.values())) == 1
