@@ -114,7 +114,7 @@ class EngineCore:
         # Masks of every scheduled structured request (one in a prefill chunk short of its prompt's
         # end samples nothing: its row goes unused).
         scheduled.grammar_bitmask = self.structured_output.grammar_bitmask(
-            [self.scheduler.requests[r] for r in scheduled.num_scheduled_tokens])
+            [self.scheduler.requests[r] for r in scheduled.num_scheduled_tokens], scheduled.scheduled_spec_tokens)
         result = self.executor.execute(scheduled)
         self._advance_grammars(result)
         result.failed.update(self.structured_output.pop_compile_errors())
@@ -134,14 +134,14 @@ class EngineCore:
     def _propose(self) -> None:
         """Drafts for the next step of every running request that decodes: at most k, and never
         so many that an accepted run could pass max_tokens or the context window (a verify step
-        emits up to drafts + 1 tokens). Structured requests get none: their grammar masks one
-        position per step (docs/speculative.md, "Not yet supported")."""
+        emits up to drafts + 1 tokens). A structured request's drafts are cut to what its
+        grammar accepts; its masks then cover every verified position."""
         k = self.config.speculative_config.num_speculative_tokens
         max_len = self.config.max_model_len
         decoding, limits = [], []
         for request in self.scheduler.running:
             params = request.sampling_params
-            if (params is None or params.structured_outputs is not None or not request.output_token_ids
+            if (params is None or not request.output_token_ids
                     or request.num_computed_tokens != request.num_tokens - 1):
                 continue
             limit = min(k, max_len - request.num_tokens - 1)
@@ -153,7 +153,7 @@ class EngineCore:
         if decoding:
             drafts = self.proposer.propose([r.all_token_ids for r in decoding], limits)
             for request, tokens in zip(decoding, drafts):
-                request.spec_token_ids = tokens
+                request.spec_token_ids = self.structured_output.validate_drafts(request, tokens)
 
     def _advance_grammars(self, result) -> None:
         """Feed each sampled token to its request's grammar. A token the grammar refuses (the
@@ -162,11 +162,13 @@ class EngineCore:
         already: it never needs a rollback."""
         for request_id, token in list(result.sampled.items()):
             try:
-                self.structured_output.accept(self.scheduler.requests[request_id], token)
+                for emitted in (token, *result.spec_sampled.get(request_id, ())):
+                    self.structured_output.accept(self.scheduler.requests[request_id], emitted)
             except GrammarViolation as error:
                 result.failed[request_id] = str(error)
                 del result.sampled[request_id]
                 result.logprobs.pop(request_id, None)
+                result.spec_sampled.pop(request_id, None)
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

@@ -201,7 +201,7 @@ class ModelRunner:
         self._prompt_logprobs(hidden, spans, result)
         sampling = [i for i, samples in enumerate(prepared.samples) if samples and request_ids[i] not in verifying]
         if verifying:
-            self._verify(hidden, prepared, request_ids, verifying, result)
+            self._verify(hidden, prepared, request_ids, verifying, output.grammar_bitmask, result)
         if sampling:
             logits = self.model.compute_logits(hidden[prepared.logits_indices[sampling]])
             states = [self.states[request_ids[i]] for i in sampling]
@@ -224,22 +224,28 @@ class ModelRunner:
                 self.input_batch.append_token(request_id, token)
         return result
 
-    def _verify(self, hidden, prepared, request_ids, verifying: dict[str, list[int]], result: RunnerOutput) -> None:
+    def _verify(self, hidden, prepared, request_ids, verifying: dict[str, list[int]], grammar_bitmask,
+                result: RunnerOutput) -> None:
         """Speculative decoding: the logits of each verifying request's last 1 + k positions
-        (its last token and its k drafts) in one pass, the rejection sampler's verdict, and the
-        batch row rewritten to the tokens kept (the rejected drafts' KV is overwritten later)."""
-        rows, requests = [], []
+        (its last token and its k drafts) in one pass, masked per position to a structured
+        request's grammar, the rejection sampler's verdict, and the batch row rewritten to the
+        tokens kept (the rejected drafts' KV is overwritten later)."""
+        rows, requests, row_ids, row_positions = [], [], [], []
         for i, request_id in enumerate(request_ids):
             drafts = verifying.get(request_id)
             if drafts is None:
                 continue
             last = int(prepared.logits_indices_cpu[i])
             rows += range(last - len(drafts), last + 1)
+            row_ids += [request_id] * (len(drafts) + 1)
+            row_positions += range(len(drafts) + 1)
             request = self.states[request_id].request
             requests.append(VerifyRequest(drafts, request.sampling_params, self.generators[request_id],
                                           request.num_output_tokens, request.eos_token_ids,
                                           request.prompt_token_ids, request.output_token_ids))
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        if grammar_bitmask is not None:
+            grammar_bitmask.apply(logits, row_ids, row_positions)
         for request_id, verified in zip([r for r in request_ids if r in verifying],
                                         self.rejection_sampler.verify(logits, requests)):
             tokens = verified.token_ids
