@@ -167,6 +167,26 @@ def test_structured_output_with_drafts_is_lossless_and_parses():
             assert len(value["colors"]) == 4 and set(value["colors"]) <= {"red", "green"}
 
 
+@pytest.mark.parametrize("family", ["qwen2_vl", "llava"])
+def test_image_chat_with_drafts_equals_plain_decoding(family, tmp_path):
+    """N-gram over a prompt holding media blocks (their handles are never proposed), M-RoPE
+    positions for the verified rows (Qwen2-VL): the same greedy tokens as plain decoding."""
+    from input_builders.media_config import MediaConfig
+    from tests.helpers import write_test_images
+
+    images = write_test_images(tmp_path, sizes=((60, 90),))
+    chat = [{"role": "user", "content": [{"image": str(images[0])}, {"text": PARAGRAPH * 2 + "the quick"}]}]
+    media = MediaConfig(allowed_local_media_paths=(str(tmp_path),))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    results = []
+    for spec in (None, NGRAM):
+        with LLM(tiny_checkpoint(family), block_size=16, media_config=media, speculative_config=spec) as llm:
+            results.append(llm.chat([chat], params)[0].outputs[0].token_ids)
+            drafts = llm.engine.scheduler.spec_decoding.num_drafts
+    assert results[0] == results[1]
+    assert drafts > 0
+
+
 # -- the rejection sampler ---------------------------------------------------------------------------
 
 
