@@ -118,6 +118,37 @@ def test_eos_inside_an_accepted_run_ends_the_request_there(plain):
     assert results[1].token_ids[-1] == eos and results[1].finish_reason == "stop"
 
 
+def test_stop_token_ids_and_min_tokens_inside_an_accepted_run(plain):
+    """min_tokens masks the stop ids at each verified position by its own output count."""
+    repeating = plain[0][0]
+    stop = repeating[2]
+    for params in (SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop], ignore_eos=True),
+                   SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop], min_tokens=6,
+                                  ignore_eos=True)):
+        base = generate(PROMPTS[:1], params)[0][0].outputs[0]
+        spec = generate(PROMPTS[:1], params, speculative_config=NGRAM)[0][0].outputs[0]
+        assert spec.token_ids == base.token_ids and spec.finish_reason == base.finish_reason
+        assert len(spec.token_ids) >= params.min_tokens
+
+
+def test_the_counters_agree_with_the_tokens_emitted():
+    """Each step samples one token per request and a verify step adds its accepted drafts: one
+    request's output length is its sampling steps plus the accepted drafts."""
+    with LLM(tiny_checkpoint("qwen2"), block_size=4, speculative_config=NGRAM) as llm:
+        engine = llm.engine
+        engine.add_request("r", engine.tokenizer.encode(PROMPTS[0]),
+                           SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        steps, tokens = 0, []
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                tokens = output.outputs[0].token_ids
+            steps += 1
+        stats = engine.scheduler.spec_decoding
+    assert len(tokens) == 40
+    assert len(tokens) == steps + stats.num_accepted_tokens  # the prompt fits one step: every step samples
+    assert stats.num_drafts <= steps - 1  # the first step (the prompt) verifies nothing
+
+
 def test_abort_mid_run_frees_every_block():
     with LLM(tiny_checkpoint("qwen2"), block_size=4, speculative_config=NGRAM) as llm:
         engine = llm.engine
