@@ -218,6 +218,29 @@ def test_image_chat_with_drafts_equals_plain_decoding(family, tmp_path):
     assert drafts > 0
 
 
+# -- draft model ------------------------------------------------------------------------------------
+
+
+def test_draft_model_equal_to_the_target_accepts_every_greedy_draft(plain):
+    spec = {"model": str(tiny_checkpoint("qwen2")), "num_speculative_tokens": 3}
+    outputs, scheduler = generate(speculative_config=spec)
+    assert token_ids(outputs) == plain
+    stats = scheduler.spec_decoding
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_a_different_draft_model_is_lossless_under_preemption_and_sampling(plain):
+    spec = {"method": "draft_model", "model": str(tiny_checkpoint("qwen2", seed=1)), "num_speculative_tokens": 3}
+    outputs, scheduler = generate(speculative_config=spec)
+    assert token_ids(outputs) == plain
+    assert scheduler.spec_decoding.num_accepted_tokens < scheduler.spec_decoding.num_draft_tokens
+    outputs, scheduler = generate(speculative_config=spec, kv_cache_blocks=40)
+    assert scheduler.num_preemptions > 0 and token_ids(outputs) == plain
+    seeded = SamplingParams(temperature=0.8, max_tokens=24, seed=5, ignore_eos=True)
+    assert token_ids(generate(params=seeded, speculative_config=spec)[0]) == \
+        token_ids(generate(params=seeded, speculative_config=spec)[0])
+
+
 # -- the rejection sampler ---------------------------------------------------------------------------
 
 
@@ -285,13 +308,15 @@ def test_computed_tokens_roll_back_past_rejected_drafts():
 
 
 def test_ngram_proposes_the_continuation_of_the_earliest_match_and_never_a_media_handle():
-    proposer = NgramProposer(1, 3)
-    assert proposer.propose([[1, 2, 3, 4, 5, 1, 2, 3]], [3]) == [[4, 5, 1]]
-    assert proposer.propose([[1, 2, 3, 4, 5, 1, 2, 3]], [0]) == [[]]
-    assert proposer.propose([[1, 2, 3]], [4]) == [[]]  # nothing repeats
-    assert proposer.propose([[7, 8, -5, -5, 9, 7, 8]], [4]) == [[]]  # the continuation starts with media
-    assert proposer.propose([[7, 8, 1, -5, 9, 7, 8]], [4]) == [[1]]  # cut before the media handle
-    assert NgramProposer(2, 2).propose([[9, 4, 1, 2, 3, 4]], [2]) == [[]]  # only n = 2 tried: "3 4" is new
+    def propose(tokens, k, proposer=NgramProposer(1, 3)):
+        return proposer.propose(["r"], [tokens], [k])[0]
+
+    assert propose([1, 2, 3, 4, 5, 1, 2, 3], 3) == [4, 5, 1]
+    assert propose([1, 2, 3, 4, 5, 1, 2, 3], 0) == []
+    assert propose([1, 2, 3], 4) == []  # nothing repeats
+    assert propose([7, 8, -5, -5, 9, 7, 8], 4) == []  # the continuation starts with media
+    assert propose([7, 8, 1, -5, 9, 7, 8], 4) == [1]  # cut before the media handle
+    assert propose([9, 4, 1, 2, 3, 4], 2, NgramProposer(2, 2)) == []  # only n = 2 tried: "3 4" is new
 
 
 def test_spec_stats_count_per_position():
@@ -311,17 +336,19 @@ def test_speculative_config_defaults_and_errors():
     assert (config.prompt_lookup_min, config.prompt_lookup_max) == (5, 5)
     assert SpeculativeConfig.from_value({"num_speculative_tokens": 2, "prompt_lookup_max": 4}).prompt_lookup_min == 4
     assert SpeculativeConfig.from_value({"model": "[ngram]", "num_speculative_tokens": 2}).method == "ngram"
+    assert SpeculativeConfig.from_value({"model": "d", "num_speculative_tokens": 2}).method == "draft_model"
     errors = [
-        ({"method": "eagle", "num_speculative_tokens": 2}, "not supported yet; this engine supports ngram"),
-        ({"method": "draft_model", "model": "x", "num_speculative_tokens": 2}, "supports ngram"),
-        ({"model": "some/draft", "num_speculative_tokens": 2}, "supports ngram"),
-        ({"method": "lookahead", "num_speculative_tokens": 2}, "unknown; this engine supports ngram"),
+        ({"method": "eagle", "num_speculative_tokens": 2}, "not supported yet; this engine supports ngram, draft_model"),
+        ({"method": "draft_model", "num_speculative_tokens": 2}, "needs the draft checkpoint's directory"),
+        ({"model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "runs whole"),
+        ({"model": "d", "num_speculative_tokens": 2, "prompt_lookup_max": 2}, "belongs to method 'ngram'"),
+        ({"method": "lookahead", "num_speculative_tokens": 2}, "unknown; this engine supports ngram, draft_model"),
         ({"method": "ngram"}, "num_speculative_tokens is required"),
         ({"method": "ngram", "num_speculative_tokens": 16}, "must be in [1, 15]"),
         ({"method": "ngram", "num_speculative_tokens": 2.0}, "must be an int"),
         ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
          "exceeds prompt_lookup_max"),
-        ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "draft-model method"),
+        ({"method": "ngram", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 1}, "belongs to method 'draft_model'"),
         ({"method": "ngram", "num_speculative_tokens": 2, "acceptance_method": "x"}, "unknown key(s) acceptance_method"),
     ]
     for value, message in errors:
@@ -341,6 +368,10 @@ def test_engine_config_llm_kwarg_and_cli_flag_take_the_same_config(tmp_path):
     assert engine.replace(max_num_seqs=4).speculative_config == engine.speculative_config
     with pytest.raises(ValueError, match="supports ngram"):
         LLM(model, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+    with pytest.raises(ValueError, match="speculative_config.model = '/nowhere'.*does not exist"):
+        EngineConfig(model, speculative_config={"model": "/nowhere", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
+        EngineConfig(model, tensor_parallel_size=2, speculative_config={"model": model, "num_speculative_tokens": 2})
     for flag in ("-sc", "--speculative-config"):
         served = parse_config(["--model", model, flag, json.dumps(NGRAM)])
         assert served.engine.speculative_config == engine.speculative_config

@@ -297,6 +297,11 @@ class EngineConfig:
         if self.runner == "pooling" and self.speculative_config is not None:
             raise ValueError("EngineConfig.speculative_config: speculative decoding drafts generated tokens; a "
                              "pooling model generates none")
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            if self.tensor_parallel_size != 1:
+                raise ValueError("EngineConfig.speculative_config: method 'draft_model' runs the draft in the engine "
+                                 "core's process, with tensor_parallel_size 1 (use method 'ngram' under TP)")
+            self.draft_config()  # its checkpoint checked now, at start-up
         if self.runner == "pooling":
             # Pooling needs each prompt's hidden states in one step (no chunked prefill) and all of
             # them (a cached prefix would be skipped): raise the budget, turn prefix caching off.
@@ -304,6 +309,19 @@ class EngineConfig:
             set_(self, "enable_prefix_caching", False)
         set_(self, "scheduler_config",
              SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len))
+
+    def draft_config(self) -> "EngineConfig":
+        """The draft checkpoint's config (speculative method ``draft_model``): this engine's
+        device, dtype, block size, context window and batch limits; no prefix cache, no drafts."""
+        spec = self.speculative_config
+        try:
+            return EngineConfig(spec.model, dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
+                                block_size=self.block_size, kv_cache_blocks=self.kv_cache_blocks,
+                                max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+                                enable_prefix_caching=False, num_threads=self.num_threads,
+                                pack_weights=self.pack_weights, enforce_eager=self.enforce_eager, runner="generate")
+        except ValueError as error:
+            raise ValueError(f"speculative_config.model = {spec.model!r}: {error}") from None
 
     def rank_device(self, rank: int) -> int:
         """The device index of tensor-parallel ``rank`` of this engine."""

@@ -54,8 +54,9 @@ class EngineCore:
             self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.structured_output.is_ready)
             # Speculative decoding: drafts are made here, in the core, and travel with the step to
             # every rank (one proposer, no rank can disagree about them).
-            spec = config.speculative_config
-            self.proposer: Proposer | None = make_proposer(spec) if spec is not None else None
+            self.proposer: Proposer | None = None
+            if config.speculative_config is not None:
+                self.proposer = make_proposer(config, self.kv_cache_blocks)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -151,7 +152,8 @@ class EngineCore:
                 decoding.append(request)
                 limits.append(limit)
         if decoding:
-            drafts = self.proposer.propose([r.all_token_ids for r in decoding], limits)
+            drafts = self.proposer.propose([r.request_id for r in decoding], [r.all_token_ids for r in decoding],
+                                           limits)
             for request, tokens in zip(decoding, drafts):
                 request.spec_token_ids = self.structured_output.validate_drafts(request, tokens)
 

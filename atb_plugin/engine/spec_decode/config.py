@@ -11,7 +11,7 @@ from atb_plugin.validation import check_int
 
 # What this engine implements, and what vLLM names that it does not (yet): asked for, the latter
 # is an error naming the former.
-SUPPORTED_METHODS = ("ngram",)
+SUPPORTED_METHODS = ("ngram", "draft_model")
 KNOWN_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "suffix", "medusa", "mlp_speculator")
 # One verify step is 1 + k query tokens per sequence; the NPU's fused infer attention takes at
 # most 16 query tokens per sequence, so k <= 15 everywhere (one rule for every platform).
@@ -25,7 +25,8 @@ class SpeculativeConfig:
     """``method``: how drafts are made (``"ngram"``: prompt lookup); ``num_speculative_tokens``
     (k): drafts per decode step, 1 .. 15; ``prompt_lookup_min`` / ``prompt_lookup_max``: the
     n-gram lengths tried, longest first (one given: the other equals it; none: both 5).
-    ``model`` / ``draft_tensor_parallel_size`` belong to draft-model methods, not implemented yet."""
+    ``model``: the draft checkpoint of method ``draft_model`` (a text model with the target's
+    tokenizer); ``draft_tensor_parallel_size``: 1 or unset (the draft runs whole)."""
 
     method: str | None = None
     num_speculative_tokens: int | None = None
@@ -47,16 +48,29 @@ class SpeculativeConfig:
                              f"{', '.join(SUPPORTED_METHODS)}")
         if method not in SUPPORTED_METHODS:
             raise ValueError(f"speculative_config.method = {method!r} is not supported yet; this engine supports "
-                             f"{', '.join(SUPPORTED_METHODS)} (prompt lookup: no draft weights)")
+                             f"{', '.join(SUPPORTED_METHODS)}")
         set_(self, "method", method)
-        for name in ("model", "draft_tensor_parallel_size"):
-            if getattr(self, name) is not None:
-                raise ValueError(f"speculative_config.{name} belongs to a draft-model method; method {method!r} "
-                                 f"takes num_speculative_tokens, prompt_lookup_min and prompt_lookup_max")
+        if method == "draft_model":
+            if not self.model:
+                raise ValueError("speculative_config.model: method 'draft_model' needs the draft checkpoint's "
+                                 "directory")
+            if self.draft_tensor_parallel_size not in (None, 1):
+                raise ValueError(f"speculative_config.draft_tensor_parallel_size = {self.draft_tensor_parallel_size}: "
+                                 "the draft model runs whole in the engine core's process (1)")
+            for name in ("prompt_lookup_min", "prompt_lookup_max"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config.{name} belongs to method 'ngram'")
+        else:
+            for name in ("model", "draft_tensor_parallel_size"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config.{name} belongs to method 'draft_model'; method {method!r} "
+                                     f"takes num_speculative_tokens, prompt_lookup_min and prompt_lookup_max")
         k = self.num_speculative_tokens
         if k is None:
             raise ValueError("speculative_config.num_speculative_tokens is required (e.g. 4)")
         _check_int("num_speculative_tokens", k, 1, MAX_QUERY_TOKENS_PER_SEQUENCE - 1)
+        if method != "ngram":
+            return
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is None and high is None:
             low = high = DEFAULT_PROMPT_LOOKUP

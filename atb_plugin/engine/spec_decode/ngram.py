@@ -17,7 +17,8 @@ class NgramProposer:
             raise ValueError(f"n-gram lengths must satisfy 1 <= min <= max, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, token_ids: Sequence[Sequence[int]], max_drafts: Sequence[int]) -> list[list[int]]:
+    def propose(self, request_ids: Sequence[str], token_ids: Sequence[Sequence[int]],
+                max_drafts: Sequence[int]) -> list[list[int]]:
         return [self.propose_one(np.asarray(ids, dtype=np.int64), k) if k > 0 else []
                 for ids, k in zip(token_ids, max_drafts)]
 
