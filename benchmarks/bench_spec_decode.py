@@ -6,8 +6,10 @@ One run, SmolLM2-135M-Instruct fp32, ``--threads`` torch threads, one request at
 prompt set is generated plain and with ``{"method": "ngram", "num_speculative_tokens": k}``
 (engines interleaved run by run, medians of ``--runs``); per set: tokens/s of each, the ratio,
 the acceptance rate (accepted / draft tokens) and the mean acceptance length (1 + accepted /
-verify steps), and whether the tokens are the same. Drafting with the model as its own draft
-(the upper bound, a draft_model method) is not implemented yet.
+verify steps), and whether the tokens are the same. ``--draft-self`` adds the upper bound on the
+repetitive set: method draft_model with SmolLM2 as its own draft (every greedy draft accepted;
+the draft's k forwards cost as much as the target's, so it is no speedup, only the bound on
+acceptance).
 
 The last line is one JSON object with repetitive_speedup, open_speedup, acceptance rates and
 same_tokens.
@@ -78,6 +80,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("-k", type=int, default=4)
+    parser.add_argument("--draft-self", action="store_true", help="also draft_model with the model as its own draft")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model = str(default_model_dir())
@@ -85,6 +88,9 @@ def main() -> None:
     spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
     engines = {"plain": LLM(model, num_threads=args.threads),
                "ngram": LLM(model, num_threads=args.threads, speculative_config=spec)}
+    if args.draft_self:
+        engines["draft_self"] = LLM(model, num_threads=args.threads, speculative_config={
+            "method": "draft_model", "model": model, "num_speculative_tokens": args.k})
     result = {"threads": args.threads, "k": args.k, "tokens": args.tokens}
     try:
         for name, prompts in (("repetitive", REPETITIVE), ("open", OPEN)):
@@ -94,8 +100,18 @@ def main() -> None:
             before = (stats_before.num_drafts, stats_before.num_draft_tokens, stats_before.num_accepted_tokens)
             for _ in range(args.runs):
                 for engine, llm in engines.items():
+                    if engine == "draft_self" and name != "repetitive":
+                        continue
                     rate, tokens[engine] = run_set(llm, prompts, params)
                     rates[engine].append(rate)
+            if rates.get("draft_self"):
+                draft_stats = engines["draft_self"].engine.scheduler.spec_decoding
+                result["draft_self_tok_s"] = round(statistics.median(rates["draft_self"]), 2)
+                result["draft_self_acceptance_rate"] = round(
+                    draft_stats.num_accepted_tokens / max(1, draft_stats.num_draft_tokens), 3)
+                result["draft_self_same_tokens"] = tokens["draft_self"] == tokens["plain"]
+                print(f"{'draft_self':>10}: {result['draft_self_tok_s']:6.2f} tok/s, acceptance "
+                      f"{result['draft_self_acceptance_rate']:.0%}, same tokens: {result['draft_self_same_tokens']}")
             stats = engines["ngram"].engine.scheduler.spec_decoding
             drafts, draft_tokens, accepted = (stats.num_drafts - before[0], stats.num_draft_tokens - before[1],
                                               stats.num_accepted_tokens - before[2])
