@@ -149,6 +149,23 @@ def test_the_counters_agree_with_the_tokens_emitted():
     assert stats.num_drafts <= steps - 1  # the first step (the prompt) verifies nothing
 
 
+def test_only_accepted_tokens_are_hashed_for_the_prefix_cache():
+    """After every step, the request's hashed blocks lie within its accepted tokens (its
+    all_token_ids), whatever slots the drafts it verified took."""
+    with LLM(tiny_checkpoint("qwen2"), block_size=4, speculative_config=NGRAM) as llm:
+        engine = llm.engine
+        engine.add_request("r", engine.tokenizer.encode(PROMPTS[0]),
+                           SamplingParams(temperature=0, max_tokens=40, ignore_eos=True))
+        kv = engine.kv_cache_manager
+        while engine.has_unfinished_requests():
+            engine.step()
+            request = engine.scheduler.requests.get("r")
+            if request is None:
+                break
+            assert kv.num_cached_blocks["r"] * 4 <= request.num_tokens
+        assert engine.scheduler.spec_decoding.num_drafts > 0
+
+
 def test_abort_mid_run_frees_every_block():
     with LLM(tiny_checkpoint("qwen2"), block_size=4, speculative_config=NGRAM) as llm:
         engine = llm.engine
