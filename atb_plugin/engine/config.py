@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from atb_plugin.distributed import divide, kv_heads_per_rank
 from atb_plugin.engine.memory_profile import DEFAULT_KV_CACHE_BYTES
 from atb_plugin.engine.scheduler import SchedulerConfig
+from atb_plugin.engine.spec_decode.config import SpeculativeConfig
 from atb_plugin.models import registry
 from atb_plugin.models.interfaces import resolve_mm_limit
 from atb_plugin.multimodal.limits import MediaLimits, flat_limits
@@ -179,6 +180,9 @@ class EngineConfig:
     # The LM head in int8 too (on-the-fly quantization only): off by default, as in vLLM and
     # msModelSlim; it is the largest matrix of a small model (docs/quantization.md, "The LM head").
     quantize_lm_head: bool = False
+    # Speculative decoding (docs/speculative.md): a SpeculativeConfig, or a dict of vLLM's keys
+    # (``{"method": "ngram", "num_speculative_tokens": 4}``, --speculative-config); None: off.
+    speculative_config: SpeculativeConfig | None = None
     # Resolved from config.json in __post_init__:
     architecture: str = field(init=False)
     tasks: tuple[str, ...] = field(init=False)  # what the model serves: ("generate",) or pooling tasks
@@ -210,6 +214,7 @@ class EngineConfig:
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"EngineConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
         set_(self, "shm_instances", tuple(self.shm_instances))
+        set_(self, "speculative_config", SpeculativeConfig.from_value(self.speculative_config))
         utilization = self.gpu_memory_utilization
         if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
             raise ValueError(f"EngineConfig.gpu_memory_utilization = {utilization!r} (--gpu-memory-utilization): "
@@ -289,6 +294,14 @@ class EngineConfig:
         set_(self, "media", dataclasses.replace(
             self.media, limit_mm_per_prompt=resolve_mm_limit(model_cls, self.media.limit_mm_per_prompt),
             limit_videos_per_prompt=resolve_mm_limit(model_cls, self.media.limit_videos_per_prompt, "video")))
+        if self.runner == "pooling" and self.speculative_config is not None:
+            raise ValueError("EngineConfig.speculative_config: speculative decoding drafts generated tokens; a "
+                             "pooling model generates none")
+        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            if self.tensor_parallel_size != 1:
+                raise ValueError("EngineConfig.speculative_config: method 'draft_model' runs the draft in the engine "
+                                 "core's process, with tensor_parallel_size 1 (use method 'ngram' under TP)")
+            self.draft_config()  # its checkpoint checked now, at start-up
         if self.runner == "pooling":
             # Pooling needs each prompt's hidden states in one step (no chunked prefill) and all of
             # them (a cached prefix would be skipped): raise the budget, turn prefix caching off.
@@ -296,6 +309,19 @@ class EngineConfig:
             set_(self, "enable_prefix_caching", False)
         set_(self, "scheduler_config",
              SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len))
+
+    def draft_config(self) -> "EngineConfig":
+        """The draft checkpoint's config (speculative method ``draft_model``): this engine's
+        device, dtype, block size, context window and batch limits; no prefix cache, no drafts."""
+        spec = self.speculative_config
+        try:
+            return EngineConfig(spec.model, dtype=self.dtype, device=self.device, max_model_len=self.max_model_len,
+                                block_size=self.block_size, kv_cache_blocks=self.kv_cache_blocks,
+                                max_num_batched_tokens=self.max_num_batched_tokens, max_num_seqs=self.max_num_seqs,
+                                enable_prefix_caching=False, num_threads=self.num_threads,
+                                pack_weights=self.pack_weights, enforce_eager=self.enforce_eager, runner="generate")
+        except ValueError as error:
+            raise ValueError(f"speculative_config.model = {spec.model!r}: {error}") from None
 
     def rank_device(self, rank: int) -> int:
         """The device index of tensor-parallel ``rank`` of this engine."""

@@ -27,6 +27,7 @@ from atb_plugin.engine.kv_cache_manager import KVCacheManager
 from atb_plugin.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from atb_plugin.engine.request import Request, RequestStatus
 from atb_plugin.engine.scheduler import Scheduler
+from atb_plugin.engine.spec_decode.proposer import Proposer, make_proposer
 from atb_plugin.engine.structured_output import GrammarViolation, StructuredOutputManager
 from atb_plugin.engine.structured_output import check as check_structured_outputs
 from atb_plugin.platform import platform_for
@@ -51,6 +52,11 @@ class EngineCore:
             self.structured_output = StructuredOutputManager(config.model, config.vocab_size,
                                                              compile_threads=1 if on_cpu else 8)
             self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.structured_output.is_ready)
+            # Speculative decoding: drafts are made here, in the core, and travel with the step to
+            # every rank (one proposer, no rank can disagree about them).
+            self.proposer: Proposer | None = None
+            if config.speculative_config is not None:
+                self.proposer = make_proposer(config, self.kv_cache_blocks)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -109,18 +115,47 @@ class EngineCore:
         # Masks of every scheduled structured request (one in a prefill chunk short of its prompt's
         # end samples nothing: its row goes unused).
         scheduled.grammar_bitmask = self.structured_output.grammar_bitmask(
-            [self.scheduler.requests[r] for r in scheduled.num_scheduled_tokens])
+            [self.scheduler.requests[r] for r in scheduled.num_scheduled_tokens], scheduled.scheduled_spec_tokens)
         result = self.executor.execute(scheduled)
         self._advance_grammars(result)
         result.failed.update(self.structured_output.pop_compile_errors())
         outputs = self.scheduler.update_from_output(scheduled, result.sampled, result.logprobs, result.failed,
-                                                    result.pooled, prompt_logprobs=result.prompt_logprobs)
+                                                    result.pooled, prompt_logprobs=result.prompt_logprobs,
+                                                    spec_sampled=result.spec_sampled,
+                                                    spec_logprobs=result.spec_logprobs)
         for output in outputs:
             if output.finished:
                 self.structured_output.remove(output.request_id)
         if not scheduled.num_scheduled_tokens:
             self.structured_output.wait_for_compile(_COMPILE_WAIT_S)
+        if self.proposer is not None:
+            self._propose()
         return outputs
+
+    def _propose(self) -> None:
+        """Drafts for the next step of every running request that decodes: at most k, and never
+        so many that an accepted run could pass max_tokens or the context window (a verify step
+        emits up to drafts + 1 tokens). A structured request's drafts are cut to what its
+        grammar accepts; its masks then cover every verified position."""
+        k = self.config.speculative_config.num_speculative_tokens
+        max_len = self.config.max_model_len
+        decoding, limits = [], []
+        for request in self.scheduler.running:
+            params = request.sampling_params
+            if (params is None or not request.output_token_ids
+                    or request.num_computed_tokens != request.num_tokens - 1):
+                continue
+            limit = min(k, max_len - request.num_tokens - 1)
+            if params.max_tokens is not None:
+                limit = min(limit, params.max_tokens - request.num_output_tokens - 1)
+            if limit > 0:
+                decoding.append(request)
+                limits.append(limit)
+        if decoding:
+            drafts = self.proposer.propose([r.request_id for r in decoding], [r.all_token_ids for r in decoding],
+                                           limits)
+            for request, tokens in zip(decoding, drafts):
+                request.spec_token_ids = self.structured_output.validate_drafts(request, tokens)
 
     def _advance_grammars(self, result) -> None:
         """Feed each sampled token to its request's grammar. A token the grammar refuses (the
@@ -129,11 +164,13 @@ class EngineCore:
         already: it never needs a rollback."""
         for request_id, token in list(result.sampled.items()):
             try:
-                self.structured_output.accept(self.scheduler.requests[request_id], token)
+                for emitted in (token, *result.spec_sampled.get(request_id, ())):
+                    self.structured_output.accept(self.scheduler.requests[request_id], emitted)
             except GrammarViolation as error:
                 result.failed[request_id] = str(error)
                 del result.sampled[request_id]
                 result.logprobs.pop(request_id, None)
+                result.spec_sampled.pop(request_id, None)
 
     def make_stats(self) -> SchedulerStats:
         return self.scheduler.make_stats()

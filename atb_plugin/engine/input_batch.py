@@ -142,6 +142,20 @@ class InputBatch:
         self.token_ids_cpu[row, n] = token_id
         self.num_tokens_cpu[row] = n + 1
 
+    def set_tokens(self, request_id, start: int, token_ids: Sequence[int]) -> None:
+        """Write ``token_ids`` from position ``start`` on and end the row after them: a verify
+        step's draft tokens, then the tokens it kept in their place (speculative decoding)."""
+        row = self.row(request_id)
+        end = start + len(token_ids)
+        if not self.num_computed_tokens_cpu[row] <= start <= self.num_tokens_cpu[row] or end > self.max_model_len:
+            raise RuntimeError(f"request {request_id!r}: tokens [{start}, {end}) do not continue its computed "
+                               f"{int(self.num_computed_tokens_cpu[row])} tokens within max_model_len="
+                               f"{self.max_model_len}")
+        token_array = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+        self._check_token_ids(request_id, token_array)
+        self.token_ids_cpu[row, start:end] = token_array
+        self.num_tokens_cpu[row] = end
+
     def append_block_ids(self, request_id, block_ids: Sequence[int]) -> None:
         """Append newly allocated blocks to the request's block-table row."""
         row = self.row(request_id)

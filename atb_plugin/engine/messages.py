@@ -21,7 +21,8 @@ import numpy as np
 from atb_plugin.engine.sampling_params import SamplingParams
 from atb_plugin.pooling.params import PoolingParams
 
-__all__ = ["LogprobsEntry", "PooledData", "EngineCoreRequest", "EngineCoreOutput", "SchedulerStats", "EngineCoreOutputs",
+__all__ = ["LogprobsEntry", "PooledData", "EngineCoreRequest", "EngineCoreOutput", "SchedulerStats",
+           "SpecDecodingStats", "EngineCoreOutputs",
            "encode", "decode_request", "decode_outputs"]
 
 
@@ -104,7 +105,8 @@ class EngineCoreRequest:
 
 @dataclass
 class EngineCoreOutput:
-    """What one step did for one request: the tokens it appended (one per step today), or for a
+    """What one step did for one request: the tokens it appended (one per step; several when it
+    verified speculative drafts), or for a
     pooling request its ``pooled`` result (then it is finished, "stop"), and ``finish_reason``
     ("stop", "length", "abort", "error") once it ended, with ``error`` saying why for "error".
     ``queue_time`` (seconds from arrival to first scheduling) rides on the first output of a
@@ -128,6 +130,27 @@ class EngineCoreOutput:
 
 
 @dataclass
+class SpecDecodingStats:
+    """Speculative decoding since the previous stats, as vLLM counts it: verify steps that had
+    drafts (``num_drafts``), draft tokens verified, drafts accepted, and accepted per draft
+    position (position i counts the steps that accepted at least i + 1 drafts)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_accepted_tokens_per_pos: list[int] = field(default_factory=list)
+
+    def observe(self, num_draft_tokens: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft_tokens
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_draft_tokens - len(per_pos)))
+        for position in range(num_accepted):
+            per_pos[position] += 1
+
+
+@dataclass
 class SchedulerStats:
     num_running: int = 0
     num_waiting: int = 0
@@ -135,6 +158,7 @@ class SchedulerStats:
     prefix_cache_queries: int = 0  # tokens looked up since the previous stats
     prefix_cache_hits: int = 0  # of those, tokens found cached
     num_preemptions: int = 0  # since the previous stats
+    spec_decoding: SpecDecodingStats | None = None  # None: no drafts verified since the previous stats
 
 
 @dataclass

@@ -27,6 +27,7 @@ from atb_plugin.engine.prepare_inputs import prepare_inputs
 from atb_plugin.engine.request import Request
 from atb_plugin.engine.sampler import Sampler, make_generator
 from atb_plugin.engine.scheduler import SchedulerOutput
+from atb_plugin.engine.spec_decode.rejection_sampler import RejectionSampler, VerifyRequest
 from atb_plugin.distributed import tp_size
 from atb_plugin.models.interfaces import SupportsMedia, SupportsMRoPE, SupportsTokenTypes
 from atb_plugin.models.poolers import DispatchPooler, PoolingBatch
@@ -47,6 +48,10 @@ class RunnerOutput:
     # tokens this step's chunk [start, end) predicts, i.e. of positions start + 1 .. (at most the
     # prompt's end); [] for a chunk that predicts none (its only position is the prompt's last).
     prompt_logprobs: dict[str, list[LogprobsEntry]] = field(default_factory=dict)
+    # Per request that verified speculative drafts: the tokens it emits after ``sampled``'s (the
+    # accepted drafts past the first emitted token, then the target's own), and their logprobs.
+    spec_sampled: dict[str, list[int]] = field(default_factory=dict)
+    spec_logprobs: dict[str, list] = field(default_factory=dict)
 
 
 # Prompt positions whose logits are computed at once: a 2048-token chunk would otherwise need
@@ -106,6 +111,7 @@ class ModelRunner:
         logger.info("decode step: %s", self.decode_capture)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size)
         self.sampler = Sampler()
+        self.rejection_sampler = RejectionSampler(self.sampler)
         self.layout = model.media_layouts if isinstance(model, SupportsMedia) else None
         self.uses_mrope = isinstance(model, SupportsMRoPE)
         self.pooler = pooler
@@ -175,6 +181,9 @@ class ModelRunner:
         if not request_ids:
             return result
         counts = [output.num_scheduled_tokens[r] for r in request_ids]
+        verifying = {r: output.scheduled_spec_tokens[r] for r in request_ids if r in output.scheduled_spec_tokens}
+        for request_id, drafts in verifying.items():  # read by prepare_inputs as the step's input ids
+            self.input_batch.set_tokens(request_id, self.states[request_id].request.num_tokens, drafts)
         prepared = prepare_inputs(self.input_batch, request_ids, counts, device=self.device)
         spans = self._spans(request_ids, counts)
         positions = self._mrope_positions(spans) if self.uses_mrope else prepared.positions
@@ -190,7 +199,9 @@ class ModelRunner:
             self._pool(hidden, prepared, spans, result)
             return result
         self._prompt_logprobs(hidden, spans, result)
-        sampling = [i for i, samples in enumerate(prepared.samples) if samples]
+        sampling = [i for i, samples in enumerate(prepared.samples) if samples and request_ids[i] not in verifying]
+        if verifying:
+            self._verify(hidden, prepared, request_ids, verifying, output.grammar_bitmask, result)
         if sampling:
             logits = self.model.compute_logits(hidden[prepared.logits_indices[sampling]])
             states = [self.states[request_ids[i]] for i in sampling]
@@ -212,6 +223,35 @@ class ModelRunner:
                 result.logprobs[request_id] = logprobs
                 self.input_batch.append_token(request_id, token)
         return result
+
+    def _verify(self, hidden, prepared, request_ids, verifying: dict[str, list[int]], grammar_bitmask,
+                result: RunnerOutput) -> None:
+        """Speculative decoding: the logits of each verifying request's last 1 + k positions
+        (its last token and its k drafts) in one pass, masked per position to a structured
+        request's grammar, the rejection sampler's verdict, and the batch row rewritten to the
+        tokens kept (the rejected drafts' KV is overwritten later)."""
+        rows, requests, row_ids, row_positions = [], [], [], []
+        for i, request_id in enumerate(request_ids):
+            drafts = verifying.get(request_id)
+            if drafts is None:
+                continue
+            last = int(prepared.logits_indices_cpu[i])
+            rows += range(last - len(drafts), last + 1)
+            row_ids += [request_id] * (len(drafts) + 1)
+            row_positions += range(len(drafts) + 1)
+            request = self.states[request_id].request
+            requests.append(VerifyRequest(drafts, request.sampling_params, self.generators[request_id],
+                                          request.num_output_tokens, request.eos_token_ids,
+                                          request.prompt_token_ids, request.output_token_ids))
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=hidden.device)])
+        if grammar_bitmask is not None:
+            grammar_bitmask.apply(logits, row_ids, row_positions)
+        for request_id, verified in zip([r for r in request_ids if r in verifying],
+                                        self.rejection_sampler.verify(logits, requests)):
+            tokens = verified.token_ids
+            result.sampled[request_id], result.spec_sampled[request_id] = tokens[0], tokens[1:]
+            result.logprobs[request_id], result.spec_logprobs[request_id] = verified.logprobs[0], verified.logprobs[1:]
+            self.input_batch.set_tokens(request_id, self.states[request_id].request.num_tokens, tokens)
 
     def _prompt_logprobs(self, hidden, spans, result: RunnerOutput) -> None:
         """For each request that owes its prompt logprobs and runs a prompt chunk [start, end):

@@ -46,6 +46,11 @@ class Request:
     # Logprobs of the prompt tokens computed so far (SamplingParams.prompt_logprobs): gathered
     # over the prefill chunks, handed to the first output, then dropped.
     prompt_logprobs: list | None = None
+    # Draft tokens for the next step (speculative decoding: the core's proposer writes them after
+    # a step, the scheduler schedules them after the last token, verification consumes them).
+    # Never part of all_token_ids: only accepted tokens are, so only they are hashed for the
+    # prefix cache.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if not self.prompt_token_ids:

@@ -46,7 +46,7 @@ from atb_plugin.engine.messages import LogprobsEntry
 from atb_plugin.engine.sampling_params import SamplingParams
 from atb_plugin.ops import cpu_native
 
-__all__ = ["LogprobsEntry", "SamplerOutput", "Sampler", "make_generator"]
+__all__ = ["LogprobsEntry", "SamplerOutput", "Sampler", "argmax", "is_greedy", "make_generator"]
 
 # Temperatures below this are sampled greedily (vLLM's _SAMPLING_EPS): dividing by them only
 # turns the distribution into a numerically fragile argmax.
@@ -65,6 +65,11 @@ class SamplerOutput:
     def __post_init__(self):
         if len(self.token_ids) != len(self.logprobs):
             raise RuntimeError("token_ids and logprobs must have one entry per request")
+
+
+def is_greedy(params: SamplingParams) -> bool:
+    """The row takes its argmax (temperature 0 or below 1e-5) rather than a random draw."""
+    return params.temperature < _GREEDY_BELOW_TEMPERATURE
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -101,19 +106,54 @@ class Sampler:
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         output_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> SamplerOutput:
+        if logits.dim() == 2 and len(generators) != logits.shape[0]:
+            raise RuntimeError(f"one entry per row: {logits.shape[0]} rows of logits, {len(generators)} generators")
+        batch = logits.shape[0] if logits.dim() == 2 else 0
+        logits, raw_logprobs = self.process(logits, params, num_output_tokens, eos_token_ids,
+                                            prompt_token_ids=prompt_token_ids, output_token_ids=output_token_ids)
+        if batch == 0:
+            return SamplerOutput([], [])
+
+        token_ids = argmax(logits)  # every row (cheap); the random rows are overwritten below
+        random_rows = [i for i, p in enumerate(params) if not is_greedy(p)]
+        if random_rows:
+            rows = torch.tensor(random_rows, device=logits.device)
+            token_ids[rows] = self._sample_random(
+                logits[rows], [params[i] for i in random_rows], [generators[i] for i in random_rows])
+
+        logprobs: list[LogprobsEntry | None] = [None] * batch
+        if raw_logprobs is not None:
+            logprobs = self.gather_logprobs(raw_logprobs, token_ids, params)
+        return SamplerOutput(token_ids.tolist(), logprobs)
+
+    def process(
+        self,
+        logits: torch.Tensor,
+        params: Sequence[SamplingParams],
+        num_output_tokens: Sequence[int],
+        eos_token_ids: Sequence[Collection[int]] | None = None,
+        *,
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        output_token_ids: Sequence[Sequence[int]] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The stages before the choice (allowed ids, bad words, logit_bias, min_tokens,
+        penalties), row i following ``params[i]``: the processed float32 logits (never
+        ``logits`` itself when a stage edits) and the raw logprobs when a row asks for logprobs
+        (else None). ``sample`` chooses from them; the speculative rejection sampler runs them
+        once per verified position (engine/spec_decode/rejection_sampler.py)."""
         if logits.dim() != 2:
             raise RuntimeError(f"logits must be (num_requests, vocab_size), got {tuple(logits.shape)}")
         batch = logits.shape[0]
-        if not len(params) == len(generators) == len(num_output_tokens) == batch:
+        if not len(params) == len(num_output_tokens) == batch:
             raise RuntimeError(
                 f"one entry per row: {batch} rows of logits, {len(params)} params, "
-                f"{len(generators)} generators, {len(num_output_tokens)} output counts"
+                f"{len(num_output_tokens)} output counts"
             )
         for name, value in (("prompt_token_ids", prompt_token_ids), ("output_token_ids", output_token_ids)):
             if value is not None and len(value) != batch:
                 raise RuntimeError(f"one entry per row: {batch} rows of logits, {len(value)} {name}")
         if batch == 0:
-            return SamplerOutput([], [])
+            return logits, None
 
         # Which rows use which stage: one pass of attribute checks, all a default batch pays.
         allowed_rows, bad_word_rows, bias_rows, penalty_rows = [], [], [], []
@@ -146,18 +186,7 @@ class Sampler:
         logits = self._apply_min_tokens(logits, params, num_output_tokens, eos_token_ids)
         if penalty_rows:
             self._apply_penalties_(logits, params, penalty_rows, prompt_token_ids, output_token_ids)
-
-        token_ids = _argmax(logits)  # every row (cheap); the random rows are overwritten below
-        random_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_BELOW_TEMPERATURE]
-        if random_rows:
-            rows = torch.tensor(random_rows, device=logits.device)
-            token_ids[rows] = self._sample_random(
-                logits[rows], [params[i] for i in random_rows], [generators[i] for i in random_rows])
-
-        logprobs: list[LogprobsEntry | None] = [None] * batch
-        if raw_logprobs is not None:
-            logprobs = self.gather_logprobs(raw_logprobs, token_ids, params)
-        return SamplerOutput(token_ids.tolist(), logprobs)
+        return logits, raw_logprobs
 
     # -- steps -----------------------------------------------------------------------------------
     # The ``_..._`` stages edit ``logits`` in place: ``sample`` hands them its own copy.
@@ -277,7 +306,10 @@ class Sampler:
         positions, counts = torch.unique(row[valid] * vocab + ids[valid], return_counts=True)
         return positions, counts.to(torch.float32)
 
-    def _sample_random(self, logits, params, generators) -> torch.Tensor:
+    @staticmethod
+    def _tempered(logits, params) -> tuple[torch.Tensor, list[int], list[float]]:
+        """Random rows' logits / temperature with min_p applied, and each row's top-k (the
+        vocabulary size for none) and top-p."""
         vocab = logits.shape[1]
         device = logits.device
         temperature = torch.tensor([p.temperature for p in params], device=device, dtype=logits.dtype)
@@ -289,8 +321,23 @@ class Sampler:
             probs = logits.softmax(dim=-1)
             threshold = probs.amax(dim=-1, keepdim=True) * torch.tensor(min_p, device=device, dtype=probs.dtype)[:, None]
             logits = logits.masked_fill(probs < threshold, float("-inf"))
-        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
-        top_p = [p.top_p for p in params]
+        return logits, [p.top_k if 0 < p.top_k < vocab else vocab for p in params], [p.top_p for p in params]
+
+    @classmethod
+    def probabilities(cls, logits, params) -> torch.Tensor:
+        """The distribution each random row of processed ``logits`` samples from (temperature,
+        min_p, top-k, top-p), over the whole vocabulary: what ``sample`` draws from, written
+        out (the speculative rejection sampler's target ``p``)."""
+        logits, top_k, top_p = cls._tempered(logits, params)
+        if any(p < 1.0 for p in top_p) or any(k < logits.shape[1] for k in top_k):
+            sorted_logits, sorted_ids = cls._top_k_top_p_sorted(logits, top_k, top_p)
+            logits = torch.full_like(logits, float("-inf")).scatter_(1, sorted_ids, sorted_logits)
+        return logits.softmax(dim=-1)
+
+    def _sample_random(self, logits, params, generators) -> torch.Tensor:
+        vocab = logits.shape[1]
+        device = logits.device
+        logits, top_k, top_p = self._tempered(logits, params)
         choice = torch.empty(len(params), dtype=torch.long, device=device)
         # A row's own top_k alone decides its path, so its draws never depend on its neighbours.
         narrow = [i for i, k in enumerate(top_k) if k <= _TOPK_INSTEAD_OF_SORT]
@@ -387,7 +434,7 @@ class Sampler:
         return entries
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
+def argmax(logits: torch.Tensor) -> torch.Tensor:
     """Each row's argmax (the first maximum): the native CPU kernel where it runs (several times
     faster than torch's over a 49k vocabulary: benchmarks/RESULTS.md, bench_engine "Fifth
     round"), else torch's."""

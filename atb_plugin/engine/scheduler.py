@@ -1,8 +1,8 @@
 """The scheduler: which requests run this step, and how many of their tokens.
 
 One token budget per step (``max_num_batched_tokens``). Running requests go first, in the order
-they were admitted (a decode is 1 token, an unfinished prefill the rest of its prompt, cut to the
-budget: chunked prefill); then waiting requests in FCFS order while budget, ``max_num_seqs`` and
+they were admitted (a decode is 1 token, plus its draft tokens under speculative decoding; an
+unfinished prefill the rest of its prompt, cut to the budget: chunked prefill); then waiting requests in FCFS order while budget, ``max_num_seqs`` and
 KV blocks last (none in a step that preempted; a structured request whose grammar is still
 compiling keeps its place while those behind it are admitted). When a running request cannot
 get a block, the most recently admitted running request is preempted by recompute: its blocks
@@ -22,7 +22,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from atb_plugin.engine.kv_cache_manager import KVCacheManager
-from atb_plugin.engine.messages import EngineCoreOutput, LogprobsEntry, PooledData, SchedulerStats
+from atb_plugin.engine.messages import EngineCoreOutput, LogprobsEntry, PooledData, SchedulerStats, SpecDecodingStats
 from atb_plugin.engine.request import Request, RequestStatus
 from atb_plugin.utils import cdiv
 
@@ -55,6 +55,9 @@ class SchedulerOutput:
     # The media of this step's new requests, read from the core's shared memory for ranks on
     # other nodes (filled by the Ray executor when it has such ranks: multimodal/shipped.py).
     shipped_media: dict | None = None
+    # Speculative decoding: the draft tokens scheduled after each verifying request's last token
+    # (its num_scheduled_tokens count them: 1 + len(drafts)); the runner verifies them.
+    scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -78,6 +81,10 @@ class Scheduler:
         self.num_preemptions = 0  # a metric, and lets tests prove preemption happened
         self._reported_preemptions = 0
         self._prefix_queries = self._prefix_hits = 0  # tokens, since the last make_stats
+        # Speculative decoding's counters: since the start (tests, the offline door), and since the
+        # last make_stats (the server's metrics).
+        self.spec_decoding = SpecDecodingStats()
+        self._spec_stats: SpecDecodingStats | None = None
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -135,6 +142,7 @@ class Scheduler:
         new_block_ids: dict[str, list[int]] = {}
         new_requests: list[Request] = []
         preempted: list[str] = []
+        spec_tokens: dict[str, list[int]] = {}
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -150,6 +158,7 @@ class Scheduler:
                 preempted.append(victim.request_id)
                 scheduled.pop(victim.request_id, None)
                 new_block_ids.pop(victim.request_id, None)
+                spec_tokens.pop(victim.request_id, None)
                 if victim is request:
                     break
                 blocks = self.kv_cache_manager.allocate_slots(request, num_new)
@@ -157,6 +166,9 @@ class Scheduler:
                 break
             scheduled[request.request_id] = num_new
             new_block_ids[request.request_id] = blocks
+            num_drafts = num_new - (request.num_tokens - request.num_computed_tokens)
+            if num_drafts > 0:  # the budget or the context window may have cut some
+                spec_tokens[request.request_id] = request.spec_token_ids[:num_drafts]
             budget -= num_new
             index += 1
 
@@ -191,19 +203,26 @@ class Scheduler:
 
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         computed = {request_id: self.requests[request_id].num_computed_tokens for request_id in scheduled}
-        return SchedulerOutput(scheduled, new_requests, new_block_ids, preempted, finished, computed)
+        return SchedulerOutput(scheduled, new_requests, new_block_ids, preempted, finished, computed,
+                               scheduled_spec_tokens=spec_tokens)
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
                            logprobs: dict[str, object] | None = None,
                            failed: dict[str, str] | None = None,
                            pooled: dict[str, PooledData] | None = None,
-                           prompt_logprobs: dict[str, list[LogprobsEntry]] | None = None) -> list[EngineCoreOutput]:
+                           prompt_logprobs: dict[str, list[LogprobsEntry]] | None = None,
+                           spec_sampled: dict[str, list[int]] | None = None,
+                           spec_logprobs: dict[str, list] | None = None) -> list[EngineCoreOutput]:
         """Advance the step's requests: append each sampled token, decide each request's finish
         (``check_stop``) and free a finished request's blocks, all here, so a status is written
         once. ``failed`` requests (e.g. a bad media block) end with "error"; a pooling request
         with its ``pooled`` result ends with "stop". ``prompt_logprobs`` (the runner's, per prompt
-        chunk) are gathered on the request and sent whole with its first token. Returns one
-        ``EngineCoreOutput`` per request that produced a token or a result, or ended, this step."""
+        chunk) are gathered on the request and sent whole with its first token. A request that
+        verified drafts emits ``sampled`` then ``spec_sampled`` (the rest of its accepted run,
+        with ``spec_logprobs``): its computed tokens roll back past the rejected drafts
+        (``computed_advance``), and the run stops at the first token that finishes it (EOS, stop
+        id, max_tokens). Returns one ``EngineCoreOutput`` per request that produced a token or a
+        result, or ended, this step."""
         outputs: list[EngineCoreOutput] = []
         for request_id, why in (failed or {}).items():
             if self.finish(request_id, RequestStatus.FINISHED_ERROR) is not None:
@@ -214,7 +233,14 @@ class Scheduler:
             if request is None:
                 continue  # finished (failed, aborted) during the step
             chunk_start = request.num_computed_tokens
-            request.num_computed_tokens += num_tokens
+            drafts = output.scheduled_spec_tokens.get(request_id, ())
+            token = sampled.get(request_id)
+            tokens = [] if token is None else [token, *(spec_sampled or {}).get(request_id, ())]
+            entries = [(logprobs or {}).get(request_id), *(spec_logprobs or {}).get(request_id, ())]
+            request.num_computed_tokens += computed_advance(num_tokens, len(drafts), len(tokens))
+            request.spec_token_ids = []
+            if drafts:
+                self._count_spec(len(drafts), len(tokens) - 1)
             if request.is_pooling:
                 result = (pooled or {}).get(request_id)
                 if result is None:
@@ -226,24 +252,37 @@ class Scheduler:
                 continue
             if prompt_logprobs and request_id in prompt_logprobs:
                 self._gather_prompt_logprobs(request, chunk_start, prompt_logprobs[request_id])
-            token = sampled.get(request_id)
-            if token is None:
+            if not tokens:
                 request.check()
                 continue  # a prefill chunk short of the prompt's end
-            request.append_output_token(token)
+            first_output = request.num_output_tokens == 0
+            status = None
+            for count, token in enumerate(tokens, 1):
+                request.append_output_token(token)
+                status = check_stop(request, request.eos_token_ids, self.config.max_model_len)
+                if status is not None:
+                    # The rest of an accepted run is dropped (it comes after the end), and
+                    # with it the computed tokens it stood for.
+                    request.num_computed_tokens = min(request.num_computed_tokens, request.num_tokens)
+                    break
             request.check()
-            entry = (logprobs or {}).get(request_id)
-            out = EngineCoreOutput(request_id, [token], [entry] if entry is not None else None,
+            entries = entries[:count]
+            out = EngineCoreOutput(request_id, tokens[:count], entries if entries[0] is not None else None,
                                    num_cached_tokens=request.num_cached_tokens)
-            if request.num_output_tokens == 1:
+            if first_output:
                 out.queue_time = self._queue_time(request)
                 out.prompt_logprobs, request.prompt_logprobs = request.prompt_logprobs, None
-            status = check_stop(request, request.eos_token_ids, self.config.max_model_len)
             if status is not None:
                 self.finish(request_id, status)  # the one place a finished status is written
                 out.finish_reason = status.value
             outputs.append(out)
         return outputs
+
+    def _count_spec(self, num_drafts: int, num_accepted: int) -> None:
+        if self._spec_stats is None:
+            self._spec_stats = SpecDecodingStats()
+        self._spec_stats.observe(num_drafts, num_accepted)
+        self.spec_decoding.observe(num_drafts, num_accepted)
 
     @staticmethod
     def _gather_prompt_logprobs(request: Request, chunk_start: int, entries: list[LogprobsEntry]) -> None:
@@ -264,6 +303,7 @@ class Scheduler:
         """Gauges now, and the counters accumulated since the previous call."""
         stats = SchedulerStats(len(self.running), len(self.waiting), self.kv_cache_manager.usage,
                                self._prefix_queries, self._prefix_hits, self.num_preemptions - self._reported_preemptions)
+        stats.spec_decoding, self._spec_stats = self._spec_stats, None
         self._prefix_queries = self._prefix_hits = 0
         self._reported_preemptions = self.num_preemptions
         return stats
@@ -272,7 +312,7 @@ class Scheduler:
 
     def _num_new_tokens(self, request: Request, budget: int, num_cached: int = 0) -> int:
         num_computed = request.num_computed_tokens + num_cached
-        remaining = request.num_tokens - num_computed
+        remaining = request.num_tokens + len(request.spec_token_ids) - num_computed
         room = self.config.max_model_len - num_computed
         return max(0, min(remaining, budget, room))
 
@@ -287,7 +327,18 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0  # recompute from scratch (the prefix cache may help)
+        request.spec_token_ids = []  # proposed again once it decodes
         self.waiting.appendleft(request)
+
+
+def computed_advance(num_scheduled: int, num_drafts: int, num_emitted: int) -> int:
+    """How far a step moves a request's computed tokens: all it scheduled, less the drafts it
+    rejected (``num_emitted - 1`` were accepted). Their KV slots stay allocated and are
+    overwritten when the positions are computed again. The core and every tensor-parallel
+    rank's mirror (engine/worker.py) advance by this one rule."""
+    if not num_drafts:
+        return num_scheduled
+    return num_scheduled - (num_drafts - (num_emitted - 1))
 
 
 def check_stop(request: Request, eos_token_ids: Collection[int],

@@ -8,6 +8,8 @@ EBNF), with xgrammar.
               apply_bitmask(logits, requests)   before sampling: -inf for the tokens each
                                         request's grammar forbids next
               accept(request, token)    after sampling: advance the request's matcher
+              validate_drafts(request, drafts)  speculative decoding: the drafts the grammar
+                                        allows; grammar_bitmask then masks every position
               remove(request_id)        when the request ends
 
 The engine core has no tokenizer otherwise: the manager loads the checkpoint's on the first
@@ -541,21 +543,26 @@ class GrammarViolation(RuntimeError):
 @dataclass
 class GrammarBitmask:
     """One step's grammar masks: row i of ``bitmask`` (int32, a bit per token, xgrammar's
-    layout) is what ``request_ids[i]`` may sample next."""
+    layout) is what ``request_ids[i]`` may sample at its position ``positions[i]`` of the step
+    (0 but for speculative decoding, where position i follows the request's first i drafts;
+    None: every row at 0)."""
 
     request_ids: list[str]
     bitmask: torch.Tensor
     vocab_size: int
+    positions: list[int] | None = None
 
-    def apply(self, logits: torch.Tensor, request_ids: Sequence[str]) -> None:
-        """Row j of ``logits`` belongs to ``request_ids[j]``: -inf, in place, for every token the
-        grammar of that request forbids; rows of other requests are untouched."""
-        index = {request_id: i for i, request_id in enumerate(self.request_ids)}
-        rows = [j for j, request_id in enumerate(request_ids) if request_id in index]
+    def apply(self, logits: torch.Tensor, request_ids: Sequence[str], positions: Sequence[int] | None = None) -> None:
+        """Row j of ``logits`` belongs to ``request_ids[j]`` at position ``positions[j]`` (None:
+        0): -inf, in place, for every token the grammar of that request forbids there; rows of
+        other requests are untouched."""
+        index = {key: i for i, key in enumerate(zip(self.request_ids, self.positions or [0] * len(self.request_ids)))}
+        keys = list(zip(request_ids, positions or [0] * len(request_ids)))
+        rows = [j for j, key in enumerate(keys) if key in index]
         if not rows:
             return
         aligned = torch.full((len(request_ids), self.bitmask.shape[1]), -1, dtype=torch.int32)
-        aligned[rows] = self.bitmask[[index[request_ids[j]] for j in rows]]
+        aligned[rows] = self.bitmask[[index[keys[j]] for j in rows]]
         if aligned.device != logits.device:
             aligned = aligned.to(logits.device, non_blocking=True)
         _xgrammar().apply_token_bitmask_inplace(logits, aligned, vocab_size=self.vocab_size, indices=rows)
@@ -649,18 +656,56 @@ class StructuredOutputManager:
 
     # -- sampling --------------------------------------------------------------------------------
 
-    def grammar_bitmask(self, requests: Sequence[Request]) -> GrammarBitmask | None:
+    def grammar_bitmask(self, requests: Sequence[Request],
+                        drafts: dict[str, list[int]] | None = None) -> GrammarBitmask | None:
         """The masks of the structured ``requests`` (those that sample this step) whose grammar
-        still constrains them; None when none does. Made in the core, applied by every rank."""
+        still constrains them; None when none does. Made in the core, applied by every rank.
+        A request verifying ``drafts`` (speculative decoding; ``validate_drafts`` made them
+        acceptable) gets one row per position: its matcher advanced through the drafts one by
+        one and rolled back after."""
+        drafts = drafts or {}
         constrained = [request for request in requests if self._constrains(request.request_id)]
         if not constrained:
             return None
-        bitmask = self._bitmask_rows(len(constrained))
-        if self._batch_matcher is None:
-            self._batch_matcher = _xgrammar().BatchGrammarMatcher()
-        self._batch_matcher.batch_fill_next_token_bitmask([self._matchers[r.request_id] for r in constrained],
-                                                          bitmask, indices=list(range(len(constrained))))
-        return GrammarBitmask([r.request_id for r in constrained], bitmask[:len(constrained)].clone(), self.vocab_size)
+        plain = [r for r in constrained if not drafts.get(r.request_id)]
+        verifying = [r for r in constrained if drafts.get(r.request_id)]
+        num_rows = len(plain) + sum(len(drafts[r.request_id]) + 1 for r in verifying)
+        bitmask = self._bitmask_rows(num_rows)
+        if plain:
+            if self._batch_matcher is None:
+                self._batch_matcher = _xgrammar().BatchGrammarMatcher()
+            self._batch_matcher.batch_fill_next_token_bitmask([self._matchers[r.request_id] for r in plain],
+                                                              bitmask, indices=list(range(len(plain))))
+        request_ids, positions = [r.request_id for r in plain], [0] * len(plain)
+        for request in verifying:
+            matcher, tokens = self._matchers[request.request_id], drafts[request.request_id]
+            for position in range(len(tokens) + 1):
+                row = len(request_ids)
+                if matcher.is_terminated():
+                    bitmask[row] = -1  # past its stop token the grammar no longer constrains it
+                else:
+                    matcher.fill_next_token_bitmask(bitmask, row)
+                request_ids.append(request.request_id)
+                positions.append(position)
+                if position < len(tokens) and not matcher.accept_token(tokens[position]):
+                    raise RuntimeError(f"request {request.request_id}: draft {tokens[position]} was not validated")
+            matcher.rollback(len(tokens))
+        return GrammarBitmask(request_ids, bitmask[:num_rows].clone(), self.vocab_size, positions)
+
+    def validate_drafts(self, request: Request, drafts: list[int]) -> list[int]:
+        """The longest prefix of ``drafts`` that ``request``'s grammar accepts (all of them for
+        an unconstrained request); its matcher is left as it was."""
+        if not drafts or not self._constrains(request.request_id):
+            return drafts
+        matcher = self._matchers[request.request_id]
+        accepted = 0
+        for token in drafts:
+            if matcher.is_terminated() or not matcher.accept_token(token):
+                break
+            accepted += 1
+        if accepted:
+            matcher.rollback(accepted)
+        return drafts[:accepted]
 
     def accept(self, request: Request, token_id: int) -> None:
         if not self._constrains(request.request_id):

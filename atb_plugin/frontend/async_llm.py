@@ -57,6 +57,8 @@ class FrontendMetrics(Protocol):
 
     def add_prefix_cache(self, queries: int, hits: int, engine: int = 0) -> None: ...
 
+    def add_spec_decoding(self, stats, engine: int = 0) -> None: ...
+
     def record_finished(self, *, prompt_tokens: int, finish_reason: str | None, e2e: float,
                         queue_time: float | None, generation_tokens: int = 0, ttft: float | None = None,
                         itls: Sequence[float] = (), engine: int = 0) -> None: ...
@@ -334,6 +336,7 @@ class AsyncLLM:
             stats = outputs.stats
             self.metrics.set_scheduler_stats(stats.num_running, stats.num_waiting, stats.kv_cache_usage, engine)
             self.metrics.add_prefix_cache(stats.prefix_cache_queries, stats.prefix_cache_hits, engine)
+            self.metrics.add_spec_decoding(stats.spec_decoding, engine)
         tracked_now = {}
         for out in outputs.outputs:
             tracked = self._tracked.get(out.request_id)

@@ -89,17 +89,23 @@ def _one_mm_limit(text: str) -> "_MmLimit":
     return limit
 
 
-def _json_object(text: str) -> dict:
-    """``--hf-overrides '{"is_matryoshka": true}'``: a JSON object of config.json keys."""
+def _json_object(text: str, keys: str = "config.json keys", example: str = '{"is_matryoshka": true}') -> dict:
+    """``--hf-overrides '{"is_matryoshka": true}'``: a JSON object of config.json keys (or of
+    ``keys``, as ``example`` shows)."""
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({error}); e.g. "
-                                         "'{\"is_matryoshka\": true}'") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({error}); e.g. '{example}'") from None
     if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} must be a JSON object of config.json keys, "
+        raise argparse.ArgumentTypeError(f"{text!r} must be a JSON object of {keys}, "
                                          f"not {type(value).__name__}")
     return value
+
+
+def _speculative_config(text: str) -> dict:
+    """``--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'``: vLLM's keys
+    (EngineConfig checks them)."""
+    return _json_object(text, "speculative_config keys", '{"method": "ngram", "num_speculative_tokens": 4}')
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -168,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--data-parallel-routing", choices=tuple(ROUTINGS), default="cache-aware",
         help="which engine core takes a request: cache-aware (back to the engine holding the prompt's prefix "
              "unless it is overloaded, else the least loaded; docs/architecture.md) or round-robin")
+    add("-sc", "--speculative-config", type=_speculative_config, metavar="JSON",
+        help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
+             "(optional prompt_lookup_min / prompt_lookup_max; docs/speculative.md)")
     add("--enforce-eager", action="store_true",
         help="always run the eager forward: no captured decode step (on the CPU with the native kernels "
              "decode-only steps otherwise replay one captured plan per step; same tokens, less host time)")
@@ -375,7 +384,8 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                           enable_expert_parallel=values["enable_expert_parallel"],
                           distributed_executor_backend=values["distributed_executor_backend"],
                           data_parallel_size=values["data_parallel_size"], runner=values["runner"],
-                          convert=values["convert"], hf_overrides=values["hf_overrides"])
+                          convert=values["convert"], hf_overrides=values["hf_overrides"],
+                          speculative_config=values["speculative_config"])
     _check_mm_modality(parser, values["limit_mm_per_prompt"], engine)
     changes = {}  # applied in one replace: each one validates the whole config again
     videos = _video_limit(parser, values["limit_mm_per_prompt"], engine)

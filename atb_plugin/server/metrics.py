@@ -9,6 +9,10 @@ as vLLM's are) plus its ``_created`` companion series. Histogram buckets are vLL
 
 ``vllm:kv_cache_usage_perc`` is a fraction in [0, 1], as in vLLM despite its name.
 
+Speculative decoding adds vLLM's ``vllm:spec_decode_num_drafts``, ``_num_draft_tokens``,
+``_num_accepted_tokens`` and ``_num_accepted_tokens_per_pos`` (label ``position``), labelled
+``engine``, from an engine's first verified drafts on.
+
 Our own gauges use the ``atb_plugin:`` prefix: live shared-memory segments and bytes (the
 multimodal transport), the tokenizer workers' queue depth, and the requests aborted by a timeout
 (``atb_plugin:request_timeouts_total{kind="request"|"token"}``).
@@ -122,6 +126,7 @@ class ServerMetrics:
         timeouts = Counter("atb_plugin:request_timeouts", "Requests aborted by --request-timeout (kind request) or "
                            "--token-timeout (kind token).", labels + ["kind"], registry=r)
         self._request_timeouts = timeouts
+        self._spec: dict | None = None  # add_spec_decoding's counters, made with the first drafts
         for kind in TIMEOUT_KINDS:
             timeouts.labels(model_name, kind)
 
@@ -132,6 +137,28 @@ class ServerMetrics:
         self.num_requests_running[engine].set(running)
         self.num_requests_waiting[engine].set(waiting)
         self.kv_cache_usage[engine].set(kv_usage)
+
+    def add_spec_decoding(self, stats, engine: int = 0) -> None:
+        """Engine ``engine``'s speculative decoding since its last stats (a ``SpecDecodingStats``,
+        or None: no drafts verified). vLLM's counters, registered with the first drafts (an
+        engine without speculative decoding exposes none); per position, labelled ``position``."""
+        if stats is None:
+            return
+        if self._spec is None:
+            r, labels = self.registry, ["model_name", "engine"]
+            self._spec = {name: Counter(f"vllm:spec_decode_{name}", doc, labels, registry=r) for name, doc in (
+                ("num_drafts", "Number of spec decoding drafts."),
+                ("num_draft_tokens", "Number of draft tokens."),
+                ("num_accepted_tokens", "Number of accepted tokens."))}
+            self._spec["num_accepted_tokens_per_pos"] = Counter(
+                "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+                labels + ["position"], registry=r)
+        engine_label = str(engine)
+        for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            self._spec[name].labels(self.model_name, engine_label).inc(getattr(stats, name))
+        per_pos = self._spec["num_accepted_tokens_per_pos"]
+        for position, count in enumerate(stats.num_accepted_tokens_per_pos):
+            per_pos.labels(self.model_name, engine_label, str(position)).inc(count)
 
     def add_prefix_cache(self, queries: int, hits: int, engine: int = 0) -> None:
         """Tokens looked up in engine ``engine``'s prefix cache and tokens found, since its last call."""
