@@ -176,11 +176,15 @@ def _room(module: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "atb_plugin" and len(parts) > 1 else parts[0]
 
 
+def _module_of(path: Path) -> str:
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
 def _imports():
     """(importing module's room, imported module, path) for every absolute import in the packages."""
     for package in ("atb_plugin", "routers", "input_builders", "shm"):
         for path in sorted((ROOT / package).rglob("*.py")):
-            module = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            module = _module_of(path)
             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
                 if isinstance(node, ast.Import):
                     names = [alias.name for alias in node.names]
@@ -222,10 +226,6 @@ def test_one_place_builds_engine_core_requests():
 
 
 # -- no circle between files ------------------------------------------------------------------------
-
-def _module_of(path: Path) -> str:
-    return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
-
 
 def _file_imports(path: Path, modules: set[str]):
     """The atb_plugin modules one file imports, at any depth (a function-level import counts: it is
