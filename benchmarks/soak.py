@@ -229,7 +229,7 @@ class RequestFactory:
     def __init__(self, model: str, max_model_len: int, max_tokens: int, seed: int, takes_images: bool = True,
                  takes_video: bool = True):
         self.model, self.max_model_len, self.max_tokens = model, max_model_len, max_tokens
-        self.takes_images = takes_images
+        self.takes_images, self.takes_video = takes_images, takes_video
         self.shared_videos = [video_data_url(seed * 100 + i) for i in range(SHARED_VIDEOS)] if takes_video else []
         self.many_frames = many_frames_data_url() if takes_video else None
         self.disconnect_tokens = max(max_tokens + 1, min(2048, max_model_len // 2))
@@ -991,7 +991,7 @@ def report(run: Run, model: str, log_dir: Path, idle: CoreMetrics | None) -> dic
     return {
         "clients": args.clients, "duration_s": args.duration, "seed": args.seed, "model": model,
         "max_tokens": args.max_tokens, "kill_engine_at_s": args.kill_engine_at, "log_dir": str(log_dir),
-        "takes_images": run.factory.takes_images, "takes_video": run.factory.many_frames is not None,
+        "takes_images": run.factory.takes_images, "takes_video": run.factory.takes_video,
         "mix": dict(run.mix.shares),
         "requests": {kind: {r: counts[r] for r in RESULTS} for kind, counts in sorted(run.tally.by_kind.items())},
         "totals": totals, "unexpected": totals[UNEXPECTED], "unexpected_examples": run.tally.unexpected_examples,

@@ -159,10 +159,6 @@ class Message:
         return "".join(p.text for p in self.parts if isinstance(p, TextPart))
 
 
-_VIDEO_KINDS = VIDEO_PART_TYPES
-_AUDIO_KINDS = AUDIO_PART_TYPES
-
-
 def _short(value, limit: int = 60) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
@@ -181,7 +177,7 @@ def parse_part(item, where: str) -> Part:
         elif "image" in item:
             kind = "image"
         else:
-            kind = next((k for k in item if k in _VIDEO_KINDS + _AUDIO_KINDS), None)
+            kind = next((k for k in item if k in VIDEO_PART_TYPES + AUDIO_PART_TYPES), None)
             if kind is None:
                 raise ConversationError(f"{where}: {unknown_part_keys(item, 'item')}")
     if kind == "text":
@@ -200,9 +196,9 @@ def parse_part(item, where: str) -> Part:
         if ref is None or (isinstance(ref, str) and not ref):
             raise ConversationError(f'{where}: an image part needs {{"image": <path, URL or base64>}}')
         return ImagePart(ref)
-    if kind in _AUDIO_KINDS:
+    if kind in AUDIO_PART_TYPES:
         return parse_audio_part(item, kind, where)
-    if kind in _VIDEO_KINDS:
+    if kind in VIDEO_PART_TYPES:
         return parse_video_part(item, kind, where)
     raise ConversationError(f"{where}: {unknown_part_type(_short(kind))}")
 

@@ -299,8 +299,8 @@ def _probe(data: bytes, source: str, config: MediaConfig, budget: DecodeBudget) 
                 f"{config.limits.max_video_frame_pixels} ({knob(config, 'max_video_frame_pixels')}); send a smaller video")
         duration = _header_duration(container, stream)
         _check_duration(duration, source, config)
-        header_rate = stream.average_rate or stream.guessed_rate
-        budget.check_header(stream.frames, duration, float(header_rate) if header_rate else None)
+        rate = stream.average_rate or stream.guessed_rate
+        budget.check_header(stream.frames, duration, float(rate) if rate else None)
         pts, keys = [], []
         try:
             for packet in container.demux(stream):
@@ -323,7 +323,6 @@ def _probe(data: bytes, source: str, config: MediaConfig, budget: DecodeBudget) 
         if duration is None:  # no header duration: the timestamps say (refused still before decoding)
             duration = span
             _check_duration(duration, source, config)
-        rate = stream.average_rate or stream.guessed_rate
         fps = float(rate) if rate else (len(pts_sorted) / duration if duration > 0 else 0.0)
         if not fps > 0:
             raise MediaDecodeError(f"{source}: its video stream has no frame rate; the file is corrupt")

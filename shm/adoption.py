@@ -66,10 +66,10 @@ class AdoptedSegments:
             if not take_over_marker(instance_id, ProcessIdentity.current()):
                 logger.warning("shm: instance %s was reaped before it could be adopted", instance_id)
                 return False
-            for name in list_segment_names():
-                if _instance_of(name) == instance_id and name not in kept:
-                    unlink_segment(name)  # cached, or a write the dead process never finished
-            missing = sorted(kept - set(list_segment_names()))
+            present = {name for name in list_segment_names() if _instance_of(name) == instance_id}
+            for name in present - kept:
+                unlink_segment(name)  # cached, or a write the dead process never finished
+            missing = sorted(kept - present)
             if missing:
                 logger.warning("shm: adopted segments of instance %s were already gone: %s", instance_id, missing)
         with self._lock:

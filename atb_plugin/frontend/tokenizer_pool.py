@@ -46,7 +46,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any, Union
+from typing import Any, NamedTuple, Union
 
 import msgspec
 import zmq
@@ -383,6 +383,11 @@ def _run(job_id: int, job: Job, processor, store) -> Reply:
     return Reply(job_id, ok, leased=store.leased_names(job.request_id) if hasattr(job, "request_id") else [])
 
 
+class _JobBudget(NamedTuple):
+    deadline: float  # monotonic: when the job's budget ends
+    error: str  # what its client is told (504) if the watchdog kills the worker for it
+
+
 @dataclass
 class _Worker:
     index: int
@@ -394,10 +399,9 @@ class _Worker:
     pending: set = field(default_factory=set)
     # Since when it has owed a reply without sending one (None: it owes none): the watchdog's clock.
     silent_since: float | None = None
-    # A media worker's running job: when its budget ends (monotonic), and what to tell its client
-    # if the watchdog kills the worker for it.
-    deadline: float | None = None
-    budget_error: str | None = None
+    # A media worker's running job's budget (None: it runs none); killed_for_budget: the watchdog
+    # killed it for overrunning that budget.
+    budget: _JobBudget | None = None
     killed_for_budget: bool = False
     # A media worker's leases still held (request id -> segment names): adopted if it dies.
     leases: dict[str, list[str]] = field(default_factory=dict)
@@ -499,7 +503,7 @@ class TokenizerPool:
                 if worker is None or not worker.process.is_alive():
                     continue
                 if worker.media:
-                    if worker.deadline is not None and now > worker.deadline and not worker.killed_for_budget:
+                    if worker.budget is not None and now > worker.budget.deadline and not worker.killed_for_budget:
                         logger.error("media worker %d is still decoding past its job's budget; killing and "
                                      "replacing it", worker.index)
                         worker.killed_for_budget = True
@@ -546,8 +550,7 @@ class TokenizerPool:
                 worker.pending.discard(message.id)
                 worker.silent_since = time.monotonic() if worker.pending else None
                 if worker.media and not worker.pending:
-                    worker.deadline = worker.budget_error = None
-                    self._wake_media_waiters()
+                    self._media_job_ended(worker)
             if not future.done():
                 future.set_result(message)
 
@@ -556,8 +559,8 @@ class TokenizerPool:
             return
         logger.error("%s worker %d died (exit code %s); replacing it", _kind(worker), worker.index,
                      worker.process.exitcode)
-        if worker.killed_for_budget and worker.budget_error is not None:
-            error = RequestError(504, worker.budget_error)
+        if worker.killed_for_budget and worker.budget is not None:
+            error = RequestError(504, worker.budget.error)
         elif worker.media:
             error = RequestError(500, f"the media worker decoding this request's video or audio died (exit code "
                                       f"{worker.process.exitcode}); retry it, or send a smaller file")
@@ -611,6 +614,11 @@ class TokenizerPool:
                 if waiter in self._media_waiters:
                     self._media_waiters.remove(waiter)
 
+    def _media_job_ended(self, worker: _Worker) -> None:
+        """A media worker's job is over (answered, or never sent): it is free for the next."""
+        worker.budget = None
+        self._wake_media_waiters()
+
     def _wake_media_waiters(self) -> None:
         waiters, self._media_waiters = self._media_waiters, []
         for waiter in waiters:
@@ -633,16 +641,15 @@ class TokenizerPool:
         if items:
             worker = await self._free_media_worker()
             # Nothing awaits from here until the job is in its pending set: no other call can take it.
-            seconds, worker.budget_error = self._media_budget(items)
-            worker.deadline = time.monotonic() + seconds
+            seconds, error = self._media_budget(items)
+            worker.budget = _JobBudget(time.monotonic() + seconds, error)
         worker = worker or self._pick()
         job_id = next(self._job_ids)
         try:
             payload = _encoder.encode(Envelope(job_id, job))
         except (UnicodeEncodeError, OverflowError, TypeError) as error:  # unpaired surrogates, huge ints
             if items:
-                worker.deadline = worker.budget_error = None
-                self._wake_media_waiters()
+                self._media_job_ended(worker)
             raise InvalidRequestError(f"the request holds a value that cannot be processed: {error}") from None
         future = asyncio.get_running_loop().create_future()
         self._futures[job_id] = (future, worker.index)
