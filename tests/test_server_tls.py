@@ -29,9 +29,6 @@ from atb_plugin.server.cli import parse_config
 from atb_plugin.testing.tiny import tiny_checkpoint
 from tests.server_helpers import REPO_ROOT, ServerProcess
 
-# Each module starts real servers: `-m "not slow"` skips them in quick local loops (CI runs them).
-pytestmark = pytest.mark.slow
-
 MODEL = str(tiny_checkpoint("qwen2"))
 KEY = "sekret"
 CHAT = [{"role": "user", "content": "hi"}]
@@ -162,6 +159,7 @@ def test_plain_http_to_the_tls_port_gets_no_answer_and_the_key_is_never_accepted
 
 # -- one-way TLS from flags ----------------------------------------------------------------------------
 
+@pytest.mark.server
 def test_flags_serve_https_to_a_client_that_trusts_the_ca(pki):
     args = ["--ssl-certfile", pki["server_cert"], "--ssl-keyfile", pki["server_key_plain"]]
     server = ServerProcess(MODEL, *args, client_tls=client_context(pki, None))
@@ -175,6 +173,7 @@ def test_flags_serve_https_to_a_client_that_trusts_the_ca(pki):
 
 # -- no silent downgrade -------------------------------------------------------------------------------
 
+@pytest.mark.server  # the command exits at once, but it is the server's
 def test_https_asked_for_without_a_certificate_refuses_to_start(pki):
     config = mindie_config(pki, tlsCert="", tlsPk="")
     with pytest.raises(ValueError, match="HTTPS was asked for.*tlsCert.*--allow-insecure-http"):

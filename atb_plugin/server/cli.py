@@ -23,7 +23,7 @@ import threading
 from atb_plugin.engine.config import DEFAULT_KV_CACHE_BYTES, DEVICES, DTYPES, EXECUTOR_BACKENDS, EngineConfig
 from atb_plugin.engine.dp_client import ROUTINGS
 from atb_plugin.multimodal.budgets import VIDEO_FPS, VIDEO_MAX_FRAMES, VIDEO_MIN_FRAMES
-from atb_plugin.multimodal.limits import MediaLimits
+from atb_plugin.multimodal.limits import LIMIT_FIELDS, MediaLimits
 from atb_plugin.multimodal.wire import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 from atb_plugin.pooling.config import CONVERT_TYPES, RUNNER_TYPES
 from atb_plugin.models.quantization.config import METHODS as QUANTIZATION_METHODS
@@ -362,14 +362,11 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
             from atb_plugin.default_model import EMBEDDING_MODEL_NAME
 
             values["served_model_name"] = EMBEDDING_MODEL_NAME
+    # Every other limit is a flag of its own name (--max-image-bytes ...); the video count comes
+    # with the model (_video_limit, below).
     media = MediaLimits(limit_mm_per_prompt=_limit_value(values["limit_mm_per_prompt"]),
-                        max_image_bytes=values["max_image_bytes"], max_image_pixels=values["max_image_pixels"],
-                        max_request_pixels=values["max_request_pixels"], max_video_bytes=values["max_video_bytes"],
-                        max_video_seconds=values["max_video_seconds"], max_video_frames=values["max_video_frames"],
-                        max_video_frame_pixels=values["max_video_frame_pixels"],
-                        max_audio_bytes=values["max_audio_bytes"], max_audio_seconds=values["max_audio_seconds"],
-                        max_video_decode_frames=values["max_video_decode_frames"],
-                        media_decode_timeout=values["media_decode_timeout"])
+                        **{name: values[name] for name in LIMIT_FIELDS
+                           if name not in ("limit_mm_per_prompt", "limit_videos_per_prompt")})
     engine = EngineConfig(model=values["model"], dtype=values["dtype"], device=values["device"],
                           quantization=values["quantization"], quantize_lm_head=values["quantize_lm_head"],
                           max_model_len=values["max_model_len"], block_size=values["block_size"],

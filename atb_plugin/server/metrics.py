@@ -66,13 +66,15 @@ class ServerMetrics:
         labels = ["model_name"]
         r = self.registry
 
+        # The label ``engine`` (as vLLM's) under data parallelism; one engine keeps the series
+        # without it that dashboards already read. _engine_values[i]: engine i's label values.
+        engine_label = [] if engines == 1 else ["engine"]
+        self._engine_values = [[]] if engines == 1 else [[str(i)] for i in range(engines)]
+
         def per_engine(kind, name, doc) -> list:
-            """One child per engine core: labelled ``engine`` (as vLLM's) under data parallelism;
-            one engine keeps the single-label series that dashboards already read."""
-            if engines == 1:
-                return [kind(name, doc, labels, registry=r).labels(model_name)]
-            metric = kind(name, doc, labels + ["engine"], registry=r)
-            return [metric.labels(model_name, str(i)) for i in range(engines)]
+            """One child per engine core."""
+            metric = kind(name, doc, labels + engine_label, registry=r)
+            return [metric.labels(model_name, *values) for values in self._engine_values]
 
         def gauge(name, doc):
             return Gauge(name, doc, labels, registry=r).labels(model_name)
@@ -94,14 +96,13 @@ class ServerMetrics:
             Counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
-        # vLLM labels it per engine too (issue 45): one engine keeps the series dashboards read.
-        self._engine_labels = [] if engines == 1 else [str(i) for i in range(engines)]
+        # vLLM labels it per engine too (issue 45).
         success = Counter("vllm:request_success", "Count of successfully processed requests.",
-                          labels + ["finished_reason"] + (["engine"] if engines > 1 else []), registry=r)
+                          labels + ["finished_reason"] + engine_label, registry=r)
         self._request_success = success
         for reason in FINISH_REASONS:
-            for engine in self._engine_labels or [None]:
-                success.labels(model_name, reason, *([] if engine is None else [engine]))
+            for values in self._engine_values:
+                success.labels(model_name, reason, *values)
         self.time_to_first_token = histogram(
             "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS)
         self.inter_token_latency = histogram(
@@ -200,8 +201,8 @@ class ServerMetrics:
         The lengths are also added to ``vllm:prompt_tokens`` / ``vllm:generation_tokens`` unless
         ``count_tokens`` is False (for a caller that counts them with ``add_tokens`` as they are
         processed); ``ttft`` / ``itls``, when given, go to their histograms."""
-        engine_label = [self._engine_labels[engine]] if self._engine_labels else []
-        self._request_success.labels(self.model_name, finish_reason, *engine_label).inc()
+        values = self._engine_values[engine] if len(self._engine_values) > 1 else []
+        self._request_success.labels(self.model_name, finish_reason, *values).inc()
         self.e2e_request_latency.observe(e2e)
         if queue_time is not None:
             self.request_queue_time.observe(queue_time)
