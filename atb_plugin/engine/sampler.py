@@ -106,11 +106,12 @@ class Sampler:
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         output_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> SamplerOutput:
-        if logits.dim() == 2 and len(generators) != logits.shape[0]:
-            raise RuntimeError(f"one entry per row: {logits.shape[0]} rows of logits, {len(generators)} generators")
-        batch = logits.shape[0] if logits.dim() == 2 else 0
+        # ``process`` checks the shape and every other per-row sequence; the generators are ours.
         logits, raw_logprobs = self.process(logits, params, num_output_tokens, eos_token_ids,
                                             prompt_token_ids=prompt_token_ids, output_token_ids=output_token_ids)
+        batch = logits.shape[0]
+        if len(generators) != batch:
+            raise RuntimeError(f"one entry per row: {batch} rows of logits, {len(generators)} generators")
         if batch == 0:
             return SamplerOutput([], [])
 
