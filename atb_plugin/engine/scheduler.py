@@ -2,12 +2,13 @@
 
 One token budget per step (``max_num_batched_tokens``). Running requests go first, in the order
 they were admitted (a decode is 1 token, plus its draft tokens under speculative decoding; an
-unfinished prefill the rest of its prompt, cut to the budget: chunked prefill); then waiting requests in FCFS order while budget, ``max_num_seqs`` and
-KV blocks last (none in a step that preempted; a structured request whose grammar is still
-compiling keeps its place while those behind it are admitted). When a running request cannot
-get a block, the most recently admitted running request is preempted by recompute: its blocks
-are freed and it goes back to the FRONT of the waiting queue, so it is the next to resume (no
-starvation: the earliest-admitted running request is never the victim while another runs).
+unfinished prefill the rest of its prompt, cut to the budget: chunked prefill); then waiting
+requests in FCFS order while budget, ``max_num_seqs`` and KV blocks last (none in a step that
+preempted; a structured request whose grammar is still compiling keeps its place while those
+behind it are admitted). When a running request cannot get a block, the most recently admitted
+running request is preempted by recompute: its blocks are freed and it goes back to the FRONT of
+the waiting queue, so it is the next to resume (no starvation: the earliest-admitted running
+request is never the victim while another runs).
 
 Pooling requests are prefill only: each is scheduled whole (never chunked: a pooler needs every
 hidden state of the prompt in one step) or waits, and the step's pooled result finishes it, so
