@@ -26,7 +26,7 @@ from atb_plugin.engine.executor import make_executor
 from atb_plugin.engine.kv_cache_manager import KVCacheManager
 from atb_plugin.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from atb_plugin.engine.request import Request, RequestStatus
-from atb_plugin.engine.scheduler import Scheduler
+from atb_plugin.engine.scheduler import Scheduler, emitted_tokens
 from atb_plugin.engine.spec_decode.proposer import Proposer, make_proposer
 from atb_plugin.engine.structured_output import GrammarViolation, StructuredOutputManager
 from atb_plugin.engine.structured_output import check as check_structured_outputs
@@ -162,9 +162,9 @@ class EngineCore:
         other constraints left it no choice: ``GrammarViolation``) fails that request alone.
         Preemption recomputes the KV but keeps the output tokens, which the matcher has accepted
         already: it never needs a rollback."""
-        for request_id, token in list(result.sampled.items()):
+        for request_id in list(result.sampled):
             try:
-                for emitted in (token, *result.spec_sampled.get(request_id, ())):
+                for emitted in emitted_tokens(request_id, result.sampled, result.spec_sampled):
                     self.structured_output.accept(self.scheduler.requests[request_id], emitted)
             except GrammarViolation as error:
                 result.failed[request_id] = str(error)

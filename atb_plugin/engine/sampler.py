@@ -106,11 +106,12 @@ class Sampler:
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         output_token_ids: Sequence[Sequence[int]] | None = None,
     ) -> SamplerOutput:
-        if logits.dim() == 2 and len(generators) != logits.shape[0]:
-            raise RuntimeError(f"one entry per row: {logits.shape[0]} rows of logits, {len(generators)} generators")
-        batch = logits.shape[0] if logits.dim() == 2 else 0
+        # ``process`` checks the shape and every other per-row sequence; the generators are ours.
         logits, raw_logprobs = self.process(logits, params, num_output_tokens, eos_token_ids,
                                             prompt_token_ids=prompt_token_ids, output_token_ids=output_token_ids)
+        batch = logits.shape[0]
+        if len(generators) != batch:
+            raise RuntimeError(f"one entry per row: {batch} rows of logits, {len(generators)} generators")
         if batch == 0:
             return SamplerOutput([], [])
 
@@ -328,11 +329,16 @@ class Sampler:
         """The distribution each random row of processed ``logits`` samples from (temperature,
         min_p, top-k, top-p), over the whole vocabulary: what ``sample`` draws from, written
         out (the speculative rejection sampler's target ``p``)."""
-        logits, top_k, top_p = cls._tempered(logits, params)
-        if any(p < 1.0 for p in top_p) or any(k < logits.shape[1] for k in top_k):
-            sorted_logits, sorted_ids = cls._top_k_top_p_sorted(logits, top_k, top_p)
-            logits = torch.full_like(logits, float("-inf")).scatter_(1, sorted_ids, sorted_logits)
-        return logits.softmax(dim=-1)
+        return cls._top_k_top_p(*cls._tempered(logits, params)).softmax(dim=-1)
+
+    @classmethod
+    def _top_k_top_p(cls, logits, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+        """``logits`` with each row's top-k / top-p masked (-inf), in vocabulary order (so that
+        noise value i always races token i); ``logits`` itself when no row limits either."""
+        if all(p >= 1.0 for p in top_p) and all(k >= logits.shape[1] for k in top_k):
+            return logits
+        sorted_logits, sorted_ids = cls._top_k_top_p_sorted(logits, top_k, top_p)
+        return torch.full_like(logits, float("-inf")).scatter_(1, sorted_ids, sorted_logits)
 
     def _sample_random(self, logits, params, generators) -> torch.Tensor:
         vocab = logits.shape[1]
@@ -355,10 +361,7 @@ class Sampler:
                 picked = self._race(candidates.softmax(dim=-1), row_generators, row_k)
                 choice[index] = candidate_ids.gather(1, picked[:, None]).squeeze(1)
                 continue
-            if any(p < 1.0 for p in row_p) or any(k < vocab for k in row_k):
-                sorted_logits, sorted_ids = self._top_k_top_p_sorted(row_logits, row_k, row_p)
-                # Back to vocabulary order, so that noise value i always races token i.
-                row_logits = torch.full_like(row_logits, float("-inf")).scatter_(1, sorted_ids, sorted_logits)
+            row_logits = self._top_k_top_p(row_logits, row_k, row_p)
             choice[index] = self._race(row_logits.softmax(dim=-1), row_generators, [vocab] * len(rows))
         return choice
 

@@ -2,12 +2,13 @@
 
 One token budget per step (``max_num_batched_tokens``). Running requests go first, in the order
 they were admitted (a decode is 1 token, plus its draft tokens under speculative decoding; an
-unfinished prefill the rest of its prompt, cut to the budget: chunked prefill); then waiting requests in FCFS order while budget, ``max_num_seqs`` and
-KV blocks last (none in a step that preempted; a structured request whose grammar is still
-compiling keeps its place while those behind it are admitted). When a running request cannot
-get a block, the most recently admitted running request is preempted by recompute: its blocks
-are freed and it goes back to the FRONT of the waiting queue, so it is the next to resume (no
-starvation: the earliest-admitted running request is never the victim while another runs).
+unfinished prefill the rest of its prompt, cut to the budget: chunked prefill); then waiting
+requests in FCFS order while budget, ``max_num_seqs`` and KV blocks last (none in a step that
+preempted; a structured request whose grammar is still compiling keeps its place while those
+behind it are admitted). When a running request cannot get a block, the most recently admitted
+running request is preempted by recompute: its blocks are freed and it goes back to the FRONT of
+the waiting queue, so it is the next to resume (no starvation: the earliest-admitted running
+request is never the victim while another runs).
 
 Pooling requests are prefill only: each is scheduled whole (never chunked: a pooler needs every
 hidden state of the prompt in one step) or waits, and the step's pooled result finishes it, so
@@ -234,8 +235,7 @@ class Scheduler:
                 continue  # finished (failed, aborted) during the step
             chunk_start = request.num_computed_tokens
             drafts = output.scheduled_spec_tokens.get(request_id, ())
-            token = sampled.get(request_id)
-            tokens = [] if token is None else [token, *(spec_sampled or {}).get(request_id, ())]
+            tokens = emitted_tokens(request_id, sampled, spec_sampled)
             entries = [(logprobs or {}).get(request_id), *(spec_logprobs or {}).get(request_id, ())]
             request.num_computed_tokens += computed_advance(num_tokens, len(drafts), len(tokens))
             request.spec_token_ids = []
@@ -329,6 +329,14 @@ class Scheduler:
         request.num_computed_tokens = 0  # recompute from scratch (the prefix cache may help)
         request.spec_token_ids = []  # proposed again once it decodes
         self.waiting.appendleft(request)
+
+
+def emitted_tokens(request_id: str, sampled: dict[str, int], spec_sampled: dict[str, list[int]] | None) -> list[int]:
+    """The tokens a step emitted for ``request_id``, in order: its sampled token, then the rest of
+    its accepted run when it verified drafts; [] when it sampled none (a prefill chunk short of
+    its prompt's end). The core and every tensor-parallel rank's mirror read a step by this rule."""
+    token = sampled.get(request_id)
+    return [] if token is None else [token, *(spec_sampled or {}).get(request_id, ())]
 
 
 def computed_advance(num_scheduled: int, num_drafts: int, num_emitted: int) -> int:

@@ -22,7 +22,7 @@ from atb_plugin.engine.config import EngineConfig
 from atb_plugin.engine.memory_profile import MiB, kv_bytes_per_block, kv_cache_budget, weight_bytes
 from atb_plugin.engine.model_runner import ModelRunner, RunnerOutput
 from atb_plugin.engine.request import Request
-from atb_plugin.engine.scheduler import SchedulerOutput, computed_advance
+from atb_plugin.engine.scheduler import SchedulerOutput, computed_advance, emitted_tokens
 from atb_plugin.models import registry
 from atb_plugin.models.pooling_adapters import as_pooling_model
 from atb_plugin.platform import platform_for
@@ -146,8 +146,7 @@ class RequestMirror:
             if request_id in result.failed:
                 del self.requests[request_id]
                 continue
-            tokens = [result.sampled[request_id], *result.spec_sampled.get(request_id, ())] \
-                if request_id in result.sampled else []
+            tokens = emitted_tokens(request_id, result.sampled, result.spec_sampled)
             request.num_computed_tokens += computed_advance(count, len(output.scheduled_spec_tokens.get(request_id, ())),
                                                             len(tokens))
             for token in tokens:

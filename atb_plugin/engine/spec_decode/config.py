@@ -98,7 +98,6 @@ class SpeculativeConfig:
         return cls(**value)
 
 
-
 def _check_int(name: str, value, low: int, high: int | None = None) -> None:
     accepted = f"in [{low}, {high}]" if high is not None else f">= {low}"
     value = check_int(f"speculative_config.{name}", value, accepted)

@@ -83,21 +83,17 @@ class DraftModelProposer:
             for request_id, token in result.sampled.items():
                 shadow = self.shadows[request_id]
                 shadow.num_computed_tokens = shadow.num_tokens + len(drafts[request_id])
+                if token >= self.vocab_size:
+                    continue  # outside the target's vocabulary: the drafts stop before it
                 drafts[request_id].append(token)
-                if len(drafts[request_id]) >= limits[request_id] or token >= self.vocab_size:
+                if len(drafts[request_id]) >= limits[request_id]:
                     continue
                 blocks = self.kv.allocate_slots(shadow, 1)
                 if blocks is None:
                     continue  # what it has drafted so far stands
                 counts[request_id] = 1
                 new_blocks[request_id] = blocks
-        return [self._valid(drafts.get(request_id, [])) for request_id in request_ids]
-
-    def _valid(self, tokens: list[int]) -> list[int]:
-        for i, token in enumerate(tokens):
-            if token >= self.vocab_size:
-                return tokens[:i]
-        return tokens
+        return [drafts.get(request_id, []) for request_id in request_ids]
 
     def _shared_prefix(self, shadow: Request, ids: Sequence[int]) -> int:
         """How many leading tokens of ``ids`` the draft's KV holds: its computed tokens, cut at

@@ -33,7 +33,10 @@ class NgramProposer:
                 continue  # a media handle never starts a match: its block is not text to repeat
             # Window i is tokens[i:i + n], followed by tokens[i + n]; the suffix itself is excluded.
             windows = sliding_window_view(tokens[:length - 1], n)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))
+            # Whole windows are compared only where their first token matches: comparing every
+            # window was most of a call's time on a long sequence (it runs per request per step).
+            starts = np.flatnonzero(windows[:, 0] == suffix[0])
+            hits = starts[(windows[starts] == suffix).all(axis=1)]
             if hits.size == 0:
                 continue
             start = int(hits[0]) + n
