@@ -304,13 +304,8 @@ def calibrate(shapes: Iterable[Shape], budget_s: float | None = None,
 
 
 def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "Hardware", "cpu model")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return os.uname().machine
+    line = cpu_native.cpuinfo_line(("model name", "Hardware", "cpu model"))
+    return line.split(":", 1)[1].strip() if line else os.uname().machine
 
 
 def cache_key(shapes: Iterable[Shape]) -> dict:
