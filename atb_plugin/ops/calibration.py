@@ -229,15 +229,14 @@ def measure(dtype_name: str, shapes: Counter, candidates: list[Candidate], budge
     of rounds that interleave the candidates (a shared machine's drift hits them alike)."""
     dtype = DTYPES[dtype_name]
     total_bytes = sum(_weight_bytes(shape, count) for shape, count in shapes.items())
-    built: dict[str, list[tuple[nn.Module, float]]] = {}
-    for candidate in candidates:
-        modules = []
-        for (_, out, inp, has_bias), count in shapes.items():
-            copies = max(1, min(count, math.ceil(count * COLD_BYTES / total_bytes)))
-            weight = (torch.randn(out, inp, generator=generator) / math.sqrt(inp)).to(dtype)
-            bias = torch.zeros(out, dtype=dtype) if has_bias else None
-            modules += [(candidate.build(weight, bias), count / copies) for _ in range(copies)]  # each a copy
-        built[candidate.name] = modules
+    built: dict[str, list[tuple[nn.Module, float]]] = {candidate.name: [] for candidate in candidates}
+    for (_, out, inp, has_bias), count in shapes.items():
+        copies = max(1, min(count, math.ceil(count * COLD_BYTES / total_bytes)))
+        # one random weight per shape (drawing it is a large share of the build), every module a copy of it
+        weight = (torch.randn(out, inp, generator=generator) / math.sqrt(inp)).to(dtype)
+        bias = torch.zeros(out, dtype=dtype) if has_bias else None
+        for candidate in candidates:
+            built[candidate.name] += [(candidate.build(weight, bias), count / copies) for _ in range(copies)]
     widths = {inp for (_, _, inp, _) in shapes}
     inputs = {rows: {w: torch.randn(rows, w, generator=generator).to(dtype) for w in widths} for rows in ROWS}
     samples: dict[str, dict[int, list[float]]] = {c.name: {r: [] for r in ROWS} for c in candidates}
