@@ -243,3 +243,14 @@ def test_the_choice_is_logged_at_start_up_measured_then_cached(caplog):
         served = {"panels": PanelLinear, "onednn": PackedLinear, "dense": nn.Linear}[form]
         assert all(type(m) is served for m in model.modules() if isinstance(m, (PanelLinear, PackedLinear, nn.Linear)))
         assert (llm.engine.core.runner.decode_capture == "captured") == (form == "panels")
+
+
+def test_a_model_without_a_cpu_float_layer_to_pack_measures_nothing(monkeypatch):
+    """A model on another device (the NPU's: here the meta device) or without linear layers:
+    no calibration, so no CPU probe or kernel build at its load."""
+    from atb_plugin.models.linear import pack_linear_layers
+
+    monkeypatch.setattr(calibration, "packing_rule", lambda *a, **k: pytest.fail("measured"))
+    model = nn.Sequential(nn.Embedding(4, 4), nn.Linear(4, 4, device="meta"))
+    summary = pack_linear_layers(model)
+    assert summary.packed == summary.skipped == 0 and type(model[1]) is nn.Linear

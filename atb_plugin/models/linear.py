@@ -210,9 +210,11 @@ def process_weights_after_loading(model: nn.Module, config: QuantizationConfig) 
     for module in model.modules():
         for parameter in module.parameters(recurse=False):
             holders[id(parameter)] = holders.get(id(parameter), 0) + 1
-    rule = None
-    if config.float_method.pack:  # the forms this machine runs fastest, measured once (ops/calibration.py)
-        rule = calibration.packing_rule(_float_shapes(model, config.float_method))
+    # The forms this machine runs fastest, measured once (ops/calibration.py); only where a CPU float
+    # layer packs: a model on the NPU (or one with no such layer) neither measures nor builds the
+    # native CPU kernels for it.
+    shapes = _float_shapes(model, config.float_method) if config.float_method.pack else []
+    rule = calibration.packing_rule(shapes) if shapes else None
     summary = PackingSummary()
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -230,7 +232,7 @@ def process_weights_after_loading(model: nn.Module, config: QuantizationConfig) 
                 served = method.process_weights_after_loading(child)
             if served is not child:
                 setattr(parent, name, served)
-    if rule is not None:
+    if config.float_method.pack:
         summary.log()
     return summary
 

@@ -151,34 +151,59 @@ def tolerance(dtype: torch.dtype, in_features: int) -> float:
     return in_features * 2.0 ** -23 + rounding
 
 
-def check(candidate: Candidate, shape: Shape, generator: torch.Generator) -> str | None:
+class Reference:
+    """One shape's check data, shared by every candidate of its dtype: random weights (and bias)
+    rounded to the dtype, and per row count and input dtype the inputs with their float64 product
+    and the product of magnitudes (made on first use). The float64 products are most of a check's
+    time: made once per shape, not once per candidate."""
+
+    def __init__(self, shape: Shape, generator: torch.Generator):
+        dtype_name, out_features, in_features, has_bias = shape
+        if out_features > CHECK_MAX_OUT:  # outputs are independent along out: the same tail of a panel, fewer of them
+            out_features = CHECK_MAX_OUT - PANEL_GROUP + out_features % PANEL_GROUP
+        dtype = DTYPES[dtype_name]
+        self.out_features, self.in_features, self.generator = out_features, in_features, generator
+        self.weight = (torch.randn(out_features, in_features, generator=generator) / math.sqrt(in_features)).to(dtype)
+        self.bias = torch.randn(out_features, generator=generator).to(dtype) if has_bias else None
+        self._weight64 = self.weight.double()
+        self._products: dict[tuple[int, torch.dtype], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def product(self, rows: int, x_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(x, x @ W.T + b, |x| @ |W|.T + |b|)``, the last two in float64, for ``rows`` inputs of ``x_dtype``."""
+        key = (rows, x_dtype)
+        if key not in self._products:
+            x = torch.randn(rows, self.in_features, generator=self.generator).to(x_dtype)
+            reference = x.double() @ self._weight64.T
+            scale = x.double().abs() @ self._weight64.abs().T
+            if self.bias is not None:
+                reference, scale = reference + self.bias.double(), scale + self.bias.double().abs()
+            self._products[key] = (x, reference, scale)
+        return self._products[key]
+
+
+def check(candidate: Candidate, shape: Shape, generator: torch.Generator,
+          reference: Reference | None = None) -> str | None:
     """Why ``candidate`` disagrees with the float64 reference on ``shape`` (None: it agrees), at
     every row count of ROWS, inputs in the weight's dtype as the eager model runs them (and float32
-    ones for bfloat16 panels, as the captured step runs them)."""
-    dtype_name, out_features, in_features, has_bias = shape
-    dtype = DTYPES[dtype_name]
-    if out_features > CHECK_MAX_OUT:  # outputs are independent along out: the same tail of a panel, fewer of them
-        out_features = CHECK_MAX_OUT - PANEL_GROUP + out_features % PANEL_GROUP
-    weight = (torch.randn(out_features, in_features, generator=generator) / math.sqrt(in_features)).to(dtype)
-    bias = torch.randn(out_features, generator=generator).to(dtype) if has_bias else None
+    ones for bfloat16 panels, as the captured step runs them). ``reference``: the shape's data
+    other candidates are checked against too (default: new, from ``generator``)."""
+    reference = reference or Reference(shape, generator)
+    out_features, in_features = reference.out_features, reference.in_features
+    dtype = DTYPES[shape[0]]
     try:
-        module = candidate.build(weight, bias)
+        module = candidate.build(reference.weight, reference.bias)
         # bfloat16 panels also take float32 rows: the captured decode step's activations
         activations = (dtype, torch.float32) if isinstance(module, PanelLinear) and module.bf16 else (dtype,)
         for rows, x_dtype in itertools.product(ROWS, activations):
-            x = torch.randn(rows, in_features, generator=generator).to(x_dtype)
+            x, expected, scale = reference.product(rows, x_dtype)
             with torch.inference_mode():
                 got = module(x)
-            reference = x.double() @ weight.double().T
-            scale = x.double().abs() @ weight.double().abs().T
-            if bias is not None:
-                reference, scale = reference + bias.double(), scale + bias.double().abs()
-            if got.shape != reference.shape:
+            if got.shape != expected.shape:
                 return f"({out_features}, {in_features}) at {rows} rows: shape {tuple(got.shape)}"
             bound = tolerance(x_dtype, in_features)  # the result has x's dtype
-            excess = ((got.double() - reference).abs() - bound * scale).max().item()
+            excess = ((got.double() - expected).abs() - bound * scale).max().item()
             if not excess <= 0:  # NaN fails too
-                error = (got.double() - reference).abs().max().item()
+                error = (got.double() - expected).abs().max().item()
                 return (f"({out_features}, {in_features}) at {rows} rows: max |error| {error:.3g} beyond "
                         f"{bound:.2g} x |x| |w|")
     except Exception as exc:  # noqa: BLE001 -- a candidate that raises is as disabled as a wrong one
@@ -204,15 +229,14 @@ def measure(dtype_name: str, shapes: Counter, candidates: list[Candidate], budge
     of rounds that interleave the candidates (a shared machine's drift hits them alike)."""
     dtype = DTYPES[dtype_name]
     total_bytes = sum(_weight_bytes(shape, count) for shape, count in shapes.items())
-    built: dict[str, list[tuple[nn.Module, float]]] = {}
-    for candidate in candidates:
-        modules = []
-        for (_, out, inp, has_bias), count in shapes.items():
-            copies = max(1, min(count, math.ceil(count * COLD_BYTES / total_bytes)))
-            weight = (torch.randn(out, inp, generator=generator) / math.sqrt(inp)).to(dtype)
-            bias = torch.zeros(out, dtype=dtype) if has_bias else None
-            modules += [(candidate.build(weight, bias), count / copies) for _ in range(copies)]  # each a copy
-        built[candidate.name] = modules
+    built: dict[str, list[tuple[nn.Module, float]]] = {candidate.name: [] for candidate in candidates}
+    for (_, out, inp, has_bias), count in shapes.items():
+        copies = max(1, min(count, math.ceil(count * COLD_BYTES / total_bytes)))
+        # one random weight per shape (drawing it is a large share of the build), every module a copy of it
+        weight = (torch.randn(out, inp, generator=generator) / math.sqrt(inp)).to(dtype)
+        bias = torch.zeros(out, dtype=dtype) if has_bias else None
+        for candidate in candidates:
+            built[candidate.name] += [(candidate.build(weight, bias), count / copies) for _ in range(copies)]
     widths = {inp for (_, _, inp, _) in shapes}
     inputs = {rows: {w: torch.randn(rows, w, generator=generator).to(dtype) for w in widths} for rows in ROWS}
     samples: dict[str, dict[int, list[float]]] = {c.name: {r: [] for r in ROWS} for c in candidates}
@@ -272,15 +296,22 @@ def calibrate(shapes: Iterable[Shape], budget_s: float | None = None,
     for dtype_name in dtype_names:
         dtype = DTYPES[dtype_name]
         mine = Counter({shape: count for shape, count in counted.items() if shape[0] == dtype_name})
+        unavailable = {c.name: c.unavailable(dtype) for c in CANDIDATES.values()}
+        wrong: dict[str, str] = {}  # each candidate's first shape that fails, in the order of ``mine``
+        for shape in mine:  # one shape's reference at a time, shared by the candidates still in
+            reference = Reference(shape, generator)
+            for candidate in CANDIDATES.values():
+                if unavailable[candidate.name] is None and candidate.name not in wrong:
+                    why = check(candidate, shape, generator, reference)
+                    if why is not None:
+                        wrong[candidate.name] = why
         disabled, passed = {}, []
         for candidate in CANDIDATES.values():
-            why = candidate.unavailable(dtype)
-            if why is None:
-                why = next(filter(None, (check(candidate, shape, generator) for shape in mine)), None)
-                if why is not None:
-                    logger.warning("linear form %r disabled for %s weights: its check against a float64 reference "
-                                   "failed, %s", candidate.name, dtype_name, why)
-                    why = f"wrong: {why}"
+            why = unavailable[candidate.name]
+            if why is None and candidate.name in wrong:
+                logger.warning("linear form %r disabled for %s weights: its check against a float64 reference "
+                               "failed, %s", candidate.name, dtype_name, wrong[candidate.name])
+                why = f"wrong: {wrong[candidate.name]}"
             if why is None:
                 passed.append(candidate)
             else:
@@ -304,13 +335,8 @@ def calibrate(shapes: Iterable[Shape], budget_s: float | None = None,
 
 
 def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "Hardware", "cpu model")):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return os.uname().machine
+    line = cpu_native.cpuinfo_line(("model name", "Hardware", "cpu model"))
+    return line.split(":", 1)[1].strip() if line else os.uname().machine
 
 
 def cache_key(shapes: Iterable[Shape]) -> dict:

@@ -189,8 +189,9 @@ def _load():
     with _lock:
         if not _loaded:
             try:
-                probed = _limit(_probe())
-                library = _bind(ctypes.CDLL(str(_build(probed))))
+                compiler = _compiler()  # one `cc --version` for the probe's key and the library's
+                probed = _limit(_probe(compiler))
+                library = _bind(ctypes.CDLL(str(_build(probed, compiler))))
                 library.cpu_set_features(sum(1 << FEATURES.index(n) for n, ok in probed.items() if ok))
                 _loaded["features"] = probed
                 _loaded["library"] = library
@@ -229,14 +230,20 @@ def _bind(library: ctypes.CDLL) -> ctypes.CDLL:
     return library
 
 
-def _cpu_flags() -> str:
+def cpuinfo_line(keys: tuple[str, ...]) -> str | None:
+    """The first line of /proc/cpuinfo starting with one of ``keys`` (None: no such line, or no
+    /proc/cpuinfo)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
+            if line.startswith(keys):
                 return line
     except OSError:
         pass
-    return os.uname().machine
+    return None
+
+
+def _cpu_flags() -> str:
+    return cpuinfo_line(("flags", "Features")) or os.uname().machine
 
 
 def _compiler() -> tuple[list[str], str]:
@@ -288,13 +295,13 @@ def _probe_dir() -> Path:
     return _cache_dir().with_name("kernels-probe")
 
 
-def _probe() -> dict[str, bool]:
+def _probe(compiler: tuple[list[str], str]) -> dict[str, bool]:
     """Each of FEATURES: whether its instructions ran in a child process (csrc/cpu_probe.c). The
     probe program is built once (cached like the library) and run at every load: a few
     milliseconds, and the answer is this process's, not one a migrated VM once had."""
-    if os.uname().machine not in ("x86_64", "amd64"):
+    if not _x86():
         return {}
-    compiler, version = _compiler()
+    compiler, version = compiler
     key = hashlib.sha256(b"\0".join([_source_digest(), version.encode()])).hexdigest()[:16]
     program = _probe_dir() / f"cpu_probe-{key}"
     try:
@@ -343,9 +350,10 @@ def _unit_flags(probed: dict[str, bool]) -> dict[str, list[str]]:
     return {name: _isa_flags(probed) if sets is None else ["-mtune=native", *sets] for name, sets in UNITS.items()}
 
 
-def _build(probed: dict[str, bool]) -> Path:
-    """The library: each file compiled to an object with its own flags (UNITS), then linked."""
-    compiler, version = _compiler()
+def _build(probed: dict[str, bool], compiler: tuple[list[str], str]) -> Path:
+    """The library: each file compiled to an object with its own flags (UNITS), then linked
+    (``compiler``: ``_compiler()``'s command and version)."""
+    compiler, version = compiler
     units = _unit_flags(probed)
     described = " ".join(f"{name}:{','.join(flags)}" for name, flags in units.items())
     key = hashlib.sha256(b"\0".join([_source_digest(), " ".join(CFLAGS).encode(), described.encode(),

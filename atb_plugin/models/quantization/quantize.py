@@ -23,7 +23,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from atb_plugin.models.linear import (DECODER, LM_HEAD, ROW, LinearMethodBase, LinearSpec, QuantizationConfig,
+from atb_plugin.models.linear import (DECODER, LM_HEAD, LinearMethodBase, LinearSpec, QuantizationConfig,
                                       attach, float_spec, linear_method_class)
 from atb_plugin.models.quantization import w8a8_dynamic, w8a8_static, w8a16  # noqa: F401 (their methods register)
 from atb_plugin.models.quantization.config import (FLOAT, ON_THE_FLY_SCHEME, QuantConfig, QuantizationError,
@@ -125,13 +125,11 @@ def quantization_config(build_float_model: Callable[[], nn.Module], model_dir, q
 @dataclass(frozen=True)
 class LinearSlot:
     """One linear layer ``OnTheFlyConfig`` quantizes: ``getattr(parent, name)``; ``path`` its
-    module name in the model; ``row_parallel``: split along its input features under tensor
-    parallelism."""
+    module name in the model."""
 
     parent: nn.Module
     name: str
     path: str
-    row_parallel: bool
 
 
 def language_model_linears(model: nn.Module) -> list[LinearSlot]:
@@ -141,7 +139,7 @@ def language_model_linears(model: nn.Module) -> list[LinearSlot]:
         spec = getattr(module, "linear_spec", None)
         if spec is not None and spec.role == DECODER:
             parent, _, name = path.rpartition(".")
-            slots.append(LinearSlot(model.get_submodule(parent), name, path, spec.parallel == ROW))
+            slots.append(LinearSlot(model.get_submodule(parent), name, path))
     return slots
 
 
