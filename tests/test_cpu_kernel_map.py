@@ -21,7 +21,7 @@ from atb_plugin.ops import cpu_native
 from tests.test_cpu_native_lowp import _gen, _within
 
 SLOTS = ("paged_decode", "rms_norm", "rotary", "silu_and_mul", "argmax", "linear_panels", "quantize_rows",
-         "w8a16_block", "w8a8_block")
+         "w8a16_block", "w8a8_block", "linear_bf16_dot")
 FLOAT_SLOTS = SLOTS[:6]
 # The variant sets a test can ask for, each the probe names it needs (isa_*.c, dispatch.c).
 VARIANT_SETS = {
@@ -30,6 +30,7 @@ VARIANT_SETS = {
     "avx512": ("avx2", "avx512"),
     "avx_vnni": ("avx2", "avx_vnni"),
     "avx512_vnni": ("avx2", "avx512", "avx512_vnni"),
+    "avx512_bf16": ("avx2", "avx512", "avx512_bf16"),
 }
 
 
@@ -76,7 +77,8 @@ def _expected(found: dict[str, bool]) -> dict[str, str]:
     w8a8 = ("avx512_vnni" if avx512 and found.get("avx512_vnni") else "avx_vnni" if avx2 and found.get("avx_vnni")
             else "avx2" if avx2 else "portable")
     return {**{slot: base for slot in FLOAT_SLOTS}, "quantize_rows": "avx2" if avx2 else "portable",
-            "w8a16_block": "avx2" if avx2 else "portable", "w8a8_block": w8a8}
+            "w8a16_block": "avx2" if avx2 else "portable", "w8a8_block": w8a8,
+            "linear_bf16_dot": "avx512_bf16" if avx512 and found.get("avx512_bf16") else "portable"}
 
 
 # -- what Python and C share --------------------------------------------------------------------

@@ -150,8 +150,7 @@ class UnquantizedLinearMethod(LinearMethodBase):
 
     def native_operands(self, layer: nn.Module) -> cpu_native.LinearOperands | str:
         if isinstance(layer, PanelLinear):  # the panels as the captured decode step reads them
-            return cpu_native.LinearOperands(cpu_native.LINEAR_BF16 if layer.bf16 else cpu_native.LINEAR_F32,
-                                             layer.weight_panels, bias=layer.padded_bias)
+            return layer.native_operands()
         return super().native_operands(layer)
 
 

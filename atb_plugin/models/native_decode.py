@@ -73,7 +73,7 @@ class NativeDecodeStep:
 
     def _linear(self, operands: cpu_native.LinearOperands) -> cpu_native.DecodeLinear:
         return cpu_native.DecodeLinear(operands.format, *(self._address(t) for t in (
-            operands.weight, operands.bias, operands.scale, operands.offset)))
+            operands.weight, operands.bias, operands.scale, operands.offset)), operands.dot_rows)
 
     def applies(self, kv_caches, metadata: AttentionMetadata) -> bool:
         """A decode-only step (one new token per request) of at most ``max_rows`` requests over

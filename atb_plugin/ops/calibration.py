@@ -59,8 +59,11 @@ from atb_plugin.ops.packed_linear import PackedLinear, PackingRule, PanelLinear
 
 logger = logging.getLogger(__name__)
 
-ROWS = (1, 32)  # the row buckets timed: decode of one request; a prefill chunk / 32 requests decoding
-DECODE_ROWS, PREFILL_ROWS = ROWS
+# The row buckets checked and timed: decode of one request, of 4, of 32 (or a short prefill chunk), and a
+# prefill chunk's rows (compute-bound like the engine's 2048-token chunks, at a sixteenth of their time).
+ROWS = (1, 4, 32, 128)
+DECODE_ROWS, PREFILL_ROWS = 1, 32  # the buckets deciding the form: a decode step; a batch or prefill chunk
+COLD_ROWS = 32  # up to this many rows the weights are timed streamed from DRAM; past it one copy per shape
 PREFILL_MARGIN = 1.5  # the decode winner keeps the layer unless this much slower than the best at 32 rows
 CAPTURE_MARGIN = 1.10  # the panels win decode unless another form is this much faster (only they are captured)
 MIN_TIMED_BYTES = 8 << 20  # a dtype's weights below this in all are checked, not timed (module docstring)
@@ -110,33 +113,62 @@ def _onednn_unavailable(dtype: torch.dtype) -> str | None:
     return None if dtype in packed_linear.packable_dtypes() else f"oneDNN does not pack {dtype} here"
 
 
+def _dot_unavailable(dtype: torch.dtype) -> str | None:
+    if dtype != torch.bfloat16:
+        return "bfloat16 weights only"
+    if _panels_unavailable(dtype) is not None or cpu_native.bf16_dot_variant() is None:
+        return "no bfloat16 dot-product kernel executes here (AVX-512 BF16)"
+    return None
+
+
 # One per name of cpu_native.LINEAR_FORMS (what ATB_PLUGIN_CPU_KERNELS may pin), in this order.
 CANDIDATES: dict[str, Candidate] = {
     "panels": Candidate("panels", PanelLinear, _panels_unavailable),
     "onednn": Candidate("onednn", PackedLinear, _onednn_unavailable),
     "dense": Candidate("dense", _dense, lambda dtype: None),
 }
+# The panels' other kernel for bfloat16 weights: the same panels through bfloat16 dot products
+# (cpu_native.linear_bf16 with dot_rows). Checked and timed beside the forms at every bucket; the
+# panels form then runs it from the rows where it is faster (``dot_rows``), its times per bucket
+# being the better of its two kernels'.
+DOT = Candidate("panels:dot", lambda weight, bias: PanelLinear(weight, bias, dot_rows=1), _dot_unavailable)
+
+
+def _rows_json(timings: dict[str, dict[int, float]]) -> dict:
+    return {name: {str(rows): t for rows, t in by_rows.items()} for name, by_rows in timings.items()}
+
+
+def _rows_from_json(data: dict) -> dict[str, dict[int, float]]:
+    return {name: {int(rows): t for rows, t in by_rows.items()} for name, by_rows in data.items()}
 
 
 @dataclass
 class Choice:
     """One dtype's answer: ``form`` and ``reason``; per form its seconds per pass over the model's
-    linear layers at each of ``ROWS`` (``timings``, empty where not timed) or why it was out
-    (``disabled``: wrong against the reference, or unavailable here)."""
+    linear layers at each of ``ROWS`` (``timings``, empty where not timed; the panels' at their
+    better kernel) or why it was out (``disabled``: wrong against the reference, or unavailable
+    here). For bfloat16 panels: the rows from which their dot-product kernel runs (``dot_rows``, 0:
+    never), each kernel's own timings (``kernels``: ``widen``, ``dot``) and why (``dot_reason``),
+    or why that kernel was out (``dot_disabled``, as ``disabled``)."""
 
     form: str
     reason: str
     timings: dict[str, dict[int, float]] = field(default_factory=dict)
     disabled: dict[str, str] = field(default_factory=dict)
+    dot_rows: int = 0
+    kernels: dict[str, dict[int, float]] = field(default_factory=dict)
+    dot_reason: str = ""
+    dot_disabled: str = ""
 
     def to_json(self) -> dict:
         return {"form": self.form, "reason": self.reason, "disabled": self.disabled,
-                "timings": {f: {str(r): t for r, t in rows.items()} for f, rows in self.timings.items()}}
+                "timings": _rows_json(self.timings), "dot_rows": self.dot_rows, "kernels": _rows_json(self.kernels),
+                "dot_reason": self.dot_reason, "dot_disabled": self.dot_disabled}
 
     @classmethod
     def from_json(cls, data: dict) -> "Choice":
-        return cls(data["form"], data["reason"], {f: {int(r): t for r, t in rows.items()}
-                                                  for f, rows in data["timings"].items()}, dict(data["disabled"]))
+        return cls(data["form"], data["reason"], _rows_from_json(data["timings"]), dict(data["disabled"]),
+                   int(data["dot_rows"]), _rows_from_json(data["kernels"]), data["dot_reason"], data["dot_disabled"])
 
 
 def tolerance(dtype: torch.dtype, in_features: int) -> float:
@@ -145,8 +177,10 @@ def tolerance(dtype: torch.dtype, in_features: int) -> float:
     float32 sums of ``in_features`` products, bounded by ``in_features * 2^-23`` (twice the
     worst-case ``n u`` with u = 2^-24, a margin for blocked sums and fused multiply-adds; a real
     error is ~sqrt(n) u), plus the output's rounding, 2^-8 for a bfloat16 result (relative to the
-    output, so no more than relative to the absolute sum). A wrong kernel (a misplaced panel,
-    a lost tail, a wrong instruction) errs by the order of the output itself."""
+    output, so no more than relative to the absolute sum), or as much for inputs rounded to
+    bfloat16 on the way in (2^-9 of each product: the dot-product kernel's float32 rows from
+    ``cpu_native.DOT_SPLIT_ROWS`` on). A wrong kernel (a misplaced panel, a lost tail, a wrong
+    instruction) errs by the order of the output itself."""
     rounding = 2.0 ** -8 if dtype == torch.bfloat16 else 2.0 ** -23
     return in_features * 2.0 ** -23 + rounding
 
@@ -185,7 +219,8 @@ def check(candidate: Candidate, shape: Shape, generator: torch.Generator,
           reference: Reference | None = None) -> str | None:
     """Why ``candidate`` disagrees with the float64 reference on ``shape`` (None: it agrees), at
     every row count of ROWS, inputs in the weight's dtype as the eager model runs them (and float32
-    ones for bfloat16 panels, as the captured step runs them). ``reference``: the shape's data
+    ones for bfloat16 panels, as the captured step runs them: bound as bfloat16 ones where the
+    dot-product kernel rounds them, ``cpu_native.dot_rounds``). ``reference``: the shape's data
     other candidates are checked against too (default: new, from ``generator``)."""
     reference = reference or Reference(shape, generator)
     out_features, in_features = reference.out_features, reference.in_features
@@ -200,7 +235,8 @@ def check(candidate: Candidate, shape: Shape, generator: torch.Generator,
                 got = module(x)
             if got.shape != expected.shape:
                 return f"({out_features}, {in_features}) at {rows} rows: shape {tuple(got.shape)}"
-            bound = tolerance(x_dtype, in_features)  # the result has x's dtype
+            rounded = isinstance(module, PanelLinear) and cpu_native.dot_rounds(rows, x_dtype, module.dot_rows)
+            bound = tolerance(torch.bfloat16 if rounded else x_dtype, in_features)  # the result has x's dtype
             excess = ((got.double() - expected).abs() - bound * scale).max().item()
             if not excess <= 0:  # NaN fails too
                 error = (got.double() - expected).abs().max().item()
@@ -226,27 +262,33 @@ def _time_pass(modules: list[tuple[nn.Module, float]], inputs: dict[int, torch.T
 def measure(dtype_name: str, shapes: Counter, candidates: list[Candidate], budget_s: float,
             generator: torch.Generator) -> dict[str, dict[int, float]]:
     """Per candidate, seconds per pass over the layers ``shapes`` counts at each of ROWS: medians
-    of rounds that interleave the candidates (a shared machine's drift hits them alike)."""
+    of rounds that interleave the candidates (a shared machine's drift hits them alike). Up to
+    COLD_ROWS rows the weights come from DRAM, as in a real step (copies past the caches); past it
+    the product is bound by the arithmetic, and one copy of each shape stands for its layers."""
     dtype = DTYPES[dtype_name]
     total_bytes = sum(_weight_bytes(shape, count) for shape, count in shapes.items())
-    built: dict[str, list[tuple[nn.Module, float]]] = {candidate.name: [] for candidate in candidates}
+    cold: dict[str, list[tuple[nn.Module, float]]] = {candidate.name: [] for candidate in candidates}
+    warm: dict[str, list[tuple[nn.Module, float]]] = {candidate.name: [] for candidate in candidates}
     for (_, out, inp, has_bias), count in shapes.items():
         copies = max(1, min(count, math.ceil(count * COLD_BYTES / total_bytes)))
         # one random weight per shape (drawing it is a large share of the build), every module a copy of it
         weight = (torch.randn(out, inp, generator=generator) / math.sqrt(inp)).to(dtype)
         bias = torch.zeros(out, dtype=dtype) if has_bias else None
         for candidate in candidates:
-            built[candidate.name] += [(candidate.build(weight, bias), count / copies) for _ in range(copies)]
+            modules = [candidate.build(weight, bias) for _ in range(copies)]
+            cold[candidate.name] += [(module, count / copies) for module in modules]
+            warm[candidate.name].append((modules[0], count))
     widths = {inp for (_, _, inp, _) in shapes}
     inputs = {rows: {w: torch.randn(rows, w, generator=generator).to(dtype) for w in widths} for rows in ROWS}
+    passes = {rows: cold if rows <= COLD_ROWS else warm for rows in ROWS}
     samples: dict[str, dict[int, list[float]]] = {c.name: {r: [] for r in ROWS} for c in candidates}
-    for modules in built.values():  # warm up: first-call allocations, page faults of the copies
-        for rows in ROWS:
+    for rows in ROWS:  # warm up: first-call allocations, page faults of the copies
+        for modules in passes[rows].values():
             _time_pass(modules, inputs[rows])
     deadline = time.perf_counter() + budget_s
     for round_ in range(MAX_ROUNDS):
         for rows in ROWS:
-            for name, modules in built.items():
+            for name, modules in passes[rows].items():
                 samples[name][rows].append(_time_pass(modules, inputs[rows]))
         if time.perf_counter() >= deadline and round_ >= 2:
             break
@@ -254,27 +296,58 @@ def measure(dtype_name: str, shapes: Counter, candidates: list[Candidate], budge
             for name, by_rows in samples.items()}
 
 
+def _listed(timings: dict[str, dict[int, float]], buckets: Iterable[int]) -> str:
+    """``"1 / 32 rows: panels 10.00 / 38.80 ms, ..."``: each timing at ``buckets``."""
+    buckets = list(buckets)
+    return f"{' / '.join(map(str, buckets))} rows: " + ", ".join(
+        f"{name} {' / '.join(f'{by_rows[r] * 1e3:.2f}' for r in buckets)} ms" for name, by_rows in timings.items())
+
+
 def decide(timings: dict[str, dict[int, float]]) -> tuple[str, str]:
     """The form (of ``timings``' keys, in CANDIDATES' order) a dtype's layers take, and why
-    (module docstring, step 3)."""
-    best_prefill = min(t[PREFILL_ROWS] for t in timings.values())
-    fit = {name: t for name, t in timings.items() if t[PREFILL_ROWS] <= PREFILL_MARGIN * best_prefill}
+    (module docstring, step 3): timings at DECODE_ROWS, PREFILL_ROWS and any other buckets; each
+    bucket from PREFILL_ROWS on may put a form out by PREFILL_MARGIN."""
+    buckets = sorted(next(iter(timings.values())))
+    batch = [rows for rows in buckets if rows >= PREFILL_ROWS]
+    left: dict[str, int] = {}  # a form over the margin -> the first bucket where it is
+    for rows in batch:
+        best = min(t[rows] for t in timings.values())
+        for name, t in timings.items():
+            if t[rows] > PREFILL_MARGIN * best:
+                left.setdefault(name, rows)
+    fit = {name: t for name, t in timings.items() if name not in left}
     fastest = min(fit, key=lambda name: fit[name][DECODE_ROWS])
     chosen = fastest
     if "panels" in fit and fit["panels"][DECODE_ROWS] <= CAPTURE_MARGIN * fit[fastest][DECODE_ROWS]:
         chosen = "panels"
-
-    def ms(name: str) -> str:
-        return f"{name} {timings[name][DECODE_ROWS] * 1e3:.2f} / {timings[name][PREFILL_ROWS] * 1e3:.2f} ms"
-
-    listed = ", ".join(ms(name) for name in timings)
-    why = f"1 / {PREFILL_ROWS} rows: {listed}"
+    why = _listed(timings, (DECODE_ROWS, PREFILL_ROWS))
+    others = [rows for rows in buckets if rows not in (DECODE_ROWS, PREFILL_ROWS)]
+    if others:
+        why += f"; {_listed(timings, others)}"
     if chosen != fastest:
         why += f"; panels within {CAPTURE_MARGIN:.2f}x of the fastest at 1 row, and only they are captured"
-    left = sorted(set(timings) - set(fit))
-    if left:
-        why += f"; {', '.join(left)} over {PREFILL_MARGIN}x the best at {PREFILL_ROWS} rows"
+    for rows in sorted(set(left.values())):
+        names = sorted(name for name, at in left.items() if at == rows)
+        why += f"; {', '.join(names)} over {PREFILL_MARGIN}x the best at {rows} rows"
     return chosen, why
+
+
+def choose_dot_rows(widen: dict[int, float], dot: dict[int, float]) -> tuple[int, str]:
+    """From how many rows bfloat16 panels run their dot-product kernel (0: never), given each
+    kernel's timings per bucket, and why: from the first bucket past the last where the widening
+    kernel is as fast (between that bucket and the next, from their geometric mean: the timings do
+    not say where between them the lead changes)."""
+    buckets = sorted(widen)
+    losing = [rows for rows in buckets if dot[rows] >= widen[rows]]
+    if not losing:
+        rows = buckets[0]
+    elif losing[-1] == buckets[-1]:
+        rows = 0
+    else:
+        after = buckets[buckets.index(losing[-1]) + 1]
+        rows = max(losing[-1] + 1, round(math.sqrt(losing[-1] * after)))
+    why = _listed({"widening": widen, "dot products": dot}, buckets)
+    return rows, (f"bfloat16 dot products from {rows} rows" if rows else "no bfloat16 dot products") + f" ({why})"
 
 
 def _rule_form(rule: PackingRule, dtype: torch.dtype) -> str:
@@ -296,17 +369,18 @@ def calibrate(shapes: Iterable[Shape], budget_s: float | None = None,
     for dtype_name in dtype_names:
         dtype = DTYPES[dtype_name]
         mine = Counter({shape: count for shape, count in counted.items() if shape[0] == dtype_name})
-        unavailable = {c.name: c.unavailable(dtype) for c in CANDIDATES.values()}
+        everyone = [*CANDIDATES.values(), DOT]
+        unavailable = {c.name: c.unavailable(dtype) for c in everyone}
         wrong: dict[str, str] = {}  # each candidate's first shape that fails, in the order of ``mine``
         for shape in mine:  # one shape's reference at a time, shared by the candidates still in
             reference = Reference(shape, generator)
-            for candidate in CANDIDATES.values():
+            for candidate in everyone:
                 if unavailable[candidate.name] is None and candidate.name not in wrong:
                     why = check(candidate, shape, generator, reference)
                     if why is not None:
                         wrong[candidate.name] = why
         disabled, passed = {}, []
-        for candidate in CANDIDATES.values():
+        for candidate in everyone:
             why = unavailable[candidate.name]
             if why is None and candidate.name in wrong:
                 logger.warning("linear form %r disabled for %s weights: its check against a float64 reference "
@@ -316,10 +390,22 @@ def calibrate(shapes: Iterable[Shape], budget_s: float | None = None,
                 passed.append(candidate)
             else:
                 disabled[candidate.name] = why
+        # the panels' dot-product kernel: beside the forms, never one of them
+        dot = DOT in passed and any(c.name == "panels" for c in passed)
+        dot_disabled = disabled.pop(DOT.name, "")
+        passed = [c for c in passed if c is not DOT]
         bytes_ = sum(_weight_bytes(shape, count) for shape, count in mine.items())
         if len(passed) > 1 and bytes_ >= min_timed_bytes:
-            timings = measure(dtype_name, mine, passed, budget_s / len(dtype_names), generator)
-            choices[dtype_name] = Choice(*decide(timings), timings, disabled)
+            timings = measure(dtype_name, mine, passed + [DOT] * dot, budget_s / len(dtype_names), generator)
+            kernels, dot_rows, dot_reason = {}, 0, ""
+            if dot:
+                kernels = {"widen": timings["panels"], "dot": timings.pop(DOT.name)}
+                dot_rows, dot_reason = choose_dot_rows(kernels["widen"], kernels["dot"])
+                timings["panels"] = {rows: kernels["dot" if 0 < dot_rows <= rows else "widen"][rows]
+                                     for rows in ROWS}
+            form, reason = decide(timings)
+            choices[dtype_name] = Choice(form, reason, timings, disabled, dot_rows if form == "panels" else 0,
+                                         kernels, dot_reason, dot_disabled)
             continue
         preferred = _rule_form(rule, dtype)
         if len(passed) <= 1:  # nothing to compare (dense is always there, unless it failed too)
@@ -330,7 +416,7 @@ def calibrate(shapes: Iterable[Shape], budget_s: float | None = None,
             reason = (f"not timed ({bytes_ / 2**20:.2f} MiB of weights, under {min_timed_bytes / 2**20:.0f}: call "
                       f"overhead, not the kernels); the ISA rule" + ("" if form == preferred else
                                                                      f" ({preferred} disabled)"))
-        choices[dtype_name] = Choice(form, reason, {}, disabled)
+        choices[dtype_name] = Choice(form, reason, {}, disabled, dot_disabled=dot_disabled)
     return choices
 
 
@@ -364,7 +450,7 @@ def _read_cache(path: Path, key: dict) -> dict[str, Choice] | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     for name, choice in choices.items():
-        for form, why in choice.disabled.items():
+        for form, why in [*choice.disabled.items(), (DOT.name, choice.dot_disabled)]:
             if why.startswith("wrong"):
                 logger.warning("linear form %r disabled for %s weights (cached): %s", form, name, why)
     return choices
@@ -411,6 +497,7 @@ def packing_rule(shapes: Iterable[Shape], budget_s: float | None = None,
     pinned = cpu_native.linear_forms()
     rule = PackingRule.current()
     forms = {dtype: _rule_form(rule, DTYPES[dtype]) for dtype in DTYPES}
+    dot_rows = rule.bf16_dot_rows
     torch_ops = cpu_native.choice() == "torch"  # the torch path as it was: the rule, nothing timed
     measured = [] if torch_ops else [shape for shape in shapes if shape[0] in DTYPES and shape[0] not in pinned]
     if measured:
@@ -419,14 +506,19 @@ def packing_rule(shapes: Iterable[Shape], budget_s: float | None = None,
         spent = time.perf_counter() - start
         for dtype_name, choice in choices.items():
             forms[dtype_name] = choice.form
-            logger.info("linear layers in %s: %s (%s%s)", dtype_name, choice.form, choice.reason,
+            if dtype_name == "bfloat16":
+                dot_rows = choice.dot_rows
+            kernels = f"; {choice.dot_reason}" if choice.form == "panels" and choice.dot_reason else ""
+            logger.info("linear layers in %s: %s (%s%s%s)", dtype_name, choice.form, choice.reason, kernels,
                         "; cached" if cached else f"; measured in {spent:.1f} s")
     for dtype_name, form in pinned.items():
         why = CANDIDATES[form].unavailable(DTYPES[dtype_name])
         if why is not None:
             raise ValueError(f"{cpu_native.KERNELS_ENV} pins {dtype_name}={form}, but {why}")
         forms[dtype_name] = form
+        if dtype_name == "bfloat16":
+            dot_rows = rule.bf16_dot_rows
         if any(shape[0] == dtype_name for shape in shapes):
             logger.info("linear layers in %s: %s (pinned by %s)", dtype_name, form, cpu_native.KERNELS_ENV)
     return PackingRule(tuple(DTYPES[d] for d, f in forms.items() if f == "panels"),
-                       tuple(DTYPES[d] for d, f in forms.items() if f == "onednn"))
+                       tuple(DTYPES[d] for d, f in forms.items() if f == "onednn"), dot_rows)

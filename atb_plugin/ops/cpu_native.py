@@ -100,8 +100,9 @@ _AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 # Elsewhere only the base files and isa_portable.c are built, all with -march=native.
 UNITS = {"cpu_kernels.c": None, "int8_driver.c": None, "dispatch.c": None, "isa_portable.c": (),
          "isa_avx2.c": _AVX2, "isa_avx512.c": _AVX512, "isa_avx_vnni.c": (*_AVX2, "-mavxvnni"),
-         "isa_avx512_vnni.c": (*_AVX512, "-mavx512vnni"), "isa_amx.c": ()}
-_X86_ONLY = ("isa_avx2.c", "isa_avx512.c", "isa_avx_vnni.c", "isa_avx512_vnni.c", "isa_amx.c")
+         "isa_avx512_vnni.c": (*_AVX512, "-mavx512vnni"), "isa_avx512_bf16.c": (*_AVX512, "-mavx512bf16"),
+         "isa_amx.c": ()}
+_X86_ONLY = ("isa_avx2.c", "isa_avx512.c", "isa_avx_vnni.c", "isa_avx512_vnni.c", "isa_avx512_bf16.c", "isa_amx.c")
 
 _lock = threading.Lock()
 _loaded: dict[str, object] = {}  # "library" -> the bound ctypes library, or "error" -> why it is unavailable
@@ -212,7 +213,7 @@ _SIGNATURES = {  # name: (restype, argtypes), as in csrc/ (cpu_kernels.c, int8_d
     "linear_f32": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT]),
     "decode_scratch_floats": (_I64, [_PTR, _I64]),
     "decode_step_f32": (_INT, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _INT]),
-    "linear_bf16w": (_INT, [_PTR, _INT, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT, _I64, _INT]),
+    "linear_bf16w": (_INT, [_PTR, _INT, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT, _I64, _I64, _INT]),
     "cpu_set_features": (_INT, [_INT]),
     "cpu_kernel_slot": (ctypes.c_char_p, [_INT]),
     "cpu_kernel_variant": (ctypes.c_char_p, [_INT]),
@@ -420,6 +421,17 @@ def paged_decode(library, query, key_cache, value_cache, block_tables, seq_lens,
     return out
 
 
+# From this many rows on the bfloat16 dot-product kernel rounds a float32 x to bfloat16 instead of
+# splitting it in two (csrc/cpu_kernels.h: where the arithmetic, not the weights' bandwidth, bounds it).
+DOT_SPLIT_ROWS = 8
+
+
+def dot_rounds(rows: int, x_dtype: torch.dtype, dot_rows: int) -> bool:
+    """Whether ``linear_bf16`` with ``dot_rows`` rounds ``rows`` rows of ``x_dtype`` to bfloat16 on
+    the way in (its error bound is then a bfloat16 input's: ops/calibration.py checks it so)."""
+    return x_dtype == torch.bfloat16 or (0 < dot_rows <= rows and rows >= DOT_SPLIT_ROWS)
+
+
 # Columns per weight panel of linear_f32 (csrc/cpu_kernels.h; csrc/float_kernels.h draws the layout).
 PANEL = 64
 
@@ -495,11 +507,15 @@ def check_panels_bf16(panels: torch.Tensor, in_features: int, out_features: int,
 
 
 def linear_bf16(library, x: torch.Tensor, panels: torch.Tensor, in_features: int, out_features: int,
-                bias: torch.Tensor | None) -> torch.Tensor:
+                bias: torch.Tensor | None, dot_rows: int = 0) -> torch.Tensor:
     """``x @ W.T + b`` for ``x`` ``(..., K)`` float32 or bfloat16 (the result has ``x``'s dtype),
     W as ``weight_panels_bf16`` made it, the bias as ``padded_bias`` made it (or None), checked
     beforehand by ``check_panels_bf16``. Products and sums in float32; a bfloat16 result is rounded
-    once at the end, to nearest even."""
+    once at the end, to nearest even. From ``dot_rows`` rows on (0: never) the bfloat16
+    dot-product kernel computes it (``bf16_dot_variant``), else the widening one. The dot products
+    take ``x`` in bfloat16: a float32 ``x`` of fewer than ``DOT_SPLIT_ROWS`` rows enters as a
+    bfloat16 part and a bfloat16 remainder (carried to 2^-18 of itself, inside the float32 sums'
+    bound), from there on rounded to bfloat16 (``dot_rounds``)."""
     if x.dtype not in (torch.float32, torch.bfloat16) or x.shape[-1] != in_features:
         raise ValueError(f"linear_bf16: x {tuple(x.shape)} {x.dtype} for float32 / bfloat16 rows of {in_features}")
     rows, stride = _rows(x)
@@ -507,10 +523,18 @@ def linear_bf16(library, x: torch.Tensor, panels: torch.Tensor, in_features: int
     half = x.dtype == torch.bfloat16
     failed = library.linear_bf16w(rows.data_ptr(), int(half), rows.shape[0], in_features, stride, panels.data_ptr(),
                                   out_features, None if bias is None else bias.data_ptr(), out.data_ptr(), int(half),
-                                  out_features, torch.get_num_threads())
+                                  out_features, dot_rows, torch.get_num_threads())
     if failed:
         raise MemoryError("the bfloat16 linear kernel could not allocate its scratch buffer")
     return out
+
+
+def bf16_dot_variant() -> str | None:
+    """The variant holding the bfloat16 dot-product kernel (``linear_bf16`` with ``dot_rows``) where
+    it runs on instructions made for it (``avx512_bf16``), else None: the portable C one that fills
+    the slot elsewhere is a reference for the tests, never a contender (ops/calibration.py)."""
+    variant = kernel_map().get("linear_bf16_dot")
+    return None if variant in (None, "portable") else variant
 
 
 def _int8_operands(op: str, x: torch.Tensor, weight: torch.Tensor, per_channel: dict):
@@ -640,8 +664,10 @@ LINEAR_F32, LINEAR_BF16, LINEAR_W8A16, LINEAR_W8A8_DYNAMIC = range(4)
 class DecodeLinear(ctypes.Structure):
     """One linear layer of the plan, as ``decode_linear`` in csrc/cpu_kernels.h: ``format`` (a
     ``LINEAR_*``), the weight (float32 / bfloat16 panels, or int8 rows), the float32 bias,
-    per-channel scale and offset (int8 only), each NULL where absent."""
-    _fields_ = [("format", _I64), *((name, _PTR) for name in ("weight", "bias", "scale", "offset"))]
+    per-channel scale and offset (int8 only), each NULL where absent, and for bfloat16 panels the
+    rows from which the dot-product kernel runs (``dot_rows``, 0: never; ``linear_bf16``)."""
+    _fields_ = [("format", _I64), *((name, _PTR) for name in ("weight", "bias", "scale", "offset")),
+                ("dot_rows", _I64)]
 
 
 _LINEAR_WEIGHT_DTYPES = {LINEAR_F32: torch.float32, LINEAR_BF16: torch.bfloat16, LINEAR_W8A16: torch.int8,
@@ -660,6 +686,7 @@ class LinearOperands:
     bias: torch.Tensor | None = None
     scale: torch.Tensor | None = None
     offset: torch.Tensor | None = None
+    dot_rows: int = 0  # bfloat16 panels: as ``linear_bf16`` takes it
 
     def __post_init__(self):
         if _LINEAR_WEIGHT_DTYPES.get(self.format) != self.weight.dtype:

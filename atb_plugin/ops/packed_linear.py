@@ -80,14 +80,16 @@ class PanelLinear(nn.Module):
     """``y = x W^T + b`` with ``W`` held only as the native kernels' column panels: float32
     (``cpu_native.weight_panels``) for a float32 weight, bfloat16 (``cpu_native.weight_panels_bf16``)
     for a bfloat16 one. Takes any leading dimensions, like ``nn.Linear``; bfloat16 panels take
-    float32 or bfloat16 ``x`` and answer in ``x``'s dtype. When the native kernels are switched off
-    after load (``ATB_PLUGIN_CPU_KERNELS=torch``) it runs the same product as one batched torch
-    matmul over the panels (float32 sums either way)."""
+    float32 or bfloat16 ``x`` and answer in ``x``'s dtype, from ``dot_rows`` rows on (0: never;
+    the calibration's choice) through the bfloat16 dot-product kernel (``cpu_native.linear_bf16``).
+    When the native kernels are switched off after load (``ATB_PLUGIN_CPU_KERNELS=torch``) it runs
+    the same product as one batched torch matmul over the panels (float32 sums either way)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dot_rows: int = 0):
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.bf16 = weight.dtype == torch.bfloat16
+        self.dot_rows = dot_rows if self.bf16 else 0
         panels = (cpu_native.weight_panels_bf16 if self.bf16 else cpu_native.weight_panels)(weight.detach())
         self.register_buffer("weight_panels", panels, persistent=False)
         # the only copy of the bias: zeros past out_features, sliced off with the padded columns
@@ -104,7 +106,7 @@ class PanelLinear(nn.Module):
                 library = cpu_native.linear_library(x.device)
                 if library is not None:
                     return cpu_native.linear_bf16(library, x, self.weight_panels, self.in_features,
-                                                  self.out_features, self.padded_bias)
+                                                  self.out_features, self.padded_bias, self.dot_rows)
         else:
             library = cpu_native.library_for(x.dtype, x.device)
             if library is not None:
@@ -124,7 +126,13 @@ class PanelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bias={self.padded_bias is not None}, dtype={'bfloat16' if self.bf16 else 'float32'}")
+                f"bias={self.padded_bias is not None}, dtype={'bfloat16' if self.bf16 else 'float32'}"
+                + (f", dot_rows={self.dot_rows}" if self.dot_rows else ""))
+
+    def native_operands(self) -> cpu_native.LinearOperands:
+        """The panels as the captured decode step reads them (models/native_decode.py)."""
+        return cpu_native.LinearOperands(cpu_native.LINEAR_BF16 if self.bf16 else cpu_native.LINEAR_F32,
+                                         self.weight_panels, bias=self.padded_bias, dot_rows=self.dot_rows)
 
 
 def native_bf16_preferred() -> bool:
@@ -141,11 +149,13 @@ def native_bf16_preferred() -> bool:
 @dataclass(frozen=True)
 class PackingRule:
     """Which packed form a CPU linear weight takes here (module docstring): ``native``, the dtypes
-    going to the native kernels' panels; ``onednn``, those oneDNN packs; the rest stay dense. Made
-    once per load by the calibration (``ops/calibration.py``), or ``current()``, the ISA rule."""
+    going to the native kernels' panels; ``onednn``, those oneDNN packs; the rest stay dense;
+    ``bf16_dot_rows``, bfloat16 panels' ``PanelLinear.dot_rows``. Made once per load by the
+    calibration (``ops/calibration.py``), or ``current()``, the ISA rule."""
 
     native: tuple[torch.dtype, ...]
     onednn: tuple[torch.dtype, ...]
+    bf16_dot_rows: int = 0
 
     @classmethod
     def current(cls) -> "PackingRule":
@@ -157,7 +167,7 @@ class PackingRule:
         """``weight`` (and ``bias``) packed: a ``PanelLinear``, a ``PackedLinear``, or None where
         neither takes its dtype (the layer stays dense)."""
         if weight.dtype in self.native:
-            return PanelLinear(weight, bias)
+            return PanelLinear(weight, bias, self.bf16_dot_rows)
         if weight.dtype in self.onednn:
             return PackedLinear(weight, bias)
         return None

@@ -42,40 +42,98 @@ void linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const fl
     cpu_kernels.linear_panels(x, M, K, x_stride, (const char *)panels, 0, N, bias, y, y_stride, num_threads);
 }
 
+/* x as the dot-product kernel takes it (linear_bf16_dot_fn): pairs of bfloat16, and for a float32
+ * x of fewer than DOT_SPLIT_ROWS rows the remainders x - bfloat16(x) rounded to bfloat16 (x_lo); a
+ * bfloat16 x of even K whose rows start on a pair is read in place. Returns the scratch to free
+ * (NULL: none, or *failed). */
+static uint16_t *dot_operands(const void *x, int x_bf16, int64_t M, int64_t K, int64_t x_stride,
+                              const uint32_t **pairs, const uint32_t **pairs_lo, int64_t *pairs_stride, int *failed) {
+    const int64_t steps = (K + 1) / 2, width = 2 * steps;
+    *pairs_lo = NULL;
+    if (x_bf16 && K % 2 == 0 && x_stride % 2 == 0 && (uintptr_t)x % 4 == 0) {
+        *pairs = x;
+        *pairs_stride = x_stride / 2;
+        return NULL;
+    }
+    const int split = !x_bf16 && M < DOT_SPLIT_ROWS;
+    uint16_t *hi = malloc(sizeof(uint16_t) * M * width * (split ? 2 : 1));
+    if (!hi) { *failed = 1; return NULL; }
+    uint16_t *lo = split ? hi + M * width : NULL;
+    for (int64_t r = 0; r < M; r++) {
+        uint16_t *h = hi + r * width;
+        if (x_bf16) {
+            memcpy(h, (const uint16_t *)x + r * x_stride, sizeof(uint16_t) * K);
+        } else {
+            const float *row = (const float *)x + r * x_stride;
+            for (int64_t k = 0; k < K; k++) h[k] = float_to_bf16(row[k]);
+            if (lo) {
+                uint16_t *l = lo + r * width;
+                for (int64_t k = 0; k < K; k++) {
+                    const float rest = row[k] - bf16_to_float(h[k]); /* exact; NaN where row[k] is infinite */
+                    l[k] = rest == rest ? float_to_bf16(rest) : 0;
+                }
+                if (K % 2) l[K] = 0;
+            }
+        }
+        if (K % 2) h[K] = 0;
+    }
+    *pairs = (const uint32_t *)hi;
+    *pairs_lo = (const uint32_t *)lo;
+    *pairs_stride = steps;
+    return hi;
+}
+
 /* bfloat16 panels (K padded to even), float32 sums. x (M, K) float32 or bfloat16 (x_bf16), rows
  * x_stride elements apart; y (M, N) float32 or bfloat16 (y_bf16, rounded to nearest even), rows
- * y_stride apart. bfloat16 or odd-K input is first widened into a float32 copy (even width, the
- * pad column zero); bfloat16 output is computed into float32 and rounded at the end. Returns 0,
- * or 1 when a scratch allocation failed (nothing written). */
+ * y_stride apart. From `dot_rows` rows on (0: never) the bfloat16 dot-product kernel
+ * (linear_bf16_dot_fn: x as bfloat16 pairs; a float32 x split in two below DOT_SPLIT_ROWS rows,
+ * rounded from there on), else the widening kernel:
+ * bfloat16 or odd-K input is first widened into a float32 copy (even width, the pad column zero).
+ * A bfloat16 output is computed into float32 and rounded at the end. Returns 0, or 1 when a
+ * scratch allocation failed (nothing written). */
 int linear_bf16w(const void *x, int x_bf16, int64_t M, int64_t K, int64_t x_stride, const uint16_t *panels,
-                 int64_t N, const float *bias, void *y, int y_bf16, int64_t y_stride, int num_threads) {
+                 int64_t N, const float *bias, void *y, int y_bf16, int64_t y_stride, int64_t dot_rows,
+                 int num_threads) {
     const int64_t steps = (K + 1) / 2, width = 2 * steps;
+    const int dot = dot_rows > 0 && M >= dot_rows;
     float *xs = NULL, *ys = NULL;
-    const float *xf = x;
-    int64_t xf_stride = x_stride;
-    if (x_bf16 || K % 2) {
-        xs = malloc(sizeof(float) * M * width);
-        if (!xs) return 1;
-        for (int64_t r = 0; r < M; r++) {
-            float *row = xs + r * width;
-            if (x_bf16)
-                for (int64_t k = 0; k < K; k++) row[k] = bf16_to_float(((const uint16_t *)x)[r * x_stride + k]);
-            else
-                memcpy(row, (const float *)x + r * x_stride, sizeof(float) * K);
-            if (K % 2) row[K] = 0.f;
-        }
-        xf = xs;
-        xf_stride = width;
-    }
     float *yf = y;
     int64_t yf_stride = y_stride;
     if (y_bf16) {
         ys = malloc(sizeof(float) * M * N);
-        if (!ys) { free(xs); return 1; }
+        if (!ys) return 1;
         yf = ys;
         yf_stride = N;
     }
-    cpu_kernels.linear_panels(xf, M, steps, xf_stride, (const char *)panels, 1, N, bias, yf, yf_stride, num_threads);
+    if (dot) {
+        const uint32_t *pairs, *pairs_lo;
+        int64_t pairs_stride;
+        int failed = 0;
+        uint16_t *scratch = dot_operands(x, x_bf16, M, K, x_stride, &pairs, &pairs_lo, &pairs_stride, &failed);
+        if (failed) { free(ys); return 1; }
+        cpu_kernels.linear_bf16_dot(pairs, pairs_lo, M, steps, pairs_stride, (const char *)panels, N, bias, yf,
+                                    yf_stride, num_threads);
+        free(scratch);
+    } else {
+        const float *xf = x;
+        int64_t xf_stride = x_stride;
+        if (x_bf16 || K % 2) {
+            xs = malloc(sizeof(float) * M * width);
+            if (!xs) { free(ys); return 1; }
+            for (int64_t r = 0; r < M; r++) {
+                float *row = xs + r * width;
+                if (x_bf16)
+                    for (int64_t k = 0; k < K; k++) row[k] = bf16_to_float(((const uint16_t *)x)[r * x_stride + k]);
+                else
+                    memcpy(row, (const float *)x + r * x_stride, sizeof(float) * K);
+                if (K % 2) row[K] = 0.f;
+            }
+            xf = xs;
+            xf_stride = width;
+        }
+        cpu_kernels.linear_panels(xf, M, steps, xf_stride, (const char *)panels, 1, N, bias, yf, yf_stride,
+                                  num_threads);
+    }
     if (y_bf16)
         for (int64_t r = 0; r < M; r++)
             for (int64_t n = 0; n < N; n++) ((uint16_t *)y)[r * y_stride + n] = float_to_bf16(ys[r * N + n]);
@@ -119,7 +177,7 @@ static int decode_linear_rows(const decode_linear *L, const float *x, int64_t ro
                               int num_threads) {
     switch (L->format) {
         case LINEAR_BF16: /* float32 rows: no widening copy unless K is odd */
-            return linear_bf16w(x, 0, rows, K, K, L->weight, N, L->bias, y, 0, N, num_threads);
+            return linear_bf16w(x, 0, rows, K, K, L->weight, N, L->bias, y, 0, N, L->dot_rows, num_threads);
         case LINEAR_W8A16:
             return w8a16_linear_f32(x, rows, K, K, L->weight, N, L->scale, L->offset, L->bias, y, N, num_threads);
         case LINEAR_W8A8_DYNAMIC:

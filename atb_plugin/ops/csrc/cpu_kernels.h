@@ -11,9 +11,12 @@
  *                   scratch, scales; its inner kernel comes from the table
  *   dispatch.c      the table and the variants, best first
  *   isa_*.c         the variants, one file per instruction set, each compiled with its own flags
- *                   (cpu_native.UNITS): portable C, AVX2, AVX-512, AVX-VNNI, AVX-512 VNNI, AMX
+ *                   (cpu_native.UNITS): portable C, AVX2, AVX-512, AVX-VNNI, AVX-512 VNNI,
+ *                   AVX-512 BF16, AMX
  *   float_kernels.h the float kernels (GCC vector types), compiled into each of isa_portable.c,
  *                   isa_avx2.c and isa_avx512.c
+ *   panel_sweep.h   the sweep of the linear kernels over the weight panels (threads, row tiles,
+ *                   prefetch), for float_kernels.h and isa_avx512_bf16.c
  *   int8_tiles.h    the int8 tiles on 256-bit registers, for isa_avx2.c and the two VNNI files */
 #ifndef ATB_CPU_KERNELS_H
 #define ATB_CPU_KERNELS_H
@@ -41,6 +44,13 @@ enum {
 
 /* Columns per weight panel of the linear kernels (float_kernels.h draws the layout; cpu_native.PANEL). */
 #define PANEL 64
+
+/* The bfloat16 dot-product kernel (linear_bf16_dot_fn) splits a float32 x into a bfloat16 part and
+ * a bfloat16 remainder below this many rows, where the product is bound by the weights' bandwidth
+ * and the remainder's products are free; from this many rows on, where the arithmetic counts, it
+ * rounds x to bfloat16, as the eager bfloat16 model's and oneDNN's bfloat16 products take it
+ * (cpu_native.DOT_SPLIT_ROWS; docs/architecture.md, "Chosen by measurement"). */
+#define DOT_SPLIT_ROWS 8
 
 /* The int8 kernels work on blocks of OT weight rows (a thread's unit of work); sums land in
  * sums[m * OT + o]. */
@@ -73,6 +83,7 @@ typedef struct {
     const float *bias;   /* NULL; padded to whole panels for panels, (out) for int8 rows */
     const float *scale;  /* int8: (out) per output channel */
     const float *offset; /* W8A16: (out) */
+    int64_t dot_rows;    /* bfloat16 panels: from this many rows on, the dot-product kernel (0: never) */
 } decode_linear;
 
 typedef struct {
@@ -106,6 +117,12 @@ typedef void argmax_fn(const float *x, int64_t x_stride, int64_t rows, int64_t w
 typedef void linear_panels_fn(const float *x, int64_t M, int64_t steps, int64_t x_stride, const char *panels,
                               int weights_bf16, int64_t N, const float *bias, float *y, int64_t y_stride,
                               int num_threads);
+/* y (M, N) = x W^T (+ bias) over bfloat16 panels with bfloat16 dot products: x as M rows of
+ * `steps` pairs of bfloat16 (rows x_stride pairs apart, K padded to even with a zero), x_lo NULL
+ * or the same layout holding x's rounding remainder (a float32 x split in two: linear_bf16w). */
+typedef void linear_bf16_dot_fn(const uint32_t *x, const uint32_t *x_lo, int64_t M, int64_t steps, int64_t x_stride,
+                                const char *panels, int64_t N, const float *bias, float *y, int64_t y_stride,
+                                int num_threads);
 typedef void quantize_rows_fn(const float *x, int64_t M, int64_t K, int64_t x_stride, int8_t *q, int64_t q_stride,
                               float *s);
 /* An int8 inner kernel: sums[m * OT + o] = sum_k a[m][k] * w[o][k] for M rows of `a` (a_stride
@@ -118,7 +135,7 @@ typedef int8_block_fn w8a16_block_fn, w8a8_block_fn;
 /* The slots, in the order cpu_kernel_slot() names them. */
 #define CPU_KERNEL_SLOTS(X)                                                                                 \
     X(paged_decode) X(rms_norm) X(rotary) X(silu_and_mul) X(argmax) X(linear_panels) X(quantize_rows)      \
-    X(w8a16_block) X(w8a8_block)
+    X(w8a16_block) X(w8a8_block) X(linear_bf16_dot)
 
 struct cpu_kernels {
 #define CPU_KERNEL_MEMBER(slot) slot##_fn *slot;
@@ -137,7 +154,7 @@ struct cpu_variant {
 extern const struct cpu_variant cpu_variant_portable;
 #if defined(__x86_64__)
 extern const struct cpu_variant cpu_variant_avx2, cpu_variant_avx512, cpu_variant_avx_vnni, cpu_variant_avx512_vnni,
-    cpu_variant_amx;
+    cpu_variant_avx512_bf16, cpu_variant_amx;
 #endif
 
 /* The table every call goes through: the best variant of each slot that the features allow
@@ -151,7 +168,8 @@ int w8a16_linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, con
 int w8a8_dynamic_linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const int8_t *w, int64_t N,
                             const float *w_scale, const float *bias, float *y, int64_t y_stride, int num_threads);
 int linear_bf16w(const void *x, int x_bf16, int64_t M, int64_t K, int64_t x_stride, const uint16_t *panels,
-                 int64_t N, const float *bias, void *y, int y_bf16, int64_t y_stride, int num_threads);
+                 int64_t N, const float *bias, void *y, int y_bf16, int64_t y_stride, int64_t dot_rows,
+                 int num_threads);
 void linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const float *panels, int64_t N,
                 const float *bias, float *y, int64_t y_stride, int num_threads);
 

@@ -9,7 +9,7 @@
 /* Best first: a slot takes the first variant that fills it and whose needs the features cover. */
 static const struct cpu_variant *const VARIANTS[] = {
 #if defined(__x86_64__)
-    &cpu_variant_amx, &cpu_variant_avx512_vnni, &cpu_variant_avx_vnni, &cpu_variant_avx512, &cpu_variant_avx2,
+    &cpu_variant_amx, &cpu_variant_avx512_bf16, &cpu_variant_avx512_vnni, &cpu_variant_avx_vnni, &cpu_variant_avx512, &cpu_variant_avx2,
 #endif
     &cpu_variant_portable,
 };

@@ -25,6 +25,7 @@
 #ifndef ATB_FLOAT_KERNELS_H
 #define ATB_FLOAT_KERNELS_H
 #include "cpu_kernels.h"
+#include "panel_sweep.h"
 
 #define LANES 16
 typedef float vf __attribute__((vector_size(LANES * sizeof(float))));
@@ -289,13 +290,7 @@ static void argmax(const float *x, int64_t x_stride, int64_t rows, int64_t width
  * rows x the whole 64-column panel; 16 with AVX2 or SSE: 6 rows x 16 columns per pass). The
  * first version held 6 x 64 columns always, which on AVX2 (vectors of 8 floats, 16 registers)
  * spilled 48 sums to the stack (benchmarks/RESULTS.md, bench_moe and "Low precision").
- * One row (decode of a single stream) streams the panels once, front to back; with more rows,
- * the panel (K x 256 bytes) stays in L2 for all its row tiles, which share out prefetching the
- * next panel into L2 while they compute, so reading the weights from DRAM overlaps the
- * arithmetic instead of alternating with it (benchmarks/RESULTS.md, bench_engine "Fourth round"). */
-#define MR 6
-#define PREFETCH_AHEAD 8 /* steps (of 256 bytes) a tile streaming its own panel prefetches ahead */
-#define STEP_BYTES 256   /* one step of a panel, either format */
+ * How the tiles sweep the panels and prefetch: panel_sweep.h. */
 #define BLOCK_STEPS 256  /* steps per block of a tile that sweeps its panel in several passes (64 KiB) */
 
 #if defined(__AVX512F__)
@@ -401,10 +396,21 @@ static inline __attribute__((always_inline)) void linear_tile(
     case 5: { const int bf16 = B; LINEAR_TILE(5); } break;  \
     default: { const int bf16 = B; LINEAR_TILE(MR); } break; \
     }
-static void linear_rows(const float *x, int64_t x_stride, int rows, int weights_bf16, int64_t steps,
-                        const char *panel, const float *bias, float *y, int64_t y_stride, int64_t cols,
+/* x, y and bias of one linear_panels call, for its tiles (panel_sweep.h). */
+struct float_panels_call {
+    const float *x, *bias;
+    float *y;
+    int64_t x_stride, y_stride, steps;
+    int weights_bf16;
+};
+
+static void linear_rows(const void *ctx, int64_t m0, int rows, int64_t p, const char *panel, int64_t cols,
                         const char *prefetch, int64_t lines) {
-    if (weights_bf16) LINEAR_ROWS(1) else LINEAR_ROWS(0)
+    const struct float_panels_call *c = ctx;
+    const float *x = c->x + m0 * c->x_stride, *bias = c->bias ? c->bias + p * PANEL : NULL;
+    float *y = c->y + m0 * c->y_stride + p * PANEL;
+    const int64_t x_stride = c->x_stride, y_stride = c->y_stride, steps = c->steps;
+    if (c->weights_bf16) LINEAR_ROWS(1) else LINEAR_ROWS(0)
 }
 
 /* The panels' sweep, either format: y (M, N), rows y_stride apart; x (M, steps or 2 * steps),
@@ -412,35 +418,8 @@ static void linear_rows(const float *x, int64_t x_stride, int rows, int weights_
 static void linear_panels(const float *x, int64_t M, int64_t steps, int64_t x_stride, const char *panels,
                           int weights_bf16, int64_t N, const float *bias, float *y, int64_t y_stride,
                           int num_threads) {
-    const int64_t num_panels = (N + PANEL - 1) / PANEL, row_tiles = (M + MR - 1) / MR;
-    const int64_t panel_bytes = steps * STEP_BYTES, panel_lines = panel_bytes / 64;
-#pragma omp parallel for schedule(static) num_threads(num_threads) if (num_panels > 1)
-    for (int64_t p = 0; p < num_panels; p++) {
-        const char *panel = panels + p * panel_bytes;
-        const int64_t cols = N - p * PANEL < PANEL ? N - p * PANEL : PANEL;
-        for (int64_t t = 0; t < row_tiles; t++) {
-            const int64_t m0 = t * MR;
-            const int rows = (int)(M - m0 < MR ? M - m0 : MR);
-            /* What this tile prefetches into L2, spread evenly over its steps: a lone tile (at
-             * most MR rows) and the first panel's first tile stream their own panel, ahead of
-             * where they read; otherwise the tiles share out the next panel's lines in proportion
-             * to their rows (the first panel's first tile sits that out), so the next panel
-             * arrives while this one is computed. A prefetch past the panels' end is a wasted
-             * hint, never a fault. */
-            const char *prefetch = NULL;
-            int64_t lines = 0;
-            if (row_tiles == 1 || (t == 0 && p == 0)) {
-                prefetch = panel + PREFETCH_AHEAD * STEP_BYTES;
-                lines = panel_lines;
-            } else if (p + 1 < num_panels) {
-                const int64_t skip = p == 0 ? MR : 0, first = panel_lines * (m0 - skip) / (M - skip);
-                lines = panel_lines * (m0 + rows - skip) / (M - skip) - first;
-                prefetch = panel + panel_bytes + first * 64;
-            }
-            linear_rows(x + m0 * x_stride, x_stride, rows, weights_bf16, steps, panel, bias ? bias + p * PANEL : NULL,
-                        y + m0 * y_stride + p * PANEL, y_stride, cols, prefetch, lines);
-        }
-    }
+    const struct float_panels_call call = {x, bias, y, x_stride, y_stride, steps, weights_bf16};
+    sweep_panels(M, N, steps, panels, num_threads, linear_rows, &call);
 }
 
 /* This file's float kernels, as the slots of its `struct cpu_variant`. */
