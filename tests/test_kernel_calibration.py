@@ -6,6 +6,7 @@ form wins on this machine (they check consistency, never a winner)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
@@ -254,3 +255,173 @@ def test_a_model_without_a_cpu_float_layer_to_pack_measures_nothing(monkeypatch)
     model = nn.Sequential(nn.Embedding(4, 4), nn.Linear(4, 4, device="meta"))
     summary = pack_linear_layers(model)
     assert summary.packed == summary.skipped == 0 and type(model[1]) is nn.Linear
+
+
+# -- the bfloat16 panels' dot-product kernel, per row bucket (issue 49) ---------------------------
+
+
+def dot_available() -> bool:
+    return native_available() and cpu_native.bf16_dot_variant() is not None
+
+
+needs_dot = pytest.mark.skipif(not dot_available(), reason="no bfloat16 dot-product kernel executes here: "
+                               "avx512_bf16 not in cpu_native.features() (or the native kernels do not build)")
+
+
+class BrokenDot(PanelLinear):
+    """The panels' dot-product kernel gone wrong (one output column off wherever it runs)."""
+
+    def forward(self, x):
+        out = super().forward(x)
+        rows = x.reshape(-1, self.in_features).shape[0]
+        if 0 < self.dot_rows <= rows:
+            out = out.clone()
+            out[..., 0] += 1.0
+        return out
+
+
+def test_the_dot_rows_rule():
+    widen = {1: 10.0, 4: 11.0, 32: 40.0, 128: 150.0}
+    assert calibration.choose_dot_rows(widen, {r: t * 0.9 for r, t in widen.items()})[0] == 1  # wins everywhere
+    assert calibration.choose_dot_rows(widen, {r: t * 1.1 for r, t in widen.items()}) == (
+        0, "no bfloat16 dot products (1 / 4 / 32 / 128 rows: widening 10000.00 / 11000.00 / 40000.00 / 150000.00 ms, "
+           "dot products 11000.00 / 12100.00 / 44000.00 / 165000.00 ms)")
+    # loses up to 4 rows, wins from 32: from between them (their geometric mean)
+    rows, why = calibration.choose_dot_rows(widen, {1: 11.0, 4: 12.0, 32: 20.0, 128: 75.0})
+    assert rows == 11 and why.startswith("bfloat16 dot products from 11 rows (1 / 4 / 32 / 128 rows: widening")
+    assert calibration.choose_dot_rows(widen, {1: 9.0, 4: 9.0, 32: 50.0, 128: 75.0})[0] == 64  # the last loss rules
+    assert calibration.choose_dot_rows(widen, {1: 9.0, 4: 9.0, 32: 30.0, 128: 200.0})[0] == 0
+
+
+def test_the_decision_rule_over_every_bucket():
+    timings = {"panels": {1: 1.0, 4: 1.1, 32: 3.0, 128: 13.0}, "onednn": {1: 1.5, 4: 1.6, 32: 2.5, 128: 8.0}}
+    chosen, why = calibration.decide(timings)
+    assert chosen == "onednn" and why.endswith("; panels over 1.5x the best at 128 rows")
+    assert why.startswith("1 / 32 rows: panels 1000.00 / 3000.00 ms, onednn 1500.00 / 2500.00 ms; 4 / 128 rows: ")
+
+
+@needs_dot
+def test_every_bucket_is_checked_and_timed_and_the_dot_kernel_beside_the_panels():
+    choice = calibration.calibrate(SHAPES)["bfloat16"]
+    assert not choice.dot_disabled and set(choice.kernels) == {"widen", "dot"}
+    assert all(set(rows) == set(calibration.ROWS) for rows in choice.kernels.values())
+    assert (choice.dot_rows, choice.dot_reason) == calibration.choose_dot_rows(choice.kernels["widen"],
+                                                                                choice.kernels["dot"]) or \
+        choice.form != "panels" and choice.dot_rows == 0
+    assert calibration.Choice.from_json(choice.to_json()) == choice
+    assert calibration.calibrate(SHAPES)["float32"].dot_disabled == "bfloat16 weights only"
+
+
+@needs_dot
+def test_a_broken_dot_kernel_is_disabled_with_one_warning_and_the_engine_stays_right(monkeypatch, caplog):
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with monkeypatch.context() as pinned:  # the reference: bfloat16 panels by the pin, nothing measured, no dot products
+        pinned.setenv(cpu_native.KERNELS_ENV, "auto,bfloat16=panels")
+        with LLM(tiny_checkpoint("qwen2"), block_size=4, dtype="bfloat16") as llm:
+            reference = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    monkeypatch.setattr(calibration, "DOT", calibration.Candidate(
+        "panels:dot", lambda w, b: BrokenDot(w, b, dot_rows=1), calibration._dot_unavailable))
+    monkeypatch.setattr(calibration, "decide", lambda timings: ("panels", "forced for this test"))
+    with caplog.at_level(logging.INFO, logger=calibration.__name__):
+        with LLM(tiny_checkpoint("qwen2"), block_size=4, dtype="bfloat16") as llm:
+            model = llm.engine.core.runner.model
+            tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+            capture = llm.engine.core.runner.decode_capture
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "linear form 'panels:dot' disabled for bfloat16 weights" in warnings[0]
+    assert "float64 reference" in warnings[0] and "beyond" in warnings[0]
+    panels = [m for m in model.modules() if isinstance(m, PanelLinear)]
+    assert panels and all(m.dot_rows == 0 for m in panels) and capture == "captured"
+    assert tokens == reference
+
+
+@needs_dot
+def test_the_captured_step_runs_the_dot_kernel_where_chosen(monkeypatch):
+    """dot_rows reaches the plan: the captured bfloat16 step with the dot products from one row
+    equals the eager float32 layers' math within the kernels' bound, and its plan holds dot_rows."""
+    monkeypatch.setattr(calibration, "decide", lambda timings: ("panels", "forced for this test"))
+    monkeypatch.setattr(calibration, "choose_dot_rows", lambda widen, dot: (1, "forced for this test"))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(tiny_checkpoint("qwen2"), block_size=4, dtype="bfloat16") as llm:
+        runner = llm.engine.core.runner
+        assert runner.decode_capture == "captured"
+        step = runner.model.get_language_model().model.captured_decode
+        assert all(layer.qkv.dot_rows == layer.down.dot_rows == 1 for layer in step._layers)
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    monkeypatch.setattr(calibration, "choose_dot_rows", lambda widen, dot: (0, "forced for this test"))
+    with LLM(tiny_checkpoint("qwen2"), block_size=4, dtype="bfloat16") as llm:
+        widened = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    # below DOT_SPLIT_ROWS rows the dot products carry float32 activations to 2^-18: the same greedy tokens
+    assert tokens == widened
+
+
+# -- dtype="auto" on the CPU --------------------------------------------------------------------
+
+
+def _forced(bf16_over_fp32: dict[int, float]):
+    """cached_choices answering that bfloat16's panels take 1 / ratio of float32's time at each bucket."""
+    def answer(shapes, *args, **kwargs):
+        full = {rows: 1.0 for rows in calibration.ROWS}
+        times = {"float32": full, "bfloat16": {rows: 1.0 / bf16_over_fp32[rows] for rows in calibration.ROWS}}
+        return {name: calibration.Choice("panels", "forced", {"panels": times[name]}, {})
+                for name in {shape[0] for shape in shapes}}, False
+    return answer
+
+
+def _checkpoint_of(tmp_path, dtype: str):
+    source = tiny_checkpoint("qwen2")
+    target = tmp_path / f"qwen2-{dtype}"
+    target.mkdir()
+    for path in source.iterdir():
+        if path.is_file():
+            (target / path.name).write_bytes(path.read_bytes())
+    config = json.loads((target / "config.json").read_text())
+    (target / "config.json").write_text(json.dumps({**config, "torch_dtype": dtype}))
+    return target
+
+
+@needs_native
+@pytest.mark.parametrize("ratios, checkpoint, expected", [
+    ({1: 1.9, 4: 1.8, 32: 1.3, 128: 1.1}, "float32", "bfloat16"),
+    ({1: 1.9, 4: 1.8, 32: 1.3, 128: 1.1}, "bfloat16", "bfloat16"),
+    ({1: 1.9, 4: 1.8, 32: 1.3, 128: 1.1}, "float16", "float32"),  # the values would not survive
+    ({1: 1.1, 4: 1.8, 32: 1.3, 128: 1.1}, "float32", "float32"),  # not AUTO_MARGIN faster at one row
+    ({1: 1.9, 4: 1.8, 32: 1.3, 128: 0.9}, "float32", "float32"),  # slower at prefill
+])
+def test_dtype_auto_takes_bfloat16_where_measured_faster_and_says_so(monkeypatch, tmp_path, caplog, ratios,
+                                                                     checkpoint, expected):
+    from atb_plugin.engine.config import EngineConfig
+
+    monkeypatch.setattr(calibration, "cached_choices", _forced(ratios))
+    monkeypatch.setattr(calibration, "AUTO_MIN_BYTES", 0)
+    model = _checkpoint_of(tmp_path, checkpoint)
+    with caplog.at_level(logging.INFO, logger="atb_plugin.engine.config"):
+        config = EngineConfig(model=str(model))
+    assert config.dtype == expected
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("dtype auto: ")]
+    assert len(lines) == 1 and lines[0].startswith(f"dtype auto: {expected} (")
+    if checkpoint != "float16":
+        assert "as fast as float32 (panels) at 1 / 4 / 32 / 128 rows" in lines[0]
+    # an explicit dtype, a pooling model, a quantized one or unpacked weights: never measured
+    monkeypatch.setattr(calibration, "cached_choices", lambda *a, **k: pytest.fail("measured"))
+    assert EngineConfig(model=str(model), dtype="float32").dtype == "float32"
+    assert EngineConfig(model=str(model), pack_weights=False).dtype == "float32"
+
+
+def test_dtype_auto_does_not_time_a_small_model(monkeypatch, caplog):
+    from atb_plugin.engine.config import EngineConfig
+
+    monkeypatch.setattr(calibration, "cached_choices", lambda *a, **k: pytest.fail("measured"))
+    with caplog.at_level(logging.INFO, logger="atb_plugin.engine.config"):
+        assert EngineConfig(model=str(tiny_checkpoint("qwen2"))).dtype == "float32"
+    assert "MiB of float32 linear weights, under 32: its steps are bound by host time" in caplog.text
+
+
+@needs_native
+def test_dtype_auto_loads_the_engine_in_bfloat16_where_forced(monkeypatch):
+    monkeypatch.setattr(calibration, "cached_choices", _forced({rows: 1.9 for rows in calibration.ROWS}))
+    monkeypatch.setattr(calibration, "AUTO_MIN_BYTES", 0)
+    with LLM(tiny_checkpoint("qwen2"), block_size=4) as llm:
+        assert llm.engine.config.dtype == "bfloat16"
+        assert next(llm.engine.core.runner.model.parameters()).dtype == torch.bfloat16
+        assert llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -25,6 +26,8 @@ from atb_plugin.pooling.config import resolve_runner, sentence_transformers_max_
 from atb_plugin.platform import platform_for
 from atb_plugin.platform.base import DTYPES as TORCH_DTYPES
 from atb_plugin.utils import available_cores
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["DEFAULT_KV_CACHE_BYTES", "DEVICES", "DTYPES", "EngineConfig", "FALLBACK_MAX_MODEL_LEN", "head_size"]
 
@@ -55,6 +58,24 @@ def _check_int(name: str, value, low: int, high: int | None = None) -> None:
     if value < low or (high is not None and value > high):
         bound = f"[{low}, {high}]" if high is not None else f">= {low}"
         raise ValueError(f"EngineConfig.{name} = {value}: must be {bound}")
+
+
+def decoder_linear_layers(hf_config: dict) -> list[tuple[int, int]]:
+    """``(out, in)`` of a decoder's linear layers as its config.json sizes them: per layer the fused
+    QKV, O, fused gate-up and down projections, then the LM head (empty where it does not say).
+    What ``dtype="auto"`` is measured on (``Platform.measured_dtype``): the sizes, not the biases or
+    an MoE's routing, decide which dtype runs faster."""
+    def size(key: str, default=None):
+        value = registry.config_value(hf_config, key, default)
+        return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+    hidden, inter, heads = size("hidden_size"), size("intermediate_size"), size("num_attention_heads")
+    layers, vocab = size("num_hidden_layers"), size("vocab_size")
+    if None in (hidden, inter, heads, layers, vocab):
+        return []
+    head_dim = size("head_dim") or hidden // heads
+    q, kv = heads * head_dim, (size("num_key_value_heads") or heads) * head_dim
+    return [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)] * layers + [(vocab, hidden)]
 
 
 def head_size(hf_config: dict) -> int | None:
@@ -113,9 +134,11 @@ class EngineConfig:
     from, whatever a request registers (a deployment can pin its frontends).
 
     ``device`` ``"auto"`` is ``current_platform()``. ``dtype`` ``"auto"`` and ``block_size`` None
-    are the platform's choice (CPU: float32, 16; CUDA: bfloat16 where supported else float16, 16;
-    NPU: bfloat16 on A2/A3 else float16, 128), and explicit values are checked against the
-    platform's op rules here, at start-up; the resolved values are what the config holds.
+    are the platform's choice (CPU: float32, 16, or bfloat16 for a generative float model packed
+    for the native kernels where this CPU measured it faster: ``Platform.measured_dtype``, logged;
+    CUDA: bfloat16 where supported else float16, 16; NPU: bfloat16 on A2/A3 else float16, 128), and
+    explicit values are checked against the platform's op rules here, at start-up; the resolved
+    values are what the config holds.
 
     ``runner`` / ``convert`` ("auto": from the checkpoint's architecture, ``atb_plugin.pooling.
     config``) choose generation or pooling; ``hf_overrides`` are config.json keys replaced before
@@ -275,6 +298,10 @@ class EngineConfig:
             _check_int("max_model_len", self.max_model_len, 2, declared)
         platform = platform_for(self.device)
         dtype, block_size = platform.check_engine_config(self.dtype, self.block_size, head_size(hf_config))
+        if self.dtype == "auto" and self.runner == "generate" and self.quantization is None and self.pack_weights:
+            declared = registry.config_value(hf_config, "torch_dtype") or registry.config_value(hf_config, "dtype")
+            dtype, why = platform.measured_dtype(dtype, decoder_linear_layers(hf_config), declared)
+            logger.info("dtype auto: %s (%s)", dtype, why)
         check_tensor_parallel(hf_config, self.tensor_parallel_size, self.enable_expert_parallel)
         devices = platform.device_count()
         engines = self.tensor_parallel_size * self.data_parallel_size

@@ -487,6 +487,48 @@ def cached_choices(shapes: list[Shape], budget_s: float | None = None,
     return choices, False
 
 
+# dtype="auto" on the CPU (Platform.measured_dtype): bfloat16 where its linear layers measured at least
+# AUTO_MARGIN times as fast as float32's at one row (decode, where the step streams the weights) and no
+# slower at any bucket, for checkpoints whose bfloat16 form keeps the quality goals: bfloat16 ones (no
+# weight changes) and float32 ones (docs/quantization.md, "Quality": SmolLM2 in bfloat16, +0.02 %
+# perplexity, 99 % top-1 agreement; a float16 checkpoint's range would not survive the rounding kept).
+# A model with fewer float32 linear weight bytes than AUTO_MIN_BYTES stays float32 unmeasured: its step
+# is bound by host time, not by streaming its weights, so bfloat16 would gain it little.
+AUTO_MARGIN = 1.2
+AUTO_CHECKPOINT_DTYPES = ("float32", "bfloat16")
+AUTO_MIN_BYTES = 32 << 20
+
+
+def auto_dtype(layers: list[tuple[int, int]], checkpoint_dtype: str | None) -> tuple[str, str]:
+    """``dtype="auto"``'s answer for a model whose linear layers are ``layers`` (``(out, in)`` each)
+    and whose checkpoint declares ``checkpoint_dtype`` (None: float32, transformers' default), and
+    why: the two dtypes' forms measured as at a load (``cached_choices``, over the same shapes in
+    each dtype; cached, so later starts time nothing), compared at each of ROWS."""
+    declared = checkpoint_dtype or "float32"
+    if declared not in AUTO_CHECKPOINT_DTYPES:
+        return "float32", f"the checkpoint holds {declared}, whose values bfloat16 does not keep"
+    shapes = [(dtype, out, inp, False) for dtype in DTYPES for out, inp in layers]
+    per_dtype = sum(_weight_bytes(shape) for shape in shapes if shape[0] == "float32")
+    if per_dtype < AUTO_MIN_BYTES:
+        return "float32", (f"{per_dtype / 2**20:.2f} MiB of float32 linear weights, under {AUTO_MIN_BYTES / 2**20:.0f}: "
+                           f"its steps are bound by host time, not by the weights")
+    if cpu_native.linear_library(torch.device("cpu")) is None:
+        return "float32", "the native CPU kernels are not in use"
+    # one dtype at a time: the cache entries a load of the model in that dtype reads again, where its
+    # layers are these (a decoder without biases: the Llama family's)
+    answers = {name: cached_choices([shape for shape in shapes if shape[0] == name]) for name in ("float32", "bfloat16")}
+    (full, full_cached), (half, half_cached) = ((choices[name], cached) for name, (choices, cached) in answers.items())
+    cached = full_cached and half_cached
+    if not (full.timings and half.timings):
+        return "float32", "the linear forms were not timed"
+    ratios = {rows: full.timings[full.form][rows] / half.timings[half.form][rows] for rows in ROWS}
+    measured = (f"bfloat16 ({half.form}) {' / '.join(f'{r:.2f}x' for r in ratios.values())} as fast as float32 "
+                f"({full.form}) at {' / '.join(map(str, ROWS))} rows{', cached' if cached else ''}")
+    if ratios[DECODE_ROWS] >= AUTO_MARGIN and min(ratios.values()) >= 1:
+        return "bfloat16", measured
+    return "float32", f"{measured}: under {AUTO_MARGIN}x at {DECODE_ROWS} row or 1x at another"
+
+
 def packing_rule(shapes: Iterable[Shape], budget_s: float | None = None,
                  min_timed_bytes: int | None = None) -> PackingRule:
     """The rule packing the model whose CPU float linear layers ``shapes`` lists (one entry per

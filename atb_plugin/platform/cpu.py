@@ -1,5 +1,6 @@
 """CPU: plain torch kernels, gloo for torch.distributed. Always available; ``dtype="auto"`` is
-float32, the default KV block size 16, and any block size >= 1 runs."""
+float32 unless this CPU measured bfloat16 faster (``measured_dtype``), the default KV block size
+16, and any block size >= 1 runs."""
 
 from __future__ import annotations
 
@@ -27,6 +28,11 @@ class CpuPlatform(Platform):
 
         cpu_native.choice()  # an unknown ATB_PLUGIN_CPU_KERNELS fails the config, not the first step
         huge_pages.choice()  # so does an unknown ATB_PLUGIN_HUGE_PAGES, not the model's load
+
+    def measured_dtype(self, dtype: str, layers: list[tuple[int, int]], checkpoint_dtype: str | None) -> tuple[str, str]:
+        from atb_plugin.ops import calibration  # load nothing until asked
+
+        return calibration.auto_dtype(layers, checkpoint_dtype)
 
     def prepare_model(self, model) -> None:
         # After the load packed the weights (the panels are what the kernels read: models/linear.py),
