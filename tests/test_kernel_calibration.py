@@ -425,3 +425,44 @@ def test_dtype_auto_loads_the_engine_in_bfloat16_where_forced(monkeypatch):
         assert llm.engine.config.dtype == "bfloat16"
         assert next(llm.engine.core.runner.model.parameters()).dtype == torch.bfloat16
         assert llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=2))[0].outputs[0].token_ids
+
+
+# -- a second copy in panels for decode rows (SplitLinear) ---------------------------------------
+
+
+def test_the_split_rule():
+    onednn = {1: 2.0, 4: 2.2, 32: 3.0, 128: 8.0}
+    # the panels twice as fast at one and four rows, slower from 32: panels below round(sqrt(4 * 32)) = 11 rows
+    rows, why = calibration.choose_split({"panels": {1: 1.0, 4: 1.1, 32: 4.6, 128: 20.0}, "onednn": onednn}, "onednn")
+    assert rows == 11 and why == "a second copy in panels below 11 rows (0.50x onednn's time at 1 row, 1.53x at 32)"
+    # not SPLIT_MARGIN faster at one row, or the panels already the form: no copy
+    assert calibration.choose_split({"panels": {1: 1.9, 4: 1.1, 32: 4.6, 128: 20.0}, "onednn": onednn}, "onednn")[0] == 0
+    assert calibration.choose_split({"panels": onednn, "onednn": onednn}, "panels") == (0, "")
+
+
+@needs_native
+def test_a_split_layer_serves_each_bucket_from_its_form_and_caps_the_captured_step(monkeypatch):
+    from atb_plugin.ops.packed_linear import SplitLinear
+
+    weight, bias = torch.randn(70, 100), torch.randn(70)
+    layer = SplitLinear(weight, bias, 0, PackedLinear(weight, bias), 3)
+    assert layer.native_operands().batch_rows == 3 and "batch_rows=3" in repr(layer)
+    for rows, served in ((1, PanelLinear(weight, bias)), (2, PanelLinear(weight, bias)), (3, layer.batch)):
+        x = torch.randn(rows, 100)
+        assert torch.equal(layer(x), served(x))
+    # the calibration's answer forced: oneDNN the form, panels below 3 rows
+    monkeypatch.setattr(calibration, "decide", lambda timings: ("onednn", "forced for this test"))
+    monkeypatch.setattr(calibration, "choose_split", lambda timings, form: (3, "forced for this test"))
+    monkeypatch.setattr(calibration, "SPLIT_MIN_BYTES", 0)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    with LLM(tiny_checkpoint("qwen2"), block_size=4, pack_weights=False) as llm:  # the reference: dense layers
+        reference = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 2, params)]
+    with LLM(tiny_checkpoint("qwen2"), block_size=4) as llm:
+        runner = llm.engine.core.runner
+        model = runner.model.get_language_model().model
+        assert all(type(m) is SplitLinear and m.batch_rows == 3 for m in model.modules() if isinstance(m, PanelLinear))
+        # steps of up to 2 requests run captured, larger ones eager through oneDNN
+        assert runner.decode_capture == "captured" and model.captured_decode.max_rows == 2
+        tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 2, params)]
+        assert tokens == reference
+        assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:1], params)] == reference[:1]

@@ -143,4 +143,9 @@ def capture(model, kv_caches, max_rows: int) -> tuple[NativeDecodeStep | None, s
         if isinstance(operands, str):
             return None, operands
         linears.append(operands)
+    # A layer whose batches take another form (packed_linear.SplitLinear): larger steps run eager.
+    split = [o.batch_rows for layer in linears for o in layer if o.batch_rows]
+    if split and min(split) <= 1:
+        return None, "the linear layers' forms for one row are not the panels"
+    max_rows = min([max_rows, *(rows - 1 for rows in split)])
     return NativeDecodeStep(library, model, kv_caches, max_rows, linears), "captured"

@@ -66,6 +66,11 @@ DECODE_ROWS, PREFILL_ROWS = 1, 32  # the buckets deciding the form: a decode ste
 COLD_ROWS = 32  # up to this many rows the weights are timed streamed from DRAM; past it one copy per shape
 PREFILL_MARGIN = 1.5  # the decode winner keeps the layer unless this much slower than the best at 32 rows
 CAPTURE_MARGIN = 1.10  # the panels win decode unless another form is this much faster (only they are captured)
+# Where another form wins the layer (over PREFILL_MARGIN faster at a batch bucket) but the panels are this
+# much faster at one row, the layer keeps a second copy in panels for decode rows (choose_split), if
+# the dtype's weights reach SPLIT_MIN_BYTES (below, the two forms' difference is call overhead).
+SPLIT_MARGIN = 1.25
+SPLIT_MIN_BYTES = 32 << 20
 MIN_TIMED_BYTES = 8 << 20  # a dtype's weights below this in all are checked, not timed (module docstring)
 COLD_BYTES = 64 << 20  # the copies timed per candidate: past the last-level cache, as a real step reads them
 # A layer wider than this is checked at this width less one PANEL_GROUP plus its own remainder (an
@@ -94,13 +99,7 @@ def _weight_bytes(shape: Shape, count: int = 1) -> int:
     return count * out_features * in_features * DTYPES[dtype_name].itemsize
 
 
-def _dense(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Module:
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
-    with torch.no_grad():
-        layer.weight.copy_(weight)
-        if bias is not None:
-            layer.bias.copy_(bias)
-    return layer.requires_grad_(False)
+_dense = packed_linear.dense_linear
 
 
 def _panels_unavailable(dtype: torch.dtype) -> str | None:
@@ -149,7 +148,8 @@ class Choice:
     better kernel) or why it was out (``disabled``: wrong against the reference, or unavailable
     here). For bfloat16 panels: the rows from which their dot-product kernel runs (``dot_rows``, 0:
     never), each kernel's own timings (``kernels``: ``widen``, ``dot``) and why (``dot_reason``),
-    or why that kernel was out (``dot_disabled``, as ``disabled``)."""
+    or why that kernel was out (``dot_disabled``, as ``disabled``). ``split_rows``: below this many
+    rows a second copy in panels serves (0: none; ``choose_split``), and why (``split_reason``)."""
 
     form: str
     reason: str
@@ -159,16 +159,20 @@ class Choice:
     kernels: dict[str, dict[int, float]] = field(default_factory=dict)
     dot_reason: str = ""
     dot_disabled: str = ""
+    split_rows: int = 0
+    split_reason: str = ""
 
     def to_json(self) -> dict:
         return {"form": self.form, "reason": self.reason, "disabled": self.disabled,
                 "timings": _rows_json(self.timings), "dot_rows": self.dot_rows, "kernels": _rows_json(self.kernels),
-                "dot_reason": self.dot_reason, "dot_disabled": self.dot_disabled}
+                "dot_reason": self.dot_reason, "dot_disabled": self.dot_disabled, "split_rows": self.split_rows,
+                "split_reason": self.split_reason}
 
     @classmethod
     def from_json(cls, data: dict) -> "Choice":
         return cls(data["form"], data["reason"], _rows_from_json(data["timings"]), dict(data["disabled"]),
-                   int(data["dot_rows"]), _rows_from_json(data["kernels"]), data["dot_reason"], data["dot_disabled"])
+                   int(data["dot_rows"]), _rows_from_json(data["kernels"]), data["dot_reason"], data["dot_disabled"],
+                   int(data["split_rows"]), data["split_reason"])
 
 
 def tolerance(dtype: torch.dtype, in_features: int) -> float:
@@ -332,6 +336,26 @@ def decide(timings: dict[str, dict[int, float]]) -> tuple[str, str]:
     return chosen, why
 
 
+def choose_split(timings: dict[str, dict[int, float]], form: str) -> tuple[int, str]:
+    """Below how many rows a layer whose form is ``form`` (``decide``'s) keeps a second copy in
+    the panels (0: none), and why: where ``form`` is not the panels, though the panels are
+    SPLIT_MARGIN times as fast at DECODE_ROWS (and captured): up to the first bucket where they
+    are not faster (between it and the bucket before, from their geometric mean)."""
+    if form == "panels" or "panels" not in timings:
+        return 0, ""
+    panels, chosen = timings["panels"], timings[form]
+    buckets = sorted(panels)
+    if panels[DECODE_ROWS] * SPLIT_MARGIN > chosen[DECODE_ROWS]:
+        return 0, ""
+    losing = [rows for rows in buckets if panels[rows] >= chosen[rows]]
+    if not losing:
+        return 0, ""
+    before = buckets[buckets.index(losing[0]) - 1]
+    rows = max(before + 1, round(math.sqrt(before * losing[0])))
+    return rows, (f"a second copy in panels below {rows} rows ({panels[DECODE_ROWS] / chosen[DECODE_ROWS]:.2f}x "
+                  f"{form}'s time at {DECODE_ROWS} row, {panels[losing[0]] / chosen[losing[0]]:.2f}x at {losing[0]})")
+
+
 def choose_dot_rows(widen: dict[int, float], dot: dict[int, float]) -> tuple[int, str]:
     """From how many rows bfloat16 panels run their dot-product kernel (0: never), given each
     kernel's timings per bucket, and why: from the first bucket past the last where the widening
@@ -404,8 +428,10 @@ def calibrate(shapes: Iterable[Shape], budget_s: float | None = None,
                 timings["panels"] = {rows: kernels["dot" if 0 < dot_rows <= rows else "widen"][rows]
                                      for rows in ROWS}
             form, reason = decide(timings)
-            choices[dtype_name] = Choice(form, reason, timings, disabled, dot_rows if form == "panels" else 0,
-                                         kernels, dot_reason, dot_disabled)
+            split_rows, split_reason = choose_split(timings, form) if bytes_ >= SPLIT_MIN_BYTES else (0, "")
+            panels = form == "panels" or split_rows > 0
+            choices[dtype_name] = Choice(form, reason, timings, disabled, dot_rows if panels else 0, kernels,
+                                         dot_reason, dot_disabled, split_rows, split_reason)
             continue
         preferred = _rule_form(rule, dtype)
         if len(passed) <= 1:  # nothing to compare (dense is always there, unless it failed too)
@@ -539,7 +565,7 @@ def packing_rule(shapes: Iterable[Shape], budget_s: float | None = None,
     pinned = cpu_native.linear_forms()
     rule = PackingRule.current()
     forms = {dtype: _rule_form(rule, DTYPES[dtype]) for dtype in DTYPES}
-    dot_rows = rule.bf16_dot_rows
+    dot_rows, batch = rule.bf16_dot_rows, []
     torch_ops = cpu_native.choice() == "torch"  # the torch path as it was: the rule, nothing timed
     measured = [] if torch_ops else [shape for shape in shapes if shape[0] in DTYPES and shape[0] not in pinned]
     if measured:
@@ -548,19 +574,23 @@ def packing_rule(shapes: Iterable[Shape], budget_s: float | None = None,
         spent = time.perf_counter() - start
         for dtype_name, choice in choices.items():
             forms[dtype_name] = choice.form
+            if choice.split_rows:  # the panels first (the captured step reads them), the form from split_rows
+                forms[dtype_name] = "panels"
+                batch.append((DTYPES[dtype_name], choice.form, choice.split_rows))
             if dtype_name == "bfloat16":
                 dot_rows = choice.dot_rows
-            kernels = f"; {choice.dot_reason}" if choice.form == "panels" and choice.dot_reason else ""
-            logger.info("linear layers in %s: %s (%s%s%s)", dtype_name, choice.form, choice.reason, kernels,
+            notes = "".join(f"; {note}" for note in (choice.split_reason, choice.dot_rows and choice.dot_reason) if note)
+            logger.info("linear layers in %s: %s (%s%s%s)", dtype_name, choice.form, choice.reason, notes,
                         "; cached" if cached else f"; measured in {spent:.1f} s")
     for dtype_name, form in pinned.items():
         why = CANDIDATES[form].unavailable(DTYPES[dtype_name])
         if why is not None:
             raise ValueError(f"{cpu_native.KERNELS_ENV} pins {dtype_name}={form}, but {why}")
         forms[dtype_name] = form
+        batch = [entry for entry in batch if entry[0] != DTYPES[dtype_name]]
         if dtype_name == "bfloat16":
             dot_rows = rule.bf16_dot_rows
         if any(shape[0] == dtype_name for shape in shapes):
             logger.info("linear layers in %s: %s (pinned by %s)", dtype_name, form, cpu_native.KERNELS_ENV)
     return PackingRule(tuple(DTYPES[d] for d, f in forms.items() if f == "panels"),
-                       tuple(DTYPES[d] for d, f in forms.items() if f == "onednn"), dot_rows)
+                       tuple(DTYPES[d] for d, f in forms.items() if f == "onednn"), dot_rows, tuple(batch))

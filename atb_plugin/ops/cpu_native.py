@@ -687,6 +687,9 @@ class LinearOperands:
     scale: torch.Tensor | None = None
     offset: torch.Tensor | None = None
     dot_rows: int = 0  # bfloat16 panels: as ``linear_bf16`` takes it
+    # From this many rows on the layer serves from another form (packed_linear.SplitLinear), which the
+    # plan cannot hold: the captured step then runs fewer requests (0: none).
+    batch_rows: int = 0
 
     def __post_init__(self):
         if _LINEAR_WEIGHT_DTYPES.get(self.format) != self.weight.dtype:

@@ -37,7 +37,7 @@ keeps the original.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -135,6 +135,40 @@ class PanelLinear(nn.Module):
                                          self.weight_panels, bias=self.padded_bias, dot_rows=self.dot_rows)
 
 
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """``weight`` (and ``bias``) in a plain ``nn.Linear`` of their dtype (the dense form)."""
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, dtype=weight.dtype)
+    with torch.no_grad():
+        layer.weight.copy_(weight)
+        if bias is not None:
+            layer.bias.copy_(bias)
+    return layer.requires_grad_(False)
+
+
+class SplitLinear(PanelLinear):
+    """One weight in two forms, where the calibration measured the panels fastest for decode rows
+    and another form for batches (ops/calibration.py, ``choose_split``): the panels below
+    ``batch_rows`` rows (and in the captured decode step, which then runs fewer requests than
+    that), ``batch`` (a ``PackedLinear`` or a dense ``nn.Linear``) from there on. Holds the weight
+    twice: the price of each bucket's fastest form."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dot_rows: int, batch: nn.Module,
+                 batch_rows: int):
+        super().__init__(weight, bias, dot_rows)
+        self.batch, self.batch_rows = batch, batch_rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() >= self.batch_rows * self.in_features:
+            return self.batch(x)
+        return super().forward(x)
+
+    def native_operands(self) -> cpu_native.LinearOperands:
+        return replace(super().native_operands(), batch_rows=self.batch_rows)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, batch_rows={self.batch_rows}"
+
+
 def native_bf16_preferred() -> bool:
     """Whether a bfloat16 linear layer goes to the native bfloat16 panels rather than oneDNN
     (module docstring: oneDNN where the CPU runs bfloat16 dot products and oneDNN packs bfloat16;
@@ -150,12 +184,15 @@ def native_bf16_preferred() -> bool:
 class PackingRule:
     """Which packed form a CPU linear weight takes here (module docstring): ``native``, the dtypes
     going to the native kernels' panels; ``onednn``, those oneDNN packs; the rest stay dense;
-    ``bf16_dot_rows``, bfloat16 panels' ``PanelLinear.dot_rows``. Made once per load by the
-    calibration (``ops/calibration.py``), or ``current()``, the ISA rule."""
+    ``bf16_dot_rows``, bfloat16 panels' ``PanelLinear.dot_rows``; ``batch``, per dtype of
+    ``native`` that also takes another form from some rows on, ``(dtype, form, rows)``
+    (``SplitLinear``; form ``onednn`` or ``dense``). Made once per load by the calibration
+    (``ops/calibration.py``), or ``current()``, the ISA rule."""
 
     native: tuple[torch.dtype, ...]
     onednn: tuple[torch.dtype, ...]
     bf16_dot_rows: int = 0
+    batch: tuple[tuple[torch.dtype, str, int], ...] = ()
 
     @classmethod
     def current(cls) -> "PackingRule":
@@ -167,6 +204,10 @@ class PackingRule:
         """``weight`` (and ``bias``) packed: a ``PanelLinear``, a ``PackedLinear``, or None where
         neither takes its dtype (the layer stays dense)."""
         if weight.dtype in self.native:
+            for dtype, form, rows in self.batch:
+                if dtype == weight.dtype:
+                    batch = PackedLinear(weight, bias) if form == "onednn" else dense_linear(weight, bias)
+                    return SplitLinear(weight, bias, self.bf16_dot_rows, batch, rows)
             return PanelLinear(weight, bias, self.bf16_dot_rows)
         if weight.dtype in self.onednn:
             return PackedLinear(weight, bias)
