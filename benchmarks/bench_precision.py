@@ -10,7 +10,9 @@ Models (--model):
              weights, where TinyLlama's own 32000 x 2048 is 6 %). Written once under
              ${XDG_CACHE_HOME:-~/.cache}/atb-plugin/models/.
 
-Sides (--precisions): ours float32, bfloat16 (``dtype="bfloat16"``), and W8A16 / W8A8
+Sides (--precisions): ours float32 (``dtype="float32"``), bfloat16 (``dtype="bfloat16"``), our default
+(``auto``: ``dtype="auto"``, which on the CPU is bfloat16 where the calibration measured it faster: the
+start-up's "dtype auto" line is printed), and W8A16 / W8A8
 (``quantization=``, quantized on the fly at load; ``w8a8/bf16``: the rest of the model in bfloat16,
 so the LM head too; ``w8a8+head``: the LM head in int8 as well, ``--quantize-lm-head``, as llama.cpp's
 Q8_0 quantizes its output matrix). Each side's resident weight
@@ -29,7 +31,7 @@ shared and its speed drifts over minutes), benchmarks/peers/llamacpp_bench.py in
 GGUFs converted by llama.cpp's vendored convert_hf_to_gguf.py (setup.sh writes SmolLM2's F32,
 BF16 and Q8_0; the TinyLlama-shaped one is converted here on first use), one thread.
 
-    python benchmarks/bench_precision.py [--model smollm2,tinyllama] [--runs 2] [--tokens 64]
+    python benchmarks/bench_precision.py [--model smollm2,tinyllama] [--model-dir DIR] [--runs 2] [--tokens 64]
         [--batch 32] [--batch-tokens 128] [--precisions fp32,bf16,w8a16,w8a8,w8a8/bf16,w8a8+head] [--llamacpp]
 
 Last line: JSON with every side's medians and the ratios to our float32.
@@ -112,16 +114,19 @@ def tinyllama_checkpoint(layers: int) -> Path:
 
 
 def precision_kwargs(precision: str) -> dict:
-    """``LLM`` keyword arguments for ``precision``: fp32, bf16, or a scheme (w8a16 / w8a8) with the
+    """``LLM`` keyword arguments for ``precision``: fp32, bf16, auto (our default), or a scheme (w8a16 / w8a8) with the
     rest of the model in float32, or with ``/bf16`` in bfloat16 (embeddings, LM head, norms, KV
     cache: ``--dtype bfloat16 --quantization w8a8``, the Ascend deployment form); ``+head``: the
     LM head in the scheme too (``--quantize-lm-head``, as llama.cpp's Q8_0 quantizes its output
     matrix)."""
+    if precision == "auto":
+        return {}
     scheme, _, rest = precision.partition("/")
     scheme, _, extra = scheme.partition("+")
     if scheme not in ("fp32", "bf16", "w8a16", "w8a8") or rest not in ("", "bf16") or extra not in ("", "head"):
-        raise ValueError(f"precision {precision!r}: expected fp32, bf16, or w8a16 / w8a8 [+head] [/bf16]")
-    kwargs = {"dtype": "bfloat16"} if "bf16" in (scheme, rest) else {}
+        raise ValueError(f"precision {precision!r}: expected fp32, bf16, auto, or w8a16 / w8a8 [+head] [/bf16]")
+    # float32 named: dtype "auto" may be bfloat16 on the CPU (the calibration's measurement)
+    kwargs = {"dtype": "bfloat16"} if "bf16" in (scheme, rest) else {"dtype": "float32"}
     if scheme in ("w8a16", "w8a8"):
         kwargs["quantization"] = scheme
     if extra == "head":
@@ -263,19 +268,22 @@ def main() -> None:
     parser.add_argument("--batch-tokens", type=int, default=128)
     parser.add_argument("--precisions", default="fp32,bf16,w8a16,w8a8,w8a8/bf16")
     parser.add_argument("--tinyllama-layers", type=int, default=22)
+    parser.add_argument("--model-dir", help="this checkpoint for --model's sides instead of its own")
     parser.add_argument("--llamacpp", action="store_true", help="also llama.cpp at F32 / BF16 / Q8_0 (peers' venv)")
     parser.add_argument("--llamacpp-types", default="F32,BF16,Q8_0", help="the GGUF types llama.cpp runs")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    # The calibration's choices (form per weight dtype, and why) beside the ratios.
-    chosen = logging.getLogger("atb_plugin.ops.calibration")
-    chosen.setLevel(logging.INFO)
+    # The calibration's choices (form per weight dtype, and why; what dtype "auto" took) beside the ratios.
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("calibration: %(message)s"))
-    chosen.addHandler(handler)
+    for name in ("atb_plugin.ops.calibration", "atb_plugin.engine.config"):
+        chosen = logging.getLogger(name)
+        chosen.setLevel(logging.INFO)
+        chosen.addHandler(handler)
     report = {}
     for model in args.model.split(","):
-        model_dir = default_model_dir() if model == "smollm2" else tinyllama_checkpoint(args.tinyllama_layers)
+        model_dir = (Path(args.model_dir) if args.model_dir else default_model_dir() if model == "smollm2"
+                     else tinyllama_checkpoint(args.tinyllama_layers))
         peers = {}
         if args.llamacpp:
             for gguf_type in args.llamacpp_types.split(","):
