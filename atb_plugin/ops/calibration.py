@@ -66,10 +66,9 @@ DECODE_ROWS, PREFILL_ROWS = 1, 32  # the buckets deciding the form: a decode ste
 COLD_ROWS = 32  # up to this many rows the weights are timed streamed from DRAM; past it one copy per shape
 PREFILL_MARGIN = 1.5  # the decode winner keeps the layer unless this much slower than the best at 32 rows
 CAPTURE_MARGIN = 1.10  # the panels win decode unless another form is this much faster (only they are captured)
-# Where another form wins the layer (over PREFILL_MARGIN faster at a batch bucket) but the panels are this
-# much faster at one row, the layer keeps a second copy in panels for decode rows (choose_split), if
+# Where another form wins the layer (over PREFILL_MARGIN faster at a batch bucket) but the panels are within
+# CAPTURE_MARGIN of it at one row, the layer keeps a second copy in panels for decode rows (choose_split), if
 # the dtype's weights reach SPLIT_MIN_BYTES (below, the two forms' difference is call overhead).
-SPLIT_MARGIN = 1.25
 SPLIT_MIN_BYTES = 32 << 20
 MIN_TIMED_BYTES = 8 << 20  # a dtype's weights below this in all are checked, not timed (module docstring)
 COLD_BYTES = 64 << 20  # the copies timed per candidate: past the last-level cache, as a real step reads them
@@ -161,6 +160,13 @@ class Choice:
     dot_disabled: str = ""
     split_rows: int = 0
     split_reason: str = ""
+
+    def served(self) -> dict[int, float]:
+        """Seconds per pass at each timed bucket of the form serving it (the panels below
+        ``split_rows``); empty where not timed."""
+        if not self.timings:
+            return {}
+        return {rows: self.timings["panels" if rows < self.split_rows else self.form][rows] for rows in ROWS}
 
     def to_json(self) -> dict:
         return {"form": self.form, "reason": self.reason, "disabled": self.disabled,
@@ -338,17 +344,16 @@ def decide(timings: dict[str, dict[int, float]]) -> tuple[str, str]:
 
 def choose_split(timings: dict[str, dict[int, float]], form: str) -> tuple[int, str]:
     """Below how many rows a layer whose form is ``form`` (``decide``'s) keeps a second copy in
-    the panels (0: none), and why: where ``form`` is not the panels, though the panels are
-    SPLIT_MARGIN times as fast at DECODE_ROWS (and captured): up to the first bucket where they
-    are not faster (between it and the bucket before, from their geometric mean)."""
+    the panels (0: none), and why: where ``form`` is not the panels, though the panels are within
+    CAPTURE_MARGIN of it at DECODE_ROWS (as ``decide`` prefers them: only they are captured, which
+    saves the eager layer's host time): up to the first bucket where they are not (between it and
+    the bucket before, from their geometric mean)."""
     if form == "panels" or "panels" not in timings:
         return 0, ""
     panels, chosen = timings["panels"], timings[form]
     buckets = sorted(panels)
-    if panels[DECODE_ROWS] * SPLIT_MARGIN > chosen[DECODE_ROWS]:
-        return 0, ""
-    losing = [rows for rows in buckets if panels[rows] >= chosen[rows]]
-    if not losing:
+    losing = [rows for rows in buckets if panels[rows] > CAPTURE_MARGIN * chosen[rows]]
+    if not losing or losing[0] == buckets[0]:
         return 0, ""
     before = buckets[buckets.index(losing[0]) - 1]
     rows = max(before + 1, round(math.sqrt(before * losing[0])))
@@ -547,7 +552,7 @@ def auto_dtype(layers: list[tuple[int, int]], checkpoint_dtype: str | None) -> t
     cached = full_cached and half_cached
     if not (full.timings and half.timings):
         return "float32", "the linear forms were not timed"
-    ratios = {rows: full.timings[full.form][rows] / half.timings[half.form][rows] for rows in ROWS}
+    ratios = {rows: full.served()[rows] / half.served()[rows] for rows in ROWS}
     measured = (f"bfloat16 ({half.form}) {' / '.join(f'{r:.2f}x' for r in ratios.values())} as fast as float32 "
                 f"({full.form}) at {' / '.join(map(str, ROWS))} rows{', cached' if cached else ''}")
     if ratios[DECODE_ROWS] >= AUTO_MARGIN and min(ratios.values()) >= 1:
