@@ -4,34 +4,44 @@
 A float linear layer on the CPU can hold its weight in three forms (``packed_linear.py``): the
 native kernels' column panels (``panels``: ``PanelLinear``, the only form the captured decode step
 reads), oneDNN's packed layout (``onednn``: ``PackedLinear``), or the checkpoint's dense layout
-(``dense``: ``nn.Linear``, MKL / oneDNN through torch). Which is fastest depends on the CPU: where
-it runs bfloat16 dot products (AVX-512 BF16, AMX) oneDNN uses them and the native panels widen to
-float32; the ISA rule that decided before (``packed_linear.native_bf16_preferred``) was never
-measured on such a CPU. So, once per machine, at the model's load:
+(``dense``: ``nn.Linear``, MKL / oneDNN through torch). Bfloat16 panels have two kernels: widened
+to float32 in registers, or bfloat16 dot products (``DOT``: AVX-512 BF16's ``vdpbf16ps``, where it
+executes). Which is fastest depends on the CPU and the row count: on a Zen 5 EPYC the dot products
+win every bucket; on an AMX Xeon oneDNN (AMX tiles) wins batches by 3-6x while the panels win one
+row (benchmarks/RESULTS.md, "AVX-512 BF16 panels, per-bucket forms"). So, once per machine, at the
+model's load:
 
-1. every candidate form of each weight dtype the model holds (float32, bfloat16) is built over
-   random weights of the model's distinct linear shapes and **checked against a float64 product of
-   the same (dtype-rounded) weights and inputs** at each row bucket; one that disagrees beyond
-   ``tolerance`` is disabled with one warning naming it (this is what makes a variant for an
-   instruction set the development machines lack safe to ship: a wrong one loses, it never serves);
-2. the candidates left are timed at ``ROWS`` (1: a decode step of one request; 32: a prefill chunk
-   or a batch of 32 decoding requests), weights streamed from DRAM as in a real step (enough
-   copies of each shape to overflow the caches), in interleaved rounds, medians; each shape's time
-   weighted by how many layers have it;
-3. per dtype the form fastest at one row wins (the captured decode step then takes it, if it is
-   ``panels``), unless it is slower than the best at 32 rows by more than ``PREFILL_MARGIN``; the
-   panels win ties within ``CAPTURE_MARGIN`` at one row, because only they are captured, which
-   saves the eager layer's host time the measurement of one product leaves out. One packed form per
-   layer: the engine does not keep a second copy for prefill.
+1. every candidate form of each weight dtype the model holds (float32, bfloat16), and the
+   bfloat16 panels' dot-product kernel, is built over random weights of the model's distinct
+   linear shapes and **checked against a float64 product of the same (dtype-rounded) weights and
+   inputs** at each row bucket; one that disagrees beyond ``tolerance`` is disabled with one
+   warning naming it (this is what makes a variant for an instruction set the development
+   machines lack safe to ship: a wrong one loses, it never serves);
+2. the candidates left are timed at ``ROWS`` (1 and 4: decode steps; 32: a batch of requests
+   decoding or a short prefill chunk; 128: a prefill chunk's rows), weights streamed from DRAM
+   up to COLD_ROWS rows as in a real step (enough copies of each shape to overflow the caches),
+   in interleaved rounds, medians; each shape's time weighted by how many layers have it;
+3. the bfloat16 panels run their dot-product kernel from the rows where it is faster
+   (``choose_dot_rows``: ``dot_rows``), and per dtype the form fastest at one row wins (the
+   captured decode step then takes it, if it is ``panels``), unless it is slower than the best at
+   32 rows or more by more than ``PREFILL_MARGIN``; the panels win ties within ``CAPTURE_MARGIN``
+   at one row, because only they are captured, which saves the eager layer's host time the
+   measurement of one product leaves out (``decide``);
+4. where another form wins a layer while the panels are within ``CAPTURE_MARGIN`` of it at one
+   row, the layer keeps a second copy in panels for the rows where they are (``choose_split``:
+   ``packed_linear.SplitLinear``; the captured step then runs up to that many requests): twice
+   the weight's bytes, for the dtypes whose weights reach ``SPLIT_MIN_BYTES``.
 
 The answer is cached (JSON beside the kernels, ``${XDG_CACHE_HOME:-~/.cache}/atb-plugin/kernels``)
 under a name hashed from the CPU model, the probed features (``cpu_native.features()``), the thread
 count, torch's version, this package's linear sources and the kernels' sources, and the shapes: any
 change measures again; later starts read it (no timing). ``ATB_PLUGIN_CPU_KERNELS`` pins a form per
-dtype (``cpu_native.linear_forms``: ``auto,bfloat16=onednn``), and ``=torch`` keeps the rule of
-``PackingRule.current`` (no native kernels, nothing measured). A model whose weights of a dtype are
-below ``MIN_TIMED_BYTES`` in all is not timed (its products measure call overhead, not a kernel; the
-choice barely matters there): the rule decides among the candidates that passed the check.
+dtype (``cpu_native.linear_forms``: ``auto,bfloat16=onednn``; pinned panels widen, one copy), and
+``=torch`` keeps the rule of ``PackingRule.current`` (no native kernels, nothing measured). A model
+whose weights of a dtype are below ``MIN_TIMED_BYTES`` in all is not timed (its products measure
+call overhead, not a kernel; the choice barely matters there): the rule decides among the
+candidates that passed the check. ``auto_dtype`` is ``dtype="auto"`` on the CPU: bfloat16 where
+these measurements say its layers run faster than float32's.
 """
 
 from __future__ import annotations

@@ -387,15 +387,6 @@ static inline __attribute__((always_inline)) void linear_tile(
 }
 
 #define LINEAR_TILE(n) linear_tile(x, x_stride, n, bf16, steps, panel, bias, y, y_stride, cols, prefetch, lines)
-#define LINEAR_ROWS(B)                                      \
-    switch (rows) {                                         \
-    case 1: { const int bf16 = B; LINEAR_TILE(1); } break;  \
-    case 2: { const int bf16 = B; LINEAR_TILE(2); } break;  \
-    case 3: { const int bf16 = B; LINEAR_TILE(3); } break;  \
-    case 4: { const int bf16 = B; LINEAR_TILE(4); } break;  \
-    case 5: { const int bf16 = B; LINEAR_TILE(5); } break;  \
-    default: { const int bf16 = B; LINEAR_TILE(MR); } break; \
-    }
 /* x, y and bias of one linear_panels call, for its tiles (panel_sweep.h). */
 struct float_panels_call {
     const float *x, *bias;
@@ -410,7 +401,13 @@ static void linear_rows(const void *ctx, int64_t m0, int rows, int64_t p, const 
     const float *x = c->x + m0 * c->x_stride, *bias = c->bias ? c->bias + p * PANEL : NULL;
     float *y = c->y + m0 * c->y_stride + p * PANEL;
     const int64_t x_stride = c->x_stride, y_stride = c->y_stride, steps = c->steps;
-    if (c->weights_bf16) LINEAR_ROWS(1) else LINEAR_ROWS(0)
+    if (c->weights_bf16) {
+        const int bf16 = 1;
+        PANEL_TILE_ROWS(LINEAR_TILE)
+    } else {
+        const int bf16 = 0;
+        PANEL_TILE_ROWS(LINEAR_TILE)
+    }
 }
 
 /* The panels' sweep, either format: y (M, N), rows y_stride apart; x (M, steps or 2 * steps),

@@ -64,19 +64,16 @@ static inline __attribute__((always_inline)) void dot_tile(const struct dot_call
 }
 
 #define DOT_TILE(n) dot_tile(c, m0, n, split, p, panel, cols, prefetch, lines)
-#define DOT_ROWS(S)                                                   \
-    switch (rows) {                                                   \
-    case 1: { const int split = S; DOT_TILE(1); } break;              \
-    case 2: { const int split = S; DOT_TILE(2); } break;              \
-    case 3: { const int split = S; DOT_TILE(3); } break;              \
-    case 4: { const int split = S; DOT_TILE(4); } break;              \
-    case 5: { const int split = S; DOT_TILE(5); } break;              \
-    default: { const int split = S; DOT_TILE(MR); } break;            \
-    }
 static void dot_rows(const void *ctx, int64_t m0, int rows, int64_t p, const char *panel, int64_t cols,
                      const char *prefetch, int64_t lines) {
     const struct dot_call *c = ctx;
-    if (c->x_lo) DOT_ROWS(1) else DOT_ROWS(0)
+    if (c->x_lo) {
+        const int split = 1;
+        PANEL_TILE_ROWS(DOT_TILE)
+    } else {
+        const int split = 0;
+        PANEL_TILE_ROWS(DOT_TILE)
+    }
 }
 
 static void linear_bf16_dot(const uint32_t *x, const uint32_t *x_lo, int64_t M, int64_t steps, int64_t x_stride,

@@ -16,6 +16,19 @@
 #define PREFETCH_AHEAD 8 /* steps (of 256 bytes) a tile streaming its own panel prefetches ahead */
 #define STEP_BYTES 256   /* one step of a panel, either format */
 
+/* TILE(n) for the tile's row count `rows` (1 .. MR), n a constant in each case: a tile keeps its
+ * sums in registers only when its row count is known at compile time (a loop over a variable row
+ * count keeps them in memory: benchmarks/RESULTS.md, bench_engine "Fourth round"). */
+#define PANEL_TILE_ROWS(TILE)         \
+    switch (rows) {                   \
+    case 1: TILE(1); break;           \
+    case 2: TILE(2); break;           \
+    case 3: TILE(3); break;           \
+    case 4: TILE(4); break;           \
+    case 5: TILE(5); break;           \
+    default: TILE(MR); break;         \
+    }
+
 /* One tile: rows m0 .. m0 + rows - 1 (rows <= MR) of x times panel p (its first `cols` columns
  * real), prefetching `lines` cache lines from `prefetch` spread over its steps. `ctx` is the
  * caller's (its x, y, bias). */
