@@ -401,13 +401,7 @@ static void linear_rows(const void *ctx, int64_t m0, int rows, int64_t p, const 
     const float *x = c->x + m0 * c->x_stride, *bias = c->bias ? c->bias + p * PANEL : NULL;
     float *y = c->y + m0 * c->y_stride + p * PANEL;
     const int64_t x_stride = c->x_stride, y_stride = c->y_stride, steps = c->steps;
-    if (c->weights_bf16) {
-        const int bf16 = 1;
-        PANEL_TILE_ROWS(LINEAR_TILE)
-    } else {
-        const int bf16 = 0;
-        PANEL_TILE_ROWS(LINEAR_TILE)
-    }
+    PANEL_TILE_ROWS_BY(c->weights_bf16, bf16, LINEAR_TILE)
 }
 
 /* The panels' sweep, either format: y (M, N), rows y_stride apart; x (M, steps or 2 * steps),

@@ -67,13 +67,7 @@ static inline __attribute__((always_inline)) void dot_tile(const struct dot_call
 static void dot_rows(const void *ctx, int64_t m0, int rows, int64_t p, const char *panel, int64_t cols,
                      const char *prefetch, int64_t lines) {
     const struct dot_call *c = ctx;
-    if (c->x_lo) {
-        const int split = 1;
-        PANEL_TILE_ROWS(DOT_TILE)
-    } else {
-        const int split = 0;
-        PANEL_TILE_ROWS(DOT_TILE)
-    }
+    PANEL_TILE_ROWS_BY(c->x_lo != NULL, split, DOT_TILE)
 }
 
 static void linear_bf16_dot(const uint32_t *x, const uint32_t *x_lo, int64_t M, int64_t steps, int64_t x_stride,

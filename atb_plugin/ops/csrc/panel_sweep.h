@@ -28,6 +28,15 @@
     case 5: TILE(5); break;           \
     default: TILE(MR); break;         \
     }
+/* PANEL_TILE_ROWS with the int NAME a constant too, 1 where FLAG holds, else 0. */
+#define PANEL_TILE_ROWS_BY(FLAG, NAME, TILE) \
+    if (FLAG) {                              \
+        const int NAME = 1;                  \
+        PANEL_TILE_ROWS(TILE)                \
+    } else {                                 \
+        const int NAME = 0;                  \
+        PANEL_TILE_ROWS(TILE)                \
+    }
 
 /* One tile: rows m0 .. m0 + rows - 1 (rows <= MR) of x times panel p (its first `cols` columns
  * real), prefetching `lines` cache lines from `prefetch` spread over its steps. `ctx` is the
