@@ -328,7 +328,8 @@ def run(args) -> None:
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     lengths = [int(x) for x in args.prefill.split(",") if x.strip()]
     llm = LLM(model_dir, max_num_seqs=max(args.batch, 1), max_num_batched_tokens=2048, num_threads=args.threads,
-              enable_prefix_caching=not lengths, enforce_eager=args.enforce_eager)  # prefill timing must not hit the cache
+              enable_prefix_caching=not lengths, enforce_eager=args.enforce_eager,  # prefill timing must not hit the cache
+              dtype="float32")  # as the reference (dtype "auto" may be bfloat16 on the CPU)
     builder = llm.router.input_builder
     prompts = [builder.make_context(0, chat) for chat in chats(args.batch)]
     tokenizer = llm.router.tokenizer

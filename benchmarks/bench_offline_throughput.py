@@ -42,7 +42,8 @@ def main() -> None:
     chats = make_prompts(args.prompts)
     params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
 
-    with LLM(model_dir, max_num_seqs=args.prompts, max_num_batched_tokens=4096) as llm:
+    # float32, as the reference (dtype "auto" may be bfloat16 on the CPU)
+    with LLM(model_dir, max_num_seqs=args.prompts, max_num_batched_tokens=4096, dtype="float32") as llm:
         prompt_ids = [llm.router.input_builder.make_context(0, chat) for chat in chats]
         llm.generate([prompt_ids[0]], SamplingParams(temperature=0, max_tokens=4))  # warm-up
         runner = llm.engine.runner

@@ -33,7 +33,7 @@ from atb_plugin.default_model import default_model_dir  # noqa: E402
 
 
 def continuations(model: Path, tokens: int, enforce_eager: bool, variant: str | None) -> tuple[list[list[int]], str]:
-    kwargs = precision_kwargs(variant) if variant else {}
+    kwargs = precision_kwargs(variant or "fp32")  # the reference in float32 (dtype "auto" may be bfloat16)
     with LLM(str(model), enforce_eager=enforce_eager, num_threads=torch.get_num_threads(), **kwargs) as llm:
         params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
         outputs = llm.generate(PROMPTS, params)
