@@ -468,3 +468,19 @@ def test_a_split_layer_serves_each_bucket_from_its_form_and_caps_the_captured_st
         tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS * 2, params)]
         assert tokens == reference
         assert [o.outputs[0].token_ids for o in llm.generate(PROMPTS[:1], params)] == reference[:1]
+
+
+@needs_native
+def test_dtype_auto_measures_with_the_engine_s_threads(monkeypatch, tmp_path):
+    """The thread count is in the cache key: measured with the engine's, the load reads it again."""
+    from atb_plugin.engine.config import EngineConfig
+
+    seen = []
+    forced = _forced({rows: 1.9 for rows in calibration.ROWS})
+    monkeypatch.setattr(calibration, "cached_choices", lambda *a, **k: seen.append(torch.get_num_threads()) or
+                        forced(*a, **k))
+    monkeypatch.setattr(calibration, "AUTO_MIN_BYTES", 0)
+    before = torch.get_num_threads()
+    threads = before + 2
+    assert EngineConfig(model=str(_checkpoint_of(tmp_path, "float32")), num_threads=threads).dtype == "bfloat16"
+    assert seen == [threads, threads] and torch.get_num_threads() == before

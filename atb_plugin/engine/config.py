@@ -300,7 +300,7 @@ class EngineConfig:
         dtype, block_size = platform.check_engine_config(self.dtype, self.block_size, head_size(hf_config))
         if self.dtype == "auto" and self.runner == "generate" and self.quantization is None and self.pack_weights:
             declared = registry.config_value(hf_config, "torch_dtype") or registry.config_value(hf_config, "dtype")
-            dtype, why = platform.measured_dtype(dtype, decoder_linear_layers(hf_config), declared)
+            dtype, why = platform.measured_dtype(dtype, decoder_linear_layers(hf_config), declared, self.num_threads)
             logger.info("dtype auto: %s (%s)", dtype, why)
         check_tensor_parallel(hf_config, self.tensor_parallel_size, self.enable_expert_parallel)
         devices = platform.device_count()

@@ -540,11 +540,12 @@ AUTO_CHECKPOINT_DTYPES = ("float32", "bfloat16")
 AUTO_MIN_BYTES = 32 << 20
 
 
-def auto_dtype(layers: list[tuple[int, int]], checkpoint_dtype: str | None) -> tuple[str, str]:
+def auto_dtype(layers: list[tuple[int, int]], checkpoint_dtype: str | None, threads: int | None = None) -> tuple[str, str]:
     """``dtype="auto"``'s answer for a model whose linear layers are ``layers`` (``(out, in)`` each)
     and whose checkpoint declares ``checkpoint_dtype`` (None: float32, transformers' default), and
     why: the two dtypes' forms measured as at a load (``cached_choices``, over the same shapes in
-    each dtype; cached, so later starts time nothing), compared at each of ROWS."""
+    each dtype, with the engine's ``threads``: the cache entries its load reads; later starts time
+    nothing), compared at each of ROWS."""
     declared = checkpoint_dtype or "float32"
     if declared not in AUTO_CHECKPOINT_DTYPES:
         return "float32", f"the checkpoint holds {declared}, whose values bfloat16 does not keep"
@@ -557,7 +558,13 @@ def auto_dtype(layers: list[tuple[int, int]], checkpoint_dtype: str | None) -> t
         return "float32", "the native CPU kernels are not in use"
     # one dtype at a time: the cache entries a load of the model in that dtype reads again, where its
     # layers are these (a decoder without biases: the Llama family's)
-    answers = {name: cached_choices([shape for shape in shapes if shape[0] == name]) for name in ("float32", "bfloat16")}
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads or before)
+        answers = {name: cached_choices([shape for shape in shapes if shape[0] == name])
+                   for name in ("float32", "bfloat16")}
+    finally:
+        torch.set_num_threads(before)
     (full, full_cached), (half, half_cached) = ((choices[name], cached) for name, (choices, cached) in answers.items())
     cached = full_cached and half_cached
     if not (full.timings and half.timings):

@@ -81,10 +81,12 @@ class Platform:
     def default_dtype(self) -> str:
         return "float32"
 
-    def measured_dtype(self, dtype: str, layers: list[tuple[int, int]], checkpoint_dtype: str | None) -> tuple[str, str]:
+    def measured_dtype(self, dtype: str, layers: list[tuple[int, int]], checkpoint_dtype: str | None,
+                       threads: int) -> tuple[str, str]:
         """``dtype="auto"`` for a model whose linear layers are ``layers`` (``(out, in)`` each) and
-        whose checkpoint holds ``checkpoint_dtype``: ``dtype`` (``default_dtype()``), unless this
-        platform measures another faster (the CPU: ``ops.calibration.auto_dtype``); and why."""
+        whose checkpoint holds ``checkpoint_dtype``, served by ``threads`` threads: ``dtype``
+        (``default_dtype()``), unless this platform measures another faster (the CPU:
+        ``ops.calibration.auto_dtype``); and why."""
         return dtype, "this platform's default"
 
     def resolve_dtype(self, dtype: str) -> str:

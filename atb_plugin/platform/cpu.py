@@ -29,10 +29,11 @@ class CpuPlatform(Platform):
         cpu_native.choice()  # an unknown ATB_PLUGIN_CPU_KERNELS fails the config, not the first step
         huge_pages.choice()  # so does an unknown ATB_PLUGIN_HUGE_PAGES, not the model's load
 
-    def measured_dtype(self, dtype: str, layers: list[tuple[int, int]], checkpoint_dtype: str | None) -> tuple[str, str]:
+    def measured_dtype(self, dtype: str, layers: list[tuple[int, int]], checkpoint_dtype: str | None,
+                       threads: int) -> tuple[str, str]:
         from atb_plugin.ops import calibration  # load nothing until asked
 
-        return calibration.auto_dtype(layers, checkpoint_dtype)
+        return calibration.auto_dtype(layers, checkpoint_dtype, threads)
 
     def prepare_model(self, model) -> None:
         # After the load packed the weights (the panels are what the kernels read: models/linear.py),
