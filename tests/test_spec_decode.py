@@ -355,7 +355,7 @@ def test_speculative_config_defaults_and_errors():
     assert SpeculativeConfig.from_value({"model": "[ngram]", "num_speculative_tokens": 2}).method == "ngram"
     assert SpeculativeConfig.from_value({"model": "d", "num_speculative_tokens": 2}).method == "draft_model"
     errors = [
-        ({"method": "eagle", "num_speculative_tokens": 2}, "not supported yet; this engine supports ngram, draft_model"),
+        ({"method": "suffix", "num_speculative_tokens": 2}, "not supported yet; this engine supports ngram, draft_model"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "needs the draft checkpoint's directory"),
         ({"model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "runs whole"),
         ({"model": "d", "num_speculative_tokens": 2, "prompt_lookup_max": 2}, "belongs to method 'ngram'"),
@@ -384,7 +384,7 @@ def test_engine_config_llm_kwarg_and_cli_flag_take_the_same_config(tmp_path):
     assert engine.speculative_config == SpeculativeConfig(**NGRAM)
     assert engine.replace(max_num_seqs=4).speculative_config == engine.speculative_config
     with pytest.raises(ValueError, match="supports ngram"):
-        LLM(model, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+        LLM(model, speculative_config={"method": "medusa", "num_speculative_tokens": 1})
     with pytest.raises(ValueError, match="speculative_config.model = '/nowhere'.*does not exist"):
         EngineConfig(model, speculative_config={"model": "/nowhere", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):

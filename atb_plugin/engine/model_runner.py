@@ -27,6 +27,7 @@ from atb_plugin.engine.prepare_inputs import prepare_inputs
 from atb_plugin.engine.request import Request
 from atb_plugin.engine.sampler import Sampler, make_generator
 from atb_plugin.engine.scheduler import SchedulerOutput
+from atb_plugin.engine.spec_decode.loading import SpecModel
 from atb_plugin.engine.spec_decode.rejection_sampler import RejectionSampler, VerifyRequest
 from atb_plugin.distributed import tp_size
 from atb_plugin.models.interfaces import SupportsMedia, SupportsMRoPE, SupportsTokenTypes
@@ -84,8 +85,12 @@ class ModelRunner:
     the sampled token)."""
 
     def __init__(self, model, config: EngineConfig, num_blocks: int, pooler: DispatchPooler | None = None,
-                 remote_media: bool = False):
+                 remote_media: bool = False, spec_model: SpecModel | None = None):
         self.model = model
+        # Speculative decoding's draft or head (the engine core's proposer drives it); a head
+        # drafts from the target's hidden states, recorded here after each step.
+        self.spec_model = spec_model
+        self.target_hidden = spec_model.hidden_states if spec_model is not None else None
         # A rank on another node than the engine core reads media blocks from the step
         # (SchedulerOutput.shipped_media), not from this node's shared memory (multimodal/shipped.py).
         self.remote_media = remote_media
@@ -104,6 +109,8 @@ class ModelRunner:
             # One native call per layer would still need two all-reduces inside it: the captured
             # step runs whole layers without collectives, so tensor-parallel ranks run eagerly.
             self.decode_capture = "eager (tensor parallel)"
+        elif self.target_hidden is not None and self.target_hidden.reads_layers:
+            self.decode_capture = "eager (EAGLE-3 reads intermediate layers)"
         elif not platform.captures_decode_step:
             self.decode_capture = f"eager (no captured decode step on {platform.name} yet)"
         else:
@@ -156,6 +163,8 @@ class ModelRunner:
             self.generators.pop(request_id, None)
         for request_id in output.finished_request_ids + output.preempted_request_ids:
             self._remove(request_id)
+            if self.target_hidden is not None:
+                self.target_hidden.drop(request_id)
         new_ids = set()
         read = shipped_reader(output.shipped_media) if self.remote_media else read_shared_memory
         for request in output.new_requests:
@@ -198,6 +207,7 @@ class ModelRunner:
         if self.pooler is not None:  # a pooling runner: every request pools (EngineConfig.check_task)
             self._pool(hidden, prepared, spans, result)
             return result
+        features = self.target_hidden.features(hidden) if self.target_hidden is not None else None
         self._prompt_logprobs(hidden, spans, result)
         sampling = [i for i, samples in enumerate(prepared.samples) if samples and request_ids[i] not in verifying]
         if verifying:
@@ -222,7 +232,21 @@ class ModelRunner:
                 result.sampled[request_id] = token
                 result.logprobs[request_id] = logprobs
                 self.input_batch.append_token(request_id, token)
+        if features is not None:
+            self._record_hidden(features, spans, verifying, result)
         return result
+
+    def _record_hidden(self, features, spans, verifying, result: RunnerOutput) -> None:
+        """A head proposer's input: each request's rows of the positions this step keeps (a
+        verify step: its last token and the drafts it accepted)."""
+        for state, offset, start, end in spans:
+            request_id = state.request.request_id
+            if request_id in result.failed:
+                continue
+            kept = end - start
+            if request_id in verifying:
+                kept = 1 + len(result.spec_sampled.get(request_id, ())) if request_id in result.sampled else 0
+            self.target_hidden.record(request_id, start, features[offset:offset + kept])
 
     def _verify(self, hidden, prepared, request_ids, verifying: dict[str, list[int]], grammar_bitmask,
                 result: RunnerOutput) -> None:
