@@ -7,13 +7,13 @@ block. Random weights draft poorly, but losslessness does not depend on the head
     tiny_eagle_head("llama", eagle3=True) EAGLE-3 head
     tiny_mtp_checkpoint("qwen2")          tiny_checkpoint("qwen2") + num_nextn_predict_layers 1
 
-Built once per content of this file and tiny.py, under the tiny checkpoints' directory."""
+Built once per process (a temporary directory removed at exit)."""
 
 from __future__ import annotations
 
-import hashlib
+import atexit
+import functools
 import json
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -107,33 +107,27 @@ def _build_mtp(out: Path, family: str, seed: int) -> None:
     (out / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": 1}, indent=2))
 
 
+_built: dict[str, Path] = {}
+
+
 def _cached(name: str, build: Callable[[Path], None]) -> Path:
-    """Built once per content of this file and tiny.py (scratch directory, renamed into place)."""
-    digest = hashlib.sha256(Path(__file__).read_bytes() + tiny._source_hash().encode()).hexdigest()[:12]
-    uid = os.getuid() if hasattr(os, "getuid") else "user"
-    root = Path(tempfile.gettempdir()) / f"atb-plugin-tiny-{uid}"
-    final = root / f"{name}-{digest}"
-    if not final.is_dir():
-        root.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
-        try:
-            build(scratch)
-            try:
-                os.rename(scratch, final)
-            except OSError:
-                if not final.is_dir():
-                    raise
-        finally:
-            shutil.rmtree(scratch, ignore_errors=True)
-    return final
+    """Built once per process, in a directory removed when the process exits (milliseconds to
+    build: the tiny targets they sit on are the cached ones)."""
+    if name not in _built:
+        out = Path(tempfile.mkdtemp(prefix=f"atb-plugin-{name}-"))
+        atexit.register(shutil.rmtree, out, ignore_errors=True)
+        build(out)
+        _built[name] = out
+    return _built[name]
 
 
 def tiny_eagle_head(family: str = "llama", eagle3: bool = False, seed: int = 0) -> Path:
     """A random EAGLE (or EAGLE-3) head for ``tiny_checkpoint(family)``."""
     build = _build_eagle3 if eagle3 else _build_eagle
-    return _cached(f"{'eagle3' if eagle3 else 'eagle'}-{family}-{seed}", lambda out: build(out, family, seed))
+    return _cached(f"{'eagle3' if eagle3 else 'eagle'}-{family}-{seed}", functools.partial(build, family=family,
+                                                                                            seed=seed))
 
 
 def tiny_mtp_checkpoint(family: str = "qwen2", seed: int = 0) -> Path:
     """``tiny_checkpoint(family)`` with a random MTP block (``num_nextn_predict_layers`` 1)."""
-    return _cached(f"mtp-{family}-{seed}", lambda out: _build_mtp(out, family, seed))
+    return _cached(f"mtp-{family}-{seed}", functools.partial(_build_mtp, family=family, seed=seed))
