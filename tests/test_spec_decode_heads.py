@@ -117,23 +117,28 @@ def test_json_schema_with_a_head_parses_and_equals_plain_decoding():
         assert len(json.loads(output.outputs[0].text)["colors"]) == 3
 
 
-def test_the_head_weights_and_kv_are_inside_the_kv_budget():
-    """A head keeps as many KV blocks as the target: a block costs both caches' bytes, and the
-    worker reports the head's weights with the target's."""
-    model, spec = target_and_spec("eagle")
+@pytest.mark.parametrize("method", ["eagle", "mtp", "draft_model"])
+def test_the_draft_weights_and_kv_are_inside_the_kv_budget(method):
+    """A draft or head keeps as many KV blocks as the target: a block costs both caches' bytes,
+    and the worker reports its weights with the target's."""
+    if method == "draft_model":
+        model, spec = tiny_checkpoint("llama"), {"model": str(tiny_checkpoint("llama", seed=1)),
+                                                 "num_speculative_tokens": 2}
+    else:
+        model, spec = target_and_spec(method)
     budget = 64 << 10
     sizes = {}
     for config in (None, spec):
         with LLM(model, block_size=4, max_model_len=64, kv_cache_bytes=budget, speculative_config=config) as llm:
             core = llm.engine.core
-            head = core.proposer.head if config else None
-            sizes[bool(config)] = (core.kv_cache_blocks, core.executor.weight_bytes[0], head)
-    (plain_blocks, plain_weights, _), (spec_blocks, spec_weights, head) = sizes[False], sizes[True]
+            draft = core.runner.spec_model.module if config else None
+            sizes[bool(config)] = (core.kv_cache_blocks, core.executor.weight_bytes[0], draft)
+    (plain_blocks, plain_weights, _), (spec_blocks, spec_weights, draft) = sizes[False], sizes[True]
     target_block = budget // (plain_blocks - 1)
-    head_block = sum(k.numel() * k.element_size() * 2 for k, _ in head.make_kv_caches(1, 4))
-    assert spec_blocks - 1 == budget // (target_block + head_block) < plain_blocks - 1
-    head_weights = sum(t.numel() * t.element_size() for t in (*head.parameters(), *head.buffers()))
-    assert spec_weights == plain_weights + head_weights > plain_weights
+    draft_block = sum(k.numel() * k.element_size() * 2 for k, _ in draft.make_kv_caches(1, 4))
+    assert spec_blocks - 1 == budget // (target_block + draft_block) < plain_blocks - 1
+    draft_weights = sum(t.numel() * t.element_size() for t in (*draft.parameters(), *draft.buffers()))
+    assert spec_weights == plain_weights + draft_weights > plain_weights
 
 
 def test_head_configuration_errors_name_what_the_method_needs():
