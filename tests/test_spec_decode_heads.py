@@ -100,6 +100,16 @@ def test_incremental_drafts_equal_a_fresh_head_over_the_whole_sequence(method):
     assert [got for got, _ in checks] == [expected for _, expected in checks]
 
 
+def test_seeded_random_sampling_with_a_head_is_reproducible():
+    model, spec = target_and_spec("eagle3")
+    params = SamplingParams(temperature=0.8, top_k=20, max_tokens=24, seed=99, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        with LLM(model, block_size=4, speculative_config=spec) as llm:
+            runs.append(token_ids(llm.generate(PROMPTS, params)))
+    assert runs[0] == runs[1]
+
+
 def test_json_schema_with_a_head_parses_and_equals_plain_decoding():
     from atb_plugin.engine.sampling_params import StructuredOutputsParams
 
