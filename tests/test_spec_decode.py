@@ -58,6 +58,33 @@ def test_greedy_ngram_equals_plain_decoding_and_accepts_drafts(plain):
     assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
 
 
+class _CountingStep:
+    """A captured decode step that notes each call's rows."""
+
+    def __init__(self, step):
+        self.step, self.rows = step, []
+
+    def applies(self, kv_caches, metadata):
+        return self.step.applies(kv_caches, metadata)
+
+    def __call__(self, embeds, cos, sin, metadata):
+        self.rows.append(metadata.num_reqs)
+        return self.step(embeds, cos, sin, metadata)
+
+
+def test_verify_steps_run_the_captured_decode_step_one_row_per_query(plain):
+    """Each query token of a verify step is a row of the captured CPU decode step (its sequence's
+    cache up to itself): more rows than requests, the same tokens."""
+    with LLM(tiny_checkpoint("qwen2"), block_size=4, speculative_config=NGRAM) as llm:
+        runner = llm.engine.runner
+        if runner.decode_capture != "captured":
+            pytest.skip(f"no captured decode step here: {runner.decode_capture}")
+        model = runner.model.get_language_model().model
+        model.captured_decode = counting = _CountingStep(model.captured_decode)
+        assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
+    assert max(counting.rows) > len(PROMPTS)
+
+
 def test_lossless_under_preemption_chunked_budgets_and_without_prefix_cache(plain):
     outputs, scheduler = generate(speculative_config=NGRAM, kv_cache_blocks=40)
     assert scheduler.num_preemptions > 0

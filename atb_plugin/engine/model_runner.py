@@ -18,6 +18,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from atb_plugin.engine.config import EngineConfig
@@ -34,6 +35,7 @@ from atb_plugin.models.interfaces import SupportsMedia, SupportsMRoPE, SupportsT
 from atb_plugin.models.poolers import DispatchPooler, PoolingBatch
 from atb_plugin.multimodal import MediaBlockError, MultimodalPrompt
 from atb_plugin.multimodal.shipped import MediaReader, read_shared_memory, shipped_reader
+from atb_plugin.ops import AttentionMetadata
 from atb_plugin.platform import platform_for
 
 logger = logging.getLogger(__name__)
@@ -114,7 +116,10 @@ class ModelRunner:
         elif not platform.captures_decode_step:
             self.decode_capture = f"eager (no captured decode step on {platform.name} yet)"
         else:
-            self.decode_capture = model.get_language_model().capture_decode_step(self.kv_caches, config.max_num_seqs)
+            # A verify step runs captured too, one row per query token (_one_query_per_row).
+            spec = config.speculative_config
+            rows = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+            self.decode_capture = model.get_language_model().capture_decode_step(self.kv_caches, rows)
         logger.info("decode step: %s", self.decode_capture)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size)
         self.sampler = Sampler()
@@ -194,15 +199,18 @@ class ModelRunner:
         for request_id, drafts in verifying.items():  # read by prepare_inputs as the step's input ids
             self.input_batch.set_tokens(request_id, self.states[request_id].request.num_tokens, drafts)
         prepared = prepare_inputs(self.input_batch, request_ids, counts, device=self.device)
+        metadata = prepared.attn_metadata
+        if verifying and self.decode_capture == "captured" and all(
+                count == 1 or request_id in verifying for request_id, count in zip(request_ids, counts)):
+            metadata = _one_query_per_row(prepared)
         spans = self._spans(request_ids, counts)
         positions = self._mrope_positions(spans) if self.uses_mrope else prepared.positions
         inputs_embeds = self._embeddings(prepared.input_ids, spans)
         if self.uses_token_types:
             hidden = self.model.forward_with_token_types(prepared.input_ids, positions, self.kv_caches,
-                                                         prepared.attn_metadata, self._token_types(spans, prepared))
+                                                         metadata, self._token_types(spans, prepared))
         else:
-            hidden = self.model(prepared.input_ids, positions, self.kv_caches, prepared.attn_metadata,
-                                inputs_embeds=inputs_embeds)
+            hidden = self.model(prepared.input_ids, positions, self.kv_caches, metadata, inputs_embeds=inputs_embeds)
 
         if self.pooler is not None:  # a pooling runner: every request pools (EngineConfig.check_task)
             self._pool(hidden, prepared, spans, result)
@@ -352,3 +360,24 @@ class ModelRunner:
             prompt_end = min(end, state.media.token_ids.shape[0])
             state.media.merge_features(self.model, embeds[offset:offset + prompt_end - start], start, prompt_end)
         return embeds
+
+
+def _one_query_per_row(prepared) -> AttentionMetadata:
+    """A verify step (and the plain decodes beside it) as a decode-only step: each query token a
+    row of its own, attending to its sequence's cache up to itself (its position + 1, its
+    request's block table). Exact: a step writes every row's keys and values before any row
+    attends (the captured step and the eager ops alike), and a row sees no later position. So
+    the captured CPU decode step runs verify steps (docs/speculative.md)."""
+    seq_lens = torch.from_numpy((prepared.positions_cpu + 1).astype(np.int32))
+    query_start_loc = torch.arange(prepared.num_tokens + 1, dtype=torch.int32)
+    device = prepared.attn_metadata.slot_mapping.device
+    return AttentionMetadata(
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=seq_lens.to(device),
+        block_tables=torch.from_numpy(prepared.block_tables_cpu[prepared.req_indices]).to(device),
+        slot_mapping=prepared.attn_metadata.slot_mapping,
+        max_query_len=1,
+        max_seq_len=prepared.max_seq_len,
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+    )
