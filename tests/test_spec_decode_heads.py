@@ -67,6 +67,20 @@ def test_greedy_output_equals_plain_decoding_with_prefix_hits_and_preemption(met
         assert llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.parametrize("method", ["eagle3", "mtp"])
+def test_a_bfloat16_head_drafts_in_the_targets_dtype(method):
+    """The head keeps the target's dtype (its int64 d2t and packed layers aside). Token identity
+    is not asserted: bfloat16 rounding of a 1 + k row verify step may differ from a one-row step's
+    at a near-tie (docs/speculative.md)."""
+    model, spec = target_and_spec(method)
+    with LLM(model, block_size=4, dtype="bfloat16", speculative_config=spec) as llm:
+        outputs = llm.generate(PROMPTS, GREEDY)
+        head = llm.engine.core.proposer.head
+        assert llm.engine.scheduler.spec_decoding.num_drafts > 0
+    assert all(len(ids) == GREEDY.max_tokens for ids in token_ids(outputs))
+    assert head.dtype == torch.bfloat16 and head.make_kv_caches(1, 4)[0][0].dtype == torch.bfloat16
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_incremental_drafts_equal_a_fresh_head_over_the_whole_sequence(method):
     """Catch-up chunks, the roll-back past the head's own drafts, several requests per forward:

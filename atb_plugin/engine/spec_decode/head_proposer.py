@@ -73,9 +73,8 @@ class DraftHead(PretrainedModel):
 
     def make_kv_caches(self, num_blocks: int, block_size: int, dtype=None, device=None):
         attention = self.layer.self_attn
-        weight = next(self.layer.parameters())
         shape = (num_blocks, block_size, attention.num_kv_heads, attention.head_dim)
-        make = lambda: torch.zeros(shape, dtype=dtype or weight.dtype, device=device or weight.device)  # noqa: E731
+        make = lambda: torch.zeros(shape, dtype=dtype or self.dtype, device=device or self.device)  # noqa: E731
         return [(make(), make())]
 
     @classmethod
@@ -87,6 +86,8 @@ class DraftHead(PretrainedModel):
         with torch.device("meta"):
             head = cls(*args)
         head = head.to_empty(device=device).to(dtype)
+        # Its dtype and device, whatever packing does to its layers' parameters (and d2t is int64).
+        head.dtype, head.device = dtype, torch.device(device)
         unexpected = [name for name in tensors if not head.accepts_weight(name)]
         loaded = head.load_weights((name, tensor) for name, tensor in tensors.items() if name not in unexpected)
         missing = sorted(set(dict(head.named_parameters())) - loaded)
@@ -113,7 +114,7 @@ class HeadProposer:
     def __init__(self, head: DraftHead, hidden_states: TargetHiddenStates, config, num_blocks: int):
         self.head = head
         self.hidden_states = hidden_states
-        self.device = next(head.parameters()).device
+        self.device = head.device
         self.kv_caches = head.make_kv_caches(num_blocks, config.block_size)
         self.kv = KVCacheManager(num_blocks, config.block_size, enable_prefix_caching=False)
         self.batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size)
@@ -184,7 +185,7 @@ class HeadProposer:
         if not work:
             return [[] for _ in request_ids]
         drafts: dict[str, list[int]] = {request_id: [] for request_id, *_ in work}
-        hidden = self.head.combine(torch.cat(hidden_rows).to(self.device, next(self.head.parameters()).dtype))
+        hidden = self.head.combine(torch.cat(hidden_rows).to(self.device, self.head.dtype))
         active = [request_id for request_id, *_ in work]
         limits = {request_id: k for request_id, k, _ in work}
         while True:

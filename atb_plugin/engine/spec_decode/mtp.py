@@ -54,7 +54,7 @@ class MtpHead(DraftHead):
         make = getattr(self.layer, "make_kv_cache", None)
         if make is None:
             return super().make_kv_caches(num_blocks, block_size, dtype, device)
-        return [make(num_blocks, block_size, dtype, device)]
+        return [make(num_blocks, block_size, dtype or self.dtype, device or self.device)]
 
     def _own_name(self, name: str) -> str | None:
         prefix = mtp_prefix(self.target)
