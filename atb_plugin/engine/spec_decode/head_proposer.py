@@ -178,7 +178,7 @@ class HeadProposer:
             tokens = ids[shadow.origin + first + 1:shadow.origin + first + 1 + n]
             self.batch.set_num_computed_tokens(request_id, first)
             self.batch.set_tokens(request_id, first, tokens)
-            shadow.last = rows[-1:]
+            shadow.last = rows[-1:].clone()  # not a view keeping the whole chunk alive
             work.append((request_id, k, len(ids) - 1))
             counts.append(n)
             hidden_rows.append(rows)
