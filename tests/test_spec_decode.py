@@ -58,6 +58,33 @@ def test_greedy_ngram_equals_plain_decoding_and_accepts_drafts(plain):
     assert sum(stats.num_accepted_tokens_per_pos) == stats.num_accepted_tokens
 
 
+class _CountingStep:
+    """A captured decode step that notes each call's rows."""
+
+    def __init__(self, step):
+        self.step, self.rows = step, []
+
+    def applies(self, kv_caches, metadata):
+        return self.step.applies(kv_caches, metadata)
+
+    def __call__(self, embeds, cos, sin, metadata):
+        self.rows.append(metadata.num_reqs)
+        return self.step(embeds, cos, sin, metadata)
+
+
+def test_verify_steps_run_the_captured_decode_step_one_row_per_query(plain):
+    """Each query token of a verify step is a row of the captured CPU decode step (its sequence's
+    cache up to itself): more rows than requests, the same tokens."""
+    with LLM(tiny_checkpoint("qwen2"), block_size=4, speculative_config=NGRAM) as llm:
+        runner = llm.engine.runner
+        if runner.decode_capture != "captured":
+            pytest.skip(f"no captured decode step here: {runner.decode_capture}")
+        model = runner.model.get_language_model().model
+        model.captured_decode = counting = _CountingStep(model.captured_decode)
+        assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
+    assert max(counting.rows) > len(PROMPTS)
+
+
 def test_lossless_under_preemption_chunked_budgets_and_without_prefix_cache(plain):
     outputs, scheduler = generate(speculative_config=NGRAM, kv_cache_blocks=40)
     assert scheduler.num_preemptions > 0
@@ -355,7 +382,7 @@ def test_speculative_config_defaults_and_errors():
     assert SpeculativeConfig.from_value({"model": "[ngram]", "num_speculative_tokens": 2}).method == "ngram"
     assert SpeculativeConfig.from_value({"model": "d", "num_speculative_tokens": 2}).method == "draft_model"
     errors = [
-        ({"method": "eagle", "num_speculative_tokens": 2}, "not supported yet; this engine supports ngram, draft_model"),
+        ({"method": "suffix", "num_speculative_tokens": 2}, "not supported yet; this engine supports ngram, draft_model"),
         ({"method": "draft_model", "num_speculative_tokens": 2}, "needs the draft checkpoint's directory"),
         ({"model": "d", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 2}, "runs whole"),
         ({"model": "d", "num_speculative_tokens": 2, "prompt_lookup_max": 2}, "belongs to method 'ngram'"),
@@ -384,7 +411,7 @@ def test_engine_config_llm_kwarg_and_cli_flag_take_the_same_config(tmp_path):
     assert engine.speculative_config == SpeculativeConfig(**NGRAM)
     assert engine.replace(max_num_seqs=4).speculative_config == engine.speculative_config
     with pytest.raises(ValueError, match="supports ngram"):
-        LLM(model, speculative_config={"method": "mtp", "num_speculative_tokens": 1})
+        LLM(model, speculative_config={"method": "medusa", "num_speculative_tokens": 1})
     with pytest.raises(ValueError, match="speculative_config.model = '/nowhere'.*does not exist"):
         EngineConfig(model, speculative_config={"model": "/nowhere", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="tensor_parallel_size 1"):

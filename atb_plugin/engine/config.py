@@ -324,11 +324,10 @@ class EngineConfig:
         if self.runner == "pooling" and self.speculative_config is not None:
             raise ValueError("EngineConfig.speculative_config: speculative decoding drafts generated tokens; a "
                              "pooling model generates none")
-        if self.speculative_config is not None and self.speculative_config.method == "draft_model":
-            if self.tensor_parallel_size != 1:
-                raise ValueError("EngineConfig.speculative_config: method 'draft_model' runs the draft in the engine "
-                                 "core's process, with tensor_parallel_size 1 (use method 'ngram' under TP)")
-            self.draft_config()  # its checkpoint checked now, at start-up
+        if self.speculative_config is not None:
+            self.speculative_config.check_target(hf_config, self.tensor_parallel_size)
+            if self.speculative_config.method == "draft_model":
+                self.draft_config()  # its checkpoint checked now, at start-up
         if self.runner == "pooling":
             # Pooling needs each prompt's hidden states in one step (no chunked prefill) and all of
             # them (a cached prefix would be skipped): raise the budget, turn prefix caching off.

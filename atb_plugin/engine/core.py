@@ -56,7 +56,7 @@ class EngineCore:
             # every rank (one proposer, no rank can disagree about them).
             self.proposer: Proposer | None = None
             if config.speculative_config is not None:
-                self.proposer = make_proposer(config, self.kv_cache_blocks)
+                self.proposer = make_proposer(config, self.kv_cache_blocks, self.executor.runner)
         except BaseException:
             self.executor.shutdown()
             raise

@@ -18,6 +18,7 @@ import dataclasses
 import logging
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from atb_plugin.engine.config import EngineConfig
@@ -27,12 +28,14 @@ from atb_plugin.engine.prepare_inputs import prepare_inputs
 from atb_plugin.engine.request import Request
 from atb_plugin.engine.sampler import Sampler, make_generator
 from atb_plugin.engine.scheduler import SchedulerOutput
+from atb_plugin.engine.spec_decode.loading import SpecModel
 from atb_plugin.engine.spec_decode.rejection_sampler import RejectionSampler, VerifyRequest
 from atb_plugin.distributed import tp_size
 from atb_plugin.models.interfaces import SupportsMedia, SupportsMRoPE, SupportsTokenTypes
 from atb_plugin.models.poolers import DispatchPooler, PoolingBatch
 from atb_plugin.multimodal import MediaBlockError, MultimodalPrompt
 from atb_plugin.multimodal.shipped import MediaReader, read_shared_memory, shipped_reader
+from atb_plugin.ops import AttentionMetadata
 from atb_plugin.platform import platform_for
 
 logger = logging.getLogger(__name__)
@@ -84,8 +87,12 @@ class ModelRunner:
     the sampled token)."""
 
     def __init__(self, model, config: EngineConfig, num_blocks: int, pooler: DispatchPooler | None = None,
-                 remote_media: bool = False):
+                 remote_media: bool = False, spec_model: SpecModel | None = None):
         self.model = model
+        # Speculative decoding's draft or head (the engine core's proposer drives it); a head
+        # drafts from the target's hidden states, recorded here after each step.
+        self.spec_model = spec_model
+        self.target_hidden = spec_model.hidden_states if spec_model is not None else None
         # A rank on another node than the engine core reads media blocks from the step
         # (SchedulerOutput.shipped_media), not from this node's shared memory (multimodal/shipped.py).
         self.remote_media = remote_media
@@ -104,10 +111,15 @@ class ModelRunner:
             # One native call per layer would still need two all-reduces inside it: the captured
             # step runs whole layers without collectives, so tensor-parallel ranks run eagerly.
             self.decode_capture = "eager (tensor parallel)"
+        elif self.target_hidden is not None and self.target_hidden.reads_layers:
+            self.decode_capture = "eager (EAGLE-3 reads intermediate layers)"
         elif not platform.captures_decode_step:
             self.decode_capture = f"eager (no captured decode step on {platform.name} yet)"
         else:
-            self.decode_capture = model.get_language_model().capture_decode_step(self.kv_caches, config.max_num_seqs)
+            # A verify step runs captured too, one row per query token (_one_query_per_row).
+            spec = config.speculative_config
+            rows = config.max_num_seqs * (1 + (spec.num_speculative_tokens if spec is not None else 0))
+            self.decode_capture = model.get_language_model().capture_decode_step(self.kv_caches, rows)
         logger.info("decode step: %s", self.decode_capture)
         self.input_batch = InputBatch(config.max_num_seqs, config.max_model_len, config.block_size)
         self.sampler = Sampler()
@@ -156,6 +168,8 @@ class ModelRunner:
             self.generators.pop(request_id, None)
         for request_id in output.finished_request_ids + output.preempted_request_ids:
             self._remove(request_id)
+            if self.target_hidden is not None:
+                self.target_hidden.drop(request_id)
         new_ids = set()
         read = shipped_reader(output.shipped_media) if self.remote_media else read_shared_memory
         for request in output.new_requests:
@@ -185,19 +199,23 @@ class ModelRunner:
         for request_id, drafts in verifying.items():  # read by prepare_inputs as the step's input ids
             self.input_batch.set_tokens(request_id, self.states[request_id].request.num_tokens, drafts)
         prepared = prepare_inputs(self.input_batch, request_ids, counts, device=self.device)
+        metadata = prepared.attn_metadata
+        if verifying and self.decode_capture == "captured" and all(
+                count == 1 or request_id in verifying for request_id, count in zip(request_ids, counts)):
+            metadata = _one_query_per_row(prepared)
         spans = self._spans(request_ids, counts)
         positions = self._mrope_positions(spans) if self.uses_mrope else prepared.positions
         inputs_embeds = self._embeddings(prepared.input_ids, spans)
         if self.uses_token_types:
             hidden = self.model.forward_with_token_types(prepared.input_ids, positions, self.kv_caches,
-                                                         prepared.attn_metadata, self._token_types(spans, prepared))
+                                                         metadata, self._token_types(spans, prepared))
         else:
-            hidden = self.model(prepared.input_ids, positions, self.kv_caches, prepared.attn_metadata,
-                                inputs_embeds=inputs_embeds)
+            hidden = self.model(prepared.input_ids, positions, self.kv_caches, metadata, inputs_embeds=inputs_embeds)
 
         if self.pooler is not None:  # a pooling runner: every request pools (EngineConfig.check_task)
             self._pool(hidden, prepared, spans, result)
             return result
+        features = self.target_hidden.features(hidden) if self.target_hidden is not None else None
         self._prompt_logprobs(hidden, spans, result)
         sampling = [i for i, samples in enumerate(prepared.samples) if samples and request_ids[i] not in verifying]
         if verifying:
@@ -222,7 +240,21 @@ class ModelRunner:
                 result.sampled[request_id] = token
                 result.logprobs[request_id] = logprobs
                 self.input_batch.append_token(request_id, token)
+        if features is not None:
+            self._record_hidden(features, spans, verifying, result)
         return result
+
+    def _record_hidden(self, features, spans, verifying, result: RunnerOutput) -> None:
+        """A head proposer's input: each request's rows of the positions this step keeps (a
+        verify step: its last token and the drafts it accepted)."""
+        for state, offset, start, end in spans:
+            request_id = state.request.request_id
+            if request_id in result.failed:
+                continue
+            kept = end - start
+            if request_id in verifying:
+                kept = 1 + len(result.spec_sampled.get(request_id, ())) if request_id in result.sampled else 0
+            self.target_hidden.record(request_id, start, features[offset:offset + kept])
 
     def _verify(self, hidden, prepared, request_ids, verifying: dict[str, list[int]], grammar_bitmask,
                 result: RunnerOutput) -> None:
@@ -328,3 +360,24 @@ class ModelRunner:
             prompt_end = min(end, state.media.token_ids.shape[0])
             state.media.merge_features(self.model, embeds[offset:offset + prompt_end - start], start, prompt_end)
         return embeds
+
+
+def _one_query_per_row(prepared) -> AttentionMetadata:
+    """A verify step (and the plain decodes beside it) as a decode-only step: each query token a
+    row of its own, attending to its sequence's cache up to itself (its position + 1, its
+    request's block table). Exact: a step writes every row's keys and values before any row
+    attends (the captured step and the eager ops alike), and a row sees no later position. So
+    the captured CPU decode step runs verify steps (docs/speculative.md)."""
+    seq_lens = torch.from_numpy((prepared.positions_cpu + 1).astype(np.int32))
+    query_start_loc = torch.arange(prepared.num_tokens + 1, dtype=torch.int32)
+    device = prepared.attn_metadata.slot_mapping.device
+    return AttentionMetadata(
+        query_start_loc=query_start_loc.to(device),
+        seq_lens=seq_lens.to(device),
+        block_tables=torch.from_numpy(prepared.block_tables_cpu[prepared.req_indices]).to(device),
+        slot_mapping=prepared.attn_metadata.slot_mapping,
+        max_query_len=1,
+        max_seq_len=prepared.max_seq_len,
+        query_start_loc_cpu=query_start_loc,
+        seq_lens_cpu=seq_lens,
+    )

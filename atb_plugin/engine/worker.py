@@ -23,6 +23,7 @@ from atb_plugin.engine.memory_profile import MiB, kv_bytes_per_block, kv_cache_b
 from atb_plugin.engine.model_runner import ModelRunner, RunnerOutput
 from atb_plugin.engine.request import Request
 from atb_plugin.engine.scheduler import SchedulerOutput, computed_advance, emitted_tokens
+from atb_plugin.engine.spec_decode.loading import load_spec_model
 from atb_plugin.models import registry
 from atb_plugin.models.pooling_adapters import as_pooling_model
 from atb_plugin.platform import platform_for
@@ -75,15 +76,19 @@ class Worker:
         # The rank's device (``Rank`` chose it); a lone worker takes rank 0's.
         self.device = self.platform.device(config.rank_device(0) if device_index is None else device_index)
         self.remote_media = remote_media
-        self.model = self.pooler = self.runner = None
+        self.model = self.pooler = self.runner = self.spec_model = None
 
     def load(self) -> WorkerInfo:
         self.model, self.pooler = load_model(self.config, self.device)
-        return WorkerInfo(self._blocks_for_budget(), weight_bytes(self.model))
+        # A speculative method's draft or head: loaded now, so that the KV budget counts it.
+        self.spec_model = load_spec_model(self.config, self.model, self.device, load_model)
+        spec_weights = weight_bytes(self.spec_model.module) if self.spec_model is not None else 0
+        return WorkerInfo(self._blocks_for_budget(), weight_bytes(self.model) + spec_weights)
 
     def initialize(self, num_blocks: int) -> str:
         """Allocate the KV cache and the runner; returns how decode steps run (``decode_capture``)."""
-        self.runner = ModelRunner(self.model, self.config, num_blocks, self.pooler, remote_media=self.remote_media)
+        self.runner = ModelRunner(self.model, self.config, num_blocks, self.pooler, remote_media=self.remote_media,
+                                  spec_model=self.spec_model)
         return self.runner.decode_capture
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
@@ -94,11 +99,14 @@ class Worker:
         CPU, what the start-up memory profile leaves of ``gpu_memory_utilization`` of the device
         memory on NPU / CUDA), but no more than every sequence at full length needs. A budget that
         cannot hold one ``max_model_len`` request is a start-up error naming what it needs.
-        Under TP the budget is per rank and so is a block's size (this rank's KV heads)."""
+        Under TP the budget is per rank and so is a block's size (this rank's KV heads). A
+        speculative draft or head keeps as many blocks of its own: a block's bytes count both."""
         config = self.config
         if config.kv_cache_blocks is not None:
             return config.kv_cache_blocks
         bytes_per_block = kv_bytes_per_block(self.model, config.block_size)
+        if self.spec_model is not None:
+            bytes_per_block += self.spec_model.kv_bytes_per_block(config.block_size)
         per_request = cdiv(config.max_model_len, config.block_size)
         needed = config.max_num_seqs * per_request
         if bytes_per_block == 0:  # an encoder keeps no KV: blocks are bookkeeping only, cost nothing

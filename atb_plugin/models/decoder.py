@@ -19,6 +19,7 @@ the LM head are split by vocabulary rows (``parallel_layers``). Norms and rotary
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,7 @@ from atb_plugin.models.weights import IGNORE, OLD_ROTARY_BUFFER, STACKED_QKV_GAT
 from atb_plugin.ops import AttentionMetadata
 
 KVCache = tuple[torch.Tensor, torch.Tensor]  # (key_cache, value_cache) of one layer
+_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 
@@ -54,6 +56,9 @@ class DecoderConfig:
     mrope_section: tuple[int, ...] | None = None
     qk_norm: bool = False  # RMSNorm over each query / key head (weights of head_dim), before rotary
     moe: MoeConfig | None = None  # sparse layers and their experts; None: every layer dense
+    # Multi-token-prediction blocks after the decoder layers (DeepSeek-V3's layout): loaded by the
+    # "mtp" speculative method only (docs/speculative.md), skipped by the model itself.
+    num_nextn_predict_layers: int = 0
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -89,6 +94,7 @@ class DecoderConfig:
             mrope_section=tuple(mrope) if mrope else None,
             qk_norm=qk_norm,
             moe=moe,
+            num_nextn_predict_layers=config.get("num_nextn_predict_layers") or 0,
         )
 
 
@@ -329,7 +335,16 @@ class DecoderForCausalLM(PretrainedModel):
     def _own_name(self, name: str) -> str | None:
         if OLD_ROTARY_BUFFER.match(name) or (name == "lm_head.weight" and self.lm_head is None):
             return IGNORE  # known and deliberately unused (tied head, rotary buffers)
+        layer = _LAYER_INDEX.match(name)
+        if layer and int(layer.group(1)) >= self.config.num_hidden_layers and self.config.num_nextn_predict_layers:
+            return IGNORE  # an MTP block: the speculative method "mtp" loads it (mtp_decoder_layer)
         return name
+
+    def mtp_decoder_layer(self, index: int) -> nn.Module:
+        """A fresh decoder layer for multi-token-prediction block ``index`` (checkpoint
+        ``model.layers.{num_hidden_layers + index}``), called as this model's layers are: the
+        family hook of the speculative method "mtp" (engine/spec_decode/mtp.py)."""
+        return DecoderLayer(self.config, self.config.num_hidden_layers + index, "layer")
 
 
 def build_language_model(config: DecoderConfig) -> DecoderForCausalLM:

@@ -6,12 +6,15 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from atb_plugin.validation import check_int
 
 # What this engine implements, and what vLLM names that it does not (yet): asked for, the latter
 # is an error naming the former.
-SUPPORTED_METHODS = ("ngram", "draft_model")
+SUPPORTED_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp")
+# The methods whose ``model`` is a checkpoint of their own (MTP's block is in the target's).
+MODEL_METHODS = ("draft_model", "eagle", "eagle3")
 KNOWN_METHODS = ("ngram", "draft_model", "eagle", "eagle3", "mtp", "suffix", "medusa", "mlp_speculator")
 # One verify step is 1 + k query tokens per sequence; the NPU's fused infer attention takes at
 # most 16 query tokens per sequence, so k <= 15 everywhere (one rule for every platform).
@@ -26,7 +29,8 @@ class SpeculativeConfig:
     (k): drafts per decode step, 1 .. 15; ``prompt_lookup_min`` / ``prompt_lookup_max``: the
     n-gram lengths tried, longest first (one given: the other equals it; none: both 5).
     ``model``: the draft checkpoint of method ``draft_model`` (a text model with the target's
-    tokenizer); ``draft_tensor_parallel_size``: 1 or unset (the draft runs whole)."""
+    tokenizer), or the head checkpoint of ``eagle`` / ``eagle3`` (``mtp`` reads its block from
+    the target's checkpoint); ``draft_tensor_parallel_size``: 1 or unset (the draft runs whole)."""
 
     method: str | None = None
     num_speculative_tokens: int | None = None
@@ -50,21 +54,25 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.method = {method!r} is not supported yet; this engine supports "
                              f"{', '.join(SUPPORTED_METHODS)}")
         set_(self, "method", method)
-        if method == "draft_model":
-            if not self.model:
-                raise ValueError("speculative_config.model: method 'draft_model' needs the draft checkpoint's "
-                                 "directory")
+        if method != "ngram":
+            if method in MODEL_METHODS and not self.model:
+                what = "draft checkpoint" if method == "draft_model" else "head checkpoint"
+                raise ValueError(f"speculative_config.model: method {method!r} needs the {what}'s directory")
+            if method == "mtp" and self.model is not None:
+                raise ValueError("speculative_config.model: method 'mtp' reads its block from the target's checkpoint "
+                                 "(config.json num_nextn_predict_layers); give no model")
             if self.draft_tensor_parallel_size not in (None, 1):
                 raise ValueError(f"speculative_config.draft_tensor_parallel_size = {self.draft_tensor_parallel_size}: "
-                                 "the draft model runs whole in the engine core's process (1)")
+                                 "the draft runs whole in the engine core's process (1)")
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"speculative_config.{name} belongs to method 'ngram'")
         else:
             for name in ("model", "draft_tensor_parallel_size"):
                 if getattr(self, name) is not None:
-                    raise ValueError(f"speculative_config.{name} belongs to method 'draft_model'; method {method!r} "
-                                     f"takes num_speculative_tokens, prompt_lookup_min and prompt_lookup_max")
+                    raise ValueError(f"speculative_config.{name} belongs to method "
+                                     f"{' / '.join(repr(m) for m in MODEL_METHODS)}; method 'ngram' takes "
+                                     "num_speculative_tokens, prompt_lookup_min and prompt_lookup_max")
         k = self.num_speculative_tokens
         if k is None:
             raise ValueError("speculative_config.num_speculative_tokens is required (e.g. 4)")
@@ -82,6 +90,22 @@ class SpeculativeConfig:
             raise ValueError(f"speculative_config.prompt_lookup_min = {low} exceeds prompt_lookup_max = {high}")
         set_(self, "prompt_lookup_min", low)
         set_(self, "prompt_lookup_max", high)
+
+    def check_target(self, hf_config: dict, tensor_parallel_size: int) -> None:
+        """What the method needs from the engine (``EngineConfig``, at start-up): a draft or head
+        runs in the engine core's process next to the target, so TP = 1; a head checkpoint has
+        its config.json; MTP, a target checkpoint with an MTP block."""
+        if self.method == "ngram":
+            return
+        if tensor_parallel_size != 1:
+            raise ValueError(f"EngineConfig.speculative_config: method {self.method!r} runs its draft in the engine "
+                             "core's process, with tensor_parallel_size 1 (use method 'ngram' under TP)")
+        if self.method in ("eagle", "eagle3") and not (Path(self.model) / "config.json").is_file():
+            raise ValueError(f"speculative_config.model = {self.model!r}: no config.json there (an {self.method} "
+                             "head checkpoint's directory)")
+        if self.method == "mtp" and not (hf_config.get("text_config") or hf_config).get("num_nextn_predict_layers"):
+            raise ValueError("speculative_config: method 'mtp' needs a checkpoint with an MTP block (config.json "
+                             "num_nextn_predict_layers > 0)")
 
     @classmethod
     def from_value(cls, value) -> "SpeculativeConfig | None":

@@ -8,8 +8,8 @@ last call: the longest prefix shared with what the draft saw, so KV of the draft
 tokens is recomputed over, never trusted), which samples the first draft, then runs k - 1
 one-token steps for the rest (decode-only steps: the captured decode step applies on the CPU).
 Its KV blocks come from a ``KVCacheManager`` of its own, sized like the target's in blocks (a
-request never holds more draft tokens than target tokens + k); a request it cannot fit gets no
-drafts. Prompts holding media handles get no drafts (the draft is a text model)."""
+request never holds more draft tokens than target tokens + k), counted in the KV budget with the
+draft's weights (``loading.SpecModel``); a request it cannot fit gets no drafts. Prompts holding media handles get no drafts (the draft is a text model)."""
 
 from __future__ import annotations
 
@@ -22,19 +22,17 @@ from atb_plugin.engine.model_runner import ModelRunner
 from atb_plugin.engine.request import Request
 from atb_plugin.engine.sampling_params import SamplingParams
 from atb_plugin.engine.scheduler import SchedulerOutput
-from atb_plugin.engine.worker import load_model
-from atb_plugin.platform import platform_for
 
 _GREEDY = SamplingParams(temperature=0)
 
 
 class DraftModelProposer:
-    def __init__(self, draft_config, num_blocks: int, target_vocab_size: int):
+    def __init__(self, draft_config, num_blocks: int, target_vocab_size: int, model):
         """``draft_config``: the EngineConfig of the draft checkpoint (the target's settings);
-        ``num_blocks``: its KV blocks (the null block included); drafts stop before any id
-        outside the target's vocabulary."""
+        ``model``: the draft, loaded by the worker (``loading.load_spec_model``: inside the KV
+        budget); ``num_blocks``: its KV blocks (the null block included); drafts stop before any
+        id outside the target's vocabulary."""
         self.config = draft_config
-        model, _ = load_model(draft_config, platform_for(draft_config.device).device(draft_config.rank_device(0)))
         self.runner = ModelRunner(model, draft_config, num_blocks)
         self.kv = KVCacheManager(num_blocks, draft_config.block_size, enable_prefix_caching=False)
         self.vocab_size = min(draft_config.vocab_size, target_vocab_size)

@@ -1,0 +1,63 @@
+"""What a speculative method loads besides the target (a draft model, an EAGLE / EAGLE-3 / MTP
+head), loaded by the worker right after the target and before the KV budget is set, so that its
+weights are in memory when the start-up profile measures the peak and its KV blocks are counted
+in each block's bytes (``SpecModel.kv_bytes_per_block``: its cache holds as many blocks as the
+target's). N-gram loads nothing."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from atb_plugin.engine.memory_profile import kv_bytes_per_block
+from atb_plugin.engine.spec_decode.eagle import EagleHead
+from atb_plugin.engine.spec_decode.eagle3 import Eagle3Head, aux_layer_ids
+from atb_plugin.engine.spec_decode.hidden_states import TargetHiddenStates
+from atb_plugin.engine.spec_decode.mtp import MtpHead, mtp_prefix
+from atb_plugin.models.weights import iter_weights, materialize
+
+HEAD_METHODS = ("eagle", "eagle3", "mtp")
+
+
+@dataclass
+class SpecModel:
+    """``module``: the draft model or the head; ``hidden_states``: what a head drafts from (the
+    model runner records it), None for a draft model."""
+
+    module: nn.Module
+    hidden_states: TargetHiddenStates | None = None
+
+    def kv_bytes_per_block(self, block_size: int) -> int:
+        return kv_bytes_per_block(self.module, block_size)
+
+
+def load_spec_model(config, model, device, load_model: Callable) -> SpecModel | None:
+    """The speculative method's model for ``config`` (an ``EngineConfig``) next to the target
+    ``model`` on ``device``; ``load_model(config, device) -> (model, pooler)`` loads a draft
+    checkpoint as the worker loads any. None for n-gram or no speculative decoding."""
+    spec = config.speculative_config
+    if spec is None or spec.method == "ngram":
+        return None
+    if spec.method == "draft_model":
+        return SpecModel(load_model(config.draft_config(), device)[0])
+    target = model.get_language_model()
+    dtype = next(target.parameters()).dtype
+    if spec.method == "mtp":
+        prefix = mtp_prefix(target)
+        tensors = {name: materialize(tensor) for name, tensor in iter_weights(config.model, dtype, progress=False)
+                   if name.startswith(prefix)}
+        head = MtpHead.from_checkpoint(tensors, f"{config.model} (MTP block)", target, dtype, device,
+                                       config.pack_weights)
+        return SpecModel(head, TargetHiddenStates())
+    hf_config = json.loads((Path(spec.model) / "config.json").read_text())
+    tensors = {name: materialize(tensor) for name, tensor in iter_weights(spec.model, dtype, progress=False)}
+    if spec.method == "eagle":
+        head = EagleHead.from_checkpoint(hf_config, tensors, spec.model, target, dtype, device, config.pack_weights)
+        return SpecModel(head, TargetHiddenStates())
+    head = Eagle3Head.from_checkpoint(hf_config, tensors, spec.model, target, dtype, device, config.pack_weights)
+    return SpecModel(head, TargetHiddenStates(target.model.layers,
+                                              aux_layer_ids(hf_config, target.config.num_hidden_layers)))
