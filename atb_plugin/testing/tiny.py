@@ -1019,6 +1019,7 @@ def _build_qwen3_vl(out: Path, seed: int, moe: dict | None = None) -> None:
         "text_config": text,
         "tie_word_embeddings": False,
         "transformers_version": _TRANSFORMERS_VERSION,
+        "vocab_size": text["vocab_size"],  # also at the top (unread by transformers), as the flat VL configs have it
         "vision_config": {
             "deepstack_visual_indexes": [0, 2],  # real: [5, 11, 17] of 24 blocks (2B) or [8, 16, 24] of 27
             "depth": 3,
