@@ -267,6 +267,24 @@ def test_config_layouts_and_budgets():
     assert video_info.max_tokens_per_item == 32 and video_info.frames <= 16
 
 
+def test_memory_profile_runs_the_worst_case_image_and_video():
+    """The start-up profile's largest image (64 windows: max_pixels) and video (the video
+    processor's budget: 64 windows' pixels over two frames = 32 tokens), which our sampler indeed
+    makes from a clip of that many frames and that size, through the encoder and the LM (wide rows)."""
+    from atb_plugin.engine.config import EngineConfig
+    from atb_plugin.engine.memory_profile import profile_run
+    from tests.test_video_memory_profile import MeterPlatform
+
+    ours, _ = load_pair("qwen3_vl")
+    config = EngineConfig(tiny_checkpoint("qwen3_vl"), kv_cache_blocks=8, device="cpu", limit_mm_per_prompt=2)
+    profile = profile_run(ours, config, MeterPlatform())
+    assert (profile.num_items, profile.feature_tokens) == (2, 128)
+    assert (profile.num_videos, profile.video_tokens, profile.video_grid_thw) == (4, 4 * 32, (1, 8, 16))
+    sampling = get_router(tiny_checkpoint("qwen3_vl")).input_builder.video_sampling
+    assert sampling.num_frames(profile.video_frames, 2.0) == profile.video_frames == 2
+    assert sampling.frame_size(*profile.video_frame_size, profile.video_frames) == profile.video_frame_size
+
+
 def test_transformers_internal_expert_layout_loads_too(tmp_path):
     from safetensors.torch import load_file, save_file
 
