@@ -573,6 +573,8 @@ class Qwen2VLForConditionalGeneration(MultimodalModel):
 
         return VIDEO_MIN_PIXELS, frame_cap, max_frames
 
+    video_block = QWEN2_VL_VIDEO_BLOCK  # the family's video block (Qwen3-VL: one per temporal patch)
+
     @property
     def media_layout(self) -> MediaLayout:
         return MediaLayout(placeholder_id=self.config.image_token_id, num_metadata_slots=QWEN2_VL_BLOCK.metadata_slots,
@@ -585,8 +587,9 @@ class Qwen2VLForConditionalGeneration(MultimodalModel):
         if self.config.video_token_id is None:
             return (self.media_layout,)
         video = MediaLayout(placeholder_id=self.config.video_token_id,
-                            num_metadata_slots=QWEN2_VL_VIDEO_BLOCK.metadata_slots,
-                            merge_size=self.config.vision.spatial_merge_size, modality="video")
+                            num_metadata_slots=self.video_block.metadata_slots,
+                            merge_size=self.config.vision.spatial_merge_size, modality="video",
+                            per_temporal_patch=self.video_block.per_temporal_patch)
         return self.media_layout, video
 
     @property

@@ -51,7 +51,6 @@ from atb_plugin.models.qwen2_vl import (
     checked_grids,
     frame_cu_seqlens,
 )
-from atb_plugin.multimodal import MediaLayout
 from atb_plugin.multimodal.budgets import VIDEO_MAX_FRAMES
 from atb_plugin.multimodal.wire import QWEN3_VL_VIDEO_BLOCK
 
@@ -234,16 +233,7 @@ class Qwen3VLForConditionalGeneration(Qwen2VLForConditionalGeneration):
 
     # -- media -----------------------------------------------------------------------------------
 
-    @property
-    def media_layouts(self) -> tuple[MediaLayout, ...]:
-        """The image block, and the video block (one per temporal patch) with a video token."""
-        if self.config.video_token_id is None:
-            return (self.media_layout,)
-        video = MediaLayout(placeholder_id=self.config.video_token_id,
-                            num_metadata_slots=QWEN3_VL_VIDEO_BLOCK.metadata_slots,
-                            merge_size=self.config.vision.spatial_merge_size, modality="video",
-                            per_temporal_patch=QWEN3_VL_VIDEO_BLOCK.per_temporal_patch)
-        return self.media_layout, video
+    video_block = QWEN3_VL_VIDEO_BLOCK  # one block per temporal patch
 
     def video_budget(self, model_dir, max_frames: int):
         """Qwen3VLVideoProcessor's budget (input_builders.video, ``Qwen3VideoSampling``): all

@@ -932,37 +932,15 @@ def _build_qwen2_5_vl(out: Path, seed: int) -> None:
     )
 
 
-# Qwen3-VL-Instruct's template, as published less its tool-calling branch: ChatML with no default
-# system prompt; an image part renders <|vision_start|><|image_pad|><|vision_end|>, a video part
-# <|vision_start|><|video_pad|><|vision_end|> (the processor widens the pad into timestamped frames).
-QWEN3_VL_CHAT_TEMPLATE = r"""
-{%- set image_count = namespace(value=0) -%}
-{%- set video_count = namespace(value=0) -%}
-{%- for message in messages -%}
-    {{- '<|im_start|>' + message['role'] + '\n' -}}
-    {%- if message['content'] is string -%}
-        {{- message['content'] -}}
-    {%- else -%}
-        {%- for part in message['content'] -%}
-            {%- if part['type'] == 'image' or part['type'] == 'image_url' or 'image' in part or 'image_url' in part -%}
-                {%- set image_count.value = image_count.value + 1 -%}
-                {%- if add_vision_id -%}{{- 'Picture ' + image_count.value|string + ': ' -}}{%- endif -%}
-                {{- '<|vision_start|><|image_pad|><|vision_end|>' -}}
-            {%- elif part['type'] == 'video' or 'video' in part -%}
-                {%- set video_count.value = video_count.value + 1 -%}
-                {%- if add_vision_id -%}{{- 'Video ' + video_count.value|string + ': ' -}}{%- endif -%}
-                {{- '<|vision_start|><|video_pad|><|vision_end|>' -}}
-            {%- elif 'text' in part -%}
-                {{- part['text'] -}}
-            {%- endif -%}
-        {%- endfor -%}
-    {%- endif -%}
-    {{- '<|im_end|>\n' -}}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-    {{- '<|im_start|>assistant\n' -}}
-{%- endif -%}
-"""
+# Qwen3-VL-Instruct's template, as published less its tool-calling branch: Qwen2-VL's (an image part
+# renders <|vision_start|><|image_pad|><|vision_end|>, a video part <|vision_start|><|video_pad|>
+# <|vision_end|>, which the processor widens into timestamped frames) with no default system prompt.
+_QWEN2_VL_DEFAULT_SYSTEM = r"""
+    {%- if loop.first and message['role'] != 'system' -%}
+        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' -}}
+    {%- endif -%}"""
+assert _QWEN2_VL_DEFAULT_SYSTEM in QWEN2_VL_CHAT_TEMPLATE
+QWEN3_VL_CHAT_TEMPLATE = QWEN2_VL_CHAT_TEMPLATE.replace(_QWEN2_VL_DEFAULT_SYSTEM, "")
 
 # Qwen3-VL's pixel bounds, small for fast tests (patch 16 x merge 2 = 32-pixel merge windows): an
 # image from 2x2 to 8x8 windows (64 tokens); a video's frames share 64 windows' worth (t·h·w pixels).
