@@ -5,16 +5,18 @@
    doing the same chats in process (template, decode, resize, normalise, patchify to float32
    pixel values, ids). The checkpoint is the tiny Qwen3-VL with the published image processor's
    pixel bounds (``shortest_edge`` 65536, ``longest_edge`` 16777216), so a 1280x720 photo is
-   resized to 1280x704 (2.7 MB uint8; 10.8 MB of float32 patches on the processor's side). Every
-   image is distinct (no dedup hits); rounds alternate between the two, each --batch chats, and
+   resized to 1280x704 (2.7 MB uint8; 10.8 MB of float32 patches on the processor's side), a
+   1920x1080 one to 1920x1088. Every image is distinct (no dedup hits); rounds alternate between the two, each --batch chats, and
    the median images/s over the rounds is reported. The processor is built from its parts as
    tests/test_models_qwen3_vl.py builds it (its video half needs torchvision, which this project
    does not install; only images are timed).
 2. P5 for Qwen3-VL: a 3-turn image chat resending its image, turn 2's TTFT over turn 1's
    (goal <= 0.3), measured exactly as benchmarks/bench_multiturn_image.py measures Qwen2-VL's
-   (tiny checkpoint, one streaming request at a time, prefix cache on and off).
+   (one streaming request at a time, prefix cache on and off), on the same checkpoint as 1.: a
+   448x448 image is 196 tokens, a 1280x720 one 880, as on the published checkpoints (the tiny
+   checkpoint's own bounds would cap both at 64).
 
-    python benchmarks/bench_qwen3_vl.py [--rounds 7] [--batch 8] [--reps 5]
+    python benchmarks/bench_qwen3_vl.py [--rounds 7] [--batch 8] [--reps 5] [--no-p5]
 """
 
 from __future__ import annotations
@@ -83,17 +85,20 @@ def processor_rate(processor, urls: list[str]) -> float:
     return len(urls) / (time.perf_counter() - start)
 
 
-async def worker_vs_processor(model: Path, rounds: int, batch: int) -> dict:
+SIZES = ((1280, 720), (1920, 1080))
+
+
+async def worker_vs_processor(model: Path, rounds: int, batch: int, size: tuple[int, int]) -> dict:
     pool = TokenizerPool(WorkerSettings(EngineConfig(model=str(model)), MediaConfig()), 1, None,
                          on_worker_death=lambda index, reason: None)
     processor = reference_processor(model)
     rates = {"worker": [], "processor": []}
     try:
         await pool.start()
-        await frontend.run_batch(pool, [frontend.photo(10_000)], "warm")
-        processor_rate(processor, [frontend.photo(10_001)])
+        await frontend.run_batch(pool, [frontend.photo(10_000, *size)], "warm")
+        processor_rate(processor, [frontend.photo(10_001, *size)])
         for round_index in range(rounds):
-            urls = [frontend.photo(round_index * batch + i) for i in range(batch)]
+            urls = [frontend.photo(round_index * batch + i, *size) for i in range(batch)]
             for key in ("worker", "processor") if round_index % 2 == 0 else ("processor", "worker"):
                 if key == "worker":
                     rates[key].append(await frontend.run_batch(pool, urls, f"r{round_index}"))
@@ -109,23 +114,29 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--batch", type=int, default=8, help="chats per round and side")
     parser.add_argument("--reps", type=int, default=5, help="repetitions of each P5 chat")
+    parser.add_argument("--no-p5", action="store_true", help="only the images/s claim")
     args = parser.parse_args()
+    rates, medians, speedups, p5 = {}, {}, {}, {}
     with tempfile.TemporaryDirectory() as root:
-        rates = asyncio.run(worker_vs_processor(checkpoint_with_published_pixels(Path(root)), args.rounds, args.batch))
-    medians = {key: statistics.median(values) for key, values in rates.items()}
-    speedup = medians["worker"] / medians["processor"]
-    print(f"1280x720 JPEG chats -> Qwen3-VL 1280x704, {args.rounds} rounds x {args.batch}: one tokenizer worker "
-          f"{medians['worker']:.1f} images/s, Qwen3VLProcessor {medians['processor']:.1f} images/s: "
-          f"{speedup:.2f}x (goal >= 3)", flush=True)
-    p5 = {}
-    for caching in (True, False):
-        label = f"prefix cache {'on' if caching else 'off'}"
-        p5[label] = multiturn.measure("qwen3_vl", caching, args.reps)
-        for size, numbers in p5[label].items():
+        model = checkpoint_with_published_pixels(Path(root))
+        for width, height in SIZES:
+            key = f"{width}x{height}"
+            rates[key] = asyncio.run(worker_vs_processor(model, args.rounds, args.batch, (width, height)))
+            medians[key] = {side: statistics.median(values) for side, values in rates[key].items()}
+            speedups[key] = medians[key]["worker"] / medians[key]["processor"]
+            print(f"{key} JPEG chats, {args.rounds} rounds x {args.batch}: one tokenizer worker "
+                  f"{medians[key]['worker']:.1f} images/s, Qwen3VLProcessor {medians[key]['processor']:.1f} "
+                  f"images/s: {speedups[key]:.2f}x (goal >= 3)", flush=True)
+        multiturn.tiny_checkpoint = lambda family: model  # its measure() serves tiny_checkpoint(family)
+        for caching in () if args.no_p5 else (True, False):
+            p5[f"prefix cache {'on' if caching else 'off'}"] = multiturn.measure("qwen3_vl", caching, args.reps)
+    for label, sizes in p5.items():
+        for size, numbers in sizes.items():
             print(f"qwen3_vl, {label}, {size}: TTFT turns 1/2/3 {numbers['ttft_ms']} ms, turn 2 / turn 1 "
                   f"{numbers['turn2_over_turn1']:.2f} (goal <= 0.3 with the cache)", flush=True)
-    print(json.dumps({"images_per_s": {k: round(v, 2) for k, v in medians.items()}, "per_round": rates,
-                      "speedup_worker_vs_processor": round(speedup, 3), "p5": p5, "reps": args.reps}))
+    print(json.dumps({"images_per_s": {k: {side: round(v, 2) for side, v in m.items()} for k, m in medians.items()},
+                      "per_round": rates, "speedup_worker_vs_processor": {k: round(v, 3) for k, v in speedups.items()},
+                      "p5": p5, "reps": args.reps}))
 
 
 if __name__ == "__main__":

@@ -301,6 +301,31 @@ def test_transformers_internal_expert_layout_loads_too(tmp_path):
         assert torch.equal(param, expected), name
 
 
+def test_stacked_experts_load_each_rank_s_share():
+    """Rank 1 of 2, with and without expert parallelism: the stacked tensors fill the same weights
+    as the per-expert ones (Qwen3-MoE's layout) do."""
+    from atb_plugin import distributed
+    from atb_plugin.models.moe import FusedExperts, MoeConfig
+
+    config = MoeConfig(num_experts=4, top_k=2, intermediate_size=6, norm_topk_prob=True, sparse_layers=frozenset({0}))
+    generator = torch.Generator().manual_seed(0)
+    gate, up, down = (torch.randn(shape, generator=generator) for shape in ((4, 6, 8), (4, 6, 8), (4, 8, 6)))
+    saved = distributed._group
+    try:
+        for expert_parallel in (True, False):
+            distributed._group = distributed._Group(1, 2, expert_parallel=expert_parallel)
+            per_expert, stacked = FusedExperts(config, 8), FusedExperts(config, 8)
+            for expert in range(4):
+                for proj, weight in (("gate_proj", gate), ("up_proj", up), ("down_proj", down)):
+                    per_expert.load_expert(expert, proj, weight[expert], proj)
+            stacked.load_stacked("gate_up_proj", torch.cat([gate, up], dim=1).transpose(1, 2), "gate_up_proj")
+            stacked.load_stacked("down_proj", down.transpose(1, 2), "down_proj")
+            assert torch.equal(stacked.w13, per_expert.w13) and torch.equal(stacked.w2, per_expert.w2)
+            assert stacked.complete() == ["w13", "w2"]
+    finally:
+        distributed._group = saved
+
+
 def test_bad_blocks_are_refused(store, tmp_path, media):
     from atb_plugin.multimodal import MediaBlockError
     from shm import encode_shape_to_int64

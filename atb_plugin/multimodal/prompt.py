@@ -65,6 +65,8 @@ class MediaLayout:
     def __post_init__(self):
         if self.num_metadata_slots not in (2, 3, 4):
             raise ValueError(f"num_metadata_slots must be 2, 3 or 4, got {self.num_metadata_slots}")
+        if self.per_temporal_patch and self.num_metadata_slots != 4:
+            raise ValueError("a per-temporal-patch block has 4 metadata slots (NAME, SHAPE, THW, PATCH)")
         if self.num_metadata_slots == 4 and (self.modality != "video" or self.tokens_per_block is not None):
             raise ValueError("4 metadata slots (NAME, SHAPE, THW, SPG) are a video block's, sized by its THW")
         if self.tokens_per_block is None and self.num_metadata_slots < 3:
@@ -156,7 +158,8 @@ class MultimodalPrompt:
             raise MediaBlockError(
                 f"{where}: expected {layout.num_metadata_slots} metadata slots (NAME, SHAPE"
                 f"{', THW' if layout.num_metadata_slots >= 3 else ''}"
-                f"{', SPG' if layout.num_metadata_slots == 4 else ''}), found ids {meta.tolist()}"
+                f"{(', PATCH' if layout.per_temporal_patch else ', SPG') if layout.num_metadata_slots == 4 else ''}), "
+                f"found ids {meta.tolist()}"
             )
         grid = seconds = patch = None
         if layout.per_temporal_patch:
