@@ -326,6 +326,28 @@ def test_stacked_experts_load_each_rank_s_share():
         distributed._group = saved
 
 
+def test_mindie_item_list_and_mm_processor_kwargs(store, tmp_path, media):
+    """MindIE's non-chat form (``tokenize`` of ``{"image"}`` / ``{"video"}`` / ``{"text"}`` items)
+    lays out the same blocks as the chat; ``mm_processor_kwargs`` and a video item's own keys
+    resample the video (the item's keys win)."""
+    images, video = media
+    router = get_router(tiny_checkpoint("qwen3_vl"), shm_store=store,
+                        media_config=MediaConfig(allowed_local_media_paths=(str(tmp_path),)))
+    ours, _ = load_pair("qwen3_vl")
+
+    def kinds(ids):
+        mm = MultimodalPrompt.from_ids(ids, ours.media_layouts, expected_instance=store.instance_id)
+        return [(b.modality, b.grid_thw) for b in mm.blocks]
+
+    items = [{"image": str(images[0])}, {"video": str(video)}, {"text": "Compare."}]
+    expected = [("image", (1, 4, 6))] + [("video", (1, 6, 8))] * 3
+    assert kinds(router.input_builder.tokenize(items, request_id="a")) == expected
+    fewer = router.input_builder.tokenize(items, request_id="b", mm_processor_kwargs={"fps": 1})
+    assert kinds(fewer) == expected[:1] + [("video", (1, 6, 8))] * 2  # 4 frames (min_frames), not 5
+    own = [items[0], {"video": str(video), "fps": 2}, items[2]]
+    assert kinds(router.input_builder.tokenize(own, request_id="c", mm_processor_kwargs={"fps": 1})) == expected
+
+
 def test_bad_blocks_are_refused(store, tmp_path, media):
     from atb_plugin.multimodal import MediaBlockError
     from shm import encode_shape_to_int64
