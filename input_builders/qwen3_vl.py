@@ -18,8 +18,6 @@ transformers' rule (``input_builders.video.Qwen3VideoSampling``). See docs/wire-
 
 from __future__ import annotations
 
-import functools
-
 from atb_plugin.multimodal.wire import QWEN3_VL_VIDEO_BLOCK
 from input_builders.conversation import InputBuilderError
 from input_builders.qwen2_vl import PreparedVideo, Qwen2VlInputBuilder
@@ -36,11 +34,14 @@ class Qwen3VlInputBuilder(Qwen2VlInputBuilder):
         super().__init__(tokenizer, **kwargs)
         self.vision_start_id = tokenizer.convert_tokens_to_ids(self.vision_start)
         self.vision_end_id = tokenizer.convert_tokens_to_ids(self.vision_end)
+        self._timestamps: dict[str, tuple[int, ...]] = {}
 
-    @functools.lru_cache(maxsize=1024)  # one builder per router; the same stamps recur
     def timestamp_ids(self, seconds: float) -> tuple[int, ...]:
         """``<0.5 seconds>`` as the processor writes it (between special tokens, so tokenized alone)."""
-        return tuple(self.tokenizer(f"<{seconds:.1f} seconds>", add_special_tokens=False)["input_ids"])
+        text = f"<{seconds:.1f} seconds>"
+        if text not in self._timestamps:  # the same stamps recur across videos and turns
+            self._timestamps[text] = tuple(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self._timestamps[text]
 
     def patch_tokens(self, grid_thw) -> int:
         """Slots of one temporal patch's block."""

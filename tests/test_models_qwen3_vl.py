@@ -9,11 +9,13 @@
    one-line op it is), fed our resized frames (Pillow bicubic, the image path's resize).
 2. Logits equal transformers' within 1e-4 (fp32) for text, image, video and mixed prompts, dense
    and MoE (DeepStack rows, interleaved M-RoPE, per-frame video blocks); a prefill chunked inside
-   the image equals the whole one; the simulated NPU in bfloat16 within 5e-2 relative.
+   the image equals the whole one; the simulated NPU: Qwen3-VL in bfloat16 within 5e-2 relative,
+   Qwen3-VL-MoE in float32 within 1e-4 (its tiny router's ties flip experts in any bfloat16 run);
+   the start-up memory profile's worst image and video; stacked MoE experts per rank.
 3. TP = 2 equals TP = 1 (one spawned gloo group for the module, tests/test_tensor_parallel.py's).
-4. The offline ``LLM`` (greedy equals transformers' ``generate``; a resent image reuses its segment
-   and the prefix cache; chunked prefill) and the server with the openai client (MindIE items,
-   ``mm_processor_kwargs``): one server for the module.
+4. The offline ``LLM`` (greedy equals transformers' argmax token by token; a resent chat reuses its
+   segments and the prefix cache; chunked prefill) and the server with the openai client (MindIE
+   items, ``mm_processor_kwargs``): one server for the module.
 """
 
 from __future__ import annotations
