@@ -7,7 +7,7 @@
   (http(s) under the allow-list), ``image`` (decoding images safely), ``video`` (sampling and
   decoding frames), ``audio`` (PyAV: decode, 16 kHz mono), ``pyav`` (importing PyAV);
   ``preprocess``: our image preprocessing per family; ``audio_features``: Whisper's log-mel features;
-- one module per family (``qwen_vl``, ``qwen2_vl``, ``llava``, ``qwen2_audio``, ``text``) laying out its media
+- one module per family (``qwen_vl``, ``qwen2_vl``, ``qwen3_vl``, ``llava``, ``qwen2_audio``, ``text``) laying out its media
   block as docs/wire-format.md describes.
 """
 

@@ -41,6 +41,7 @@ class PreparedVideo:
     num_tokens: int
     grid_thw: tuple[int, int, int]
     second_per_grid_t: float
+    timestamps: tuple[float, ...] = ()  # seconds of each temporal patch (Qwen3-VL's prompt shows them)
 
 
 class Qwen2VlInputBuilder(InputBuilder):
@@ -116,7 +117,7 @@ class Qwen2VlInputBuilder(InputBuilder):
         patch = self.preprocessor.patch_size
         if isinstance(item, LoadedVideo):
             height, width = item.plan.size
-            return item.plan.num_frames // self.preprocessor.temporal_patch_size, height // patch, width // patch
+            return item.plan.num_patches, height // patch, width // patch
         height, width = self.preprocessor.smart_resize(item.image.height, item.image.width)
         return 1, height // patch, width // patch
 
@@ -148,7 +149,8 @@ class Qwen2VlInputBuilder(InputBuilder):
             if tuple(processed.grid_thw) != grid:
                 raise AssertionError(f"grid {processed.grid_thw} differs from the predicted {grid}")
             handle = store.put(processed.pixel_values, key=key, request_id=request_id)
-        return PreparedVideo(handle, self.num_media_tokens(item), grid, item.plan.second_per_grid_t)
+        return PreparedVideo(handle, self.num_media_tokens(item), grid, item.plan.second_per_grid_t,
+                             item.plan.patch_timestamps)
 
     def media_block(self, item: PreparedImage | PreparedVideo) -> list[int]:
         metadata = [item.handle.name_value, item.handle.shape_value, encode_shape_to_int64(item.grid_thw)]

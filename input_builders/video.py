@@ -28,6 +28,13 @@ A request may override ``fps``, ``nframes``, ``min_frames``, ``max_frames``, ``m
 itself as in qwen-vl-utils), each bounded (``VideoSampling.with_options``): never more frames
 than ``MediaLimits.max_video_frames``, never a larger pixel budget than the defaults.
 
+Qwen3-VL samples by transformers' ``Qwen3VLVideoProcessor`` instead (``Qwen3VideoSampling``, its
+``video_preprocessor_config.json``): ``int(total / video_fps * fps)`` frames clamped to
+``[min_frames, min(max_frames, total)]``, any count (an odd one is padded with its last frame to a
+whole temporal patch), numpy's ``linspace(...).round()``, and one pixel budget for all frames
+(``smart_resize`` of ``t·h·w`` within ``[shortest_edge, longest_edge]``); each temporal patch is
+stamped with the mean time of its frames (``VideoPlan.patch_timestamps``), which the prompt shows.
+
 Frames are resized with Pillow's bicubic, the same call as images (transformers'
 ``Qwen2VLImageProcessorPil``; its torch video processor needs torchvision, which this project does
 not install). What is decoded is counted (``DecodedFrames.decoded``): a long video costs about
@@ -48,6 +55,7 @@ import numpy as np
 from PIL import Image
 
 from atb_plugin.multimodal.budgets import (
+    MAX_ASPECT_RATIO,
     VIDEO_FPS,
     VIDEO_MAX_FRAMES,
     VIDEO_MAX_PIXELS,
@@ -65,6 +73,7 @@ from input_builders.sources import read_media_bytes
 __all__ = [
     "DecodedFrames",
     "LoadedVideo",
+    "Qwen3VideoSampling",
     "VideoOptionError",
     "VideoPlan",
     "VideoSampling",
@@ -104,10 +113,25 @@ class VideoPlan:
     size: tuple[int, int]
     sample_fps: float
     temporal_patch_size: int
+    video_fps: float = 0.0  # the stream's frame rate (what a frame index means in seconds)
 
     @property
     def num_frames(self) -> int:
         return len(self.indices)
+
+    @property
+    def num_patches(self) -> int:
+        """Temporal patches: a last, incomplete one is filled with the last frame (``resized_frames``)."""
+        return -(-self.num_frames // self.temporal_patch_size)
+
+    @property
+    def patch_timestamps(self) -> tuple[float, ...]:
+        """Seconds of each temporal patch, the mean of its first and last frame's time (the last
+        frame repeated to fill the last patch): transformers' ``Qwen3VLProcessor._calculate_timestamps``."""
+        size = self.temporal_patch_size
+        padded = list(self.indices) + [self.indices[-1]] * (self.num_patches * size - self.num_frames)
+        seconds = [index / self.video_fps for index in padded]
+        return tuple((seconds[i] + seconds[i + size - 1]) / 2 for i in range(0, len(seconds), size))
 
     @property
     def second_per_grid_t(self) -> float:
@@ -170,7 +194,7 @@ class VideoSampling:
         if "max_frames" in options and changed.max_frames > frames_cap:
             raise VideoOptionError(f"video max_frames = {changed.max_frames}: at most {frames_cap} frames per video "
                                    f"({knob(config, 'max_video_frames')})")
-        if changed.max_pixels > MAX_REQUEST_FRAME_PIXELS:
+        if "max_pixels" in options and changed.max_pixels > MAX_REQUEST_FRAME_PIXELS:
             raise VideoOptionError(f"video max_pixels = {changed.max_pixels}: at most {MAX_REQUEST_FRAME_PIXELS} "
                                    "pixels per frame")
         if changed.total_pixels > self.total_pixels:
@@ -216,11 +240,71 @@ class VideoSampling:
         count = self.num_frames(stream.total_frames, stream.fps)
         indices = self.frame_indices(stream.total_frames, count)
         sample_fps = count / max(stream.total_frames, 1e-6) * stream.fps
-        return VideoPlan(indices, self.frame_size(stream.height, stream.width, count), sample_fps, self.frame_factor)
+        return VideoPlan(indices, self.frame_size(stream.height, stream.width, count), sample_fps, self.frame_factor,
+                         stream.fps)
 
     def cache_key(self) -> str:
         values = ",".join(f"{spec.name}={getattr(self, spec.name)!r}" for spec in fields(self))
-        return f"video/v{_ALGORITHM_VERSION};{values}"
+        return f"{self.rule}/v{_ALGORITHM_VERSION};{values}"
+
+    rule = "video"  # the sampling rule's name in the dedup key
+
+
+@dataclass(frozen=True)
+class Qwen3VideoSampling(VideoSampling):
+    """transformers' ``Qwen3VLVideoProcessor`` rule (module docstring). ``min_pixels`` and
+    ``total_pixels`` are its ``size.shortest_edge`` / ``longest_edge``: bounds on the pixels of all
+    frames together (even frame count x frame size); ``max_pixels`` caps one frame (by default the
+    whole budget: no cap of its own, as the processor)."""
+
+    rule = "qwen3_video"
+
+    @classmethod
+    def from_config(cls, config: Mapping, temporal_patch_size: int, image_factor: int) -> Qwen3VideoSampling:
+        """From ``video_preprocessor_config.json`` (transformers' defaults where it is silent)."""
+        size = config.get("size") or {}
+        total = int(size.get("longest_edge", 32 * 32 * 768))
+        return cls(fps=config.get("fps", VIDEO_FPS), min_frames=config.get("min_frames", VIDEO_MIN_FRAMES),
+                   max_frames=config.get("max_frames", VIDEO_MAX_FRAMES),
+                   min_pixels=int(size.get("shortest_edge", 32 * 32 * 128)), max_pixels=total, total_pixels=total,
+                   frame_factor=temporal_patch_size, image_factor=image_factor)
+
+    def num_frames(self, total_frames: int, video_fps: float) -> int:
+        """``Qwen3VLVideoProcessor.sample_frames``' count (no rounding to whole temporal patches)."""
+        if self.nframes is not None:
+            count = min(self.nframes, total_frames)
+        else:
+            count = int(total_frames / video_fps * self.fps)
+            count = min(max(count, self.min_frames), self.max_frames, total_frames)
+        if count < self.frame_factor:
+            raise MediaDecodeError(f"the video has {total_frames} frame(s); {count} would be sampled, and a video "
+                                   f"needs at least {self.frame_factor} frames (one temporal patch)")
+        return count
+
+    def frame_indices(self, total_frames: int, count: int) -> tuple[int, ...]:
+        """``np.linspace(0, total - 1, count).round()``: the processor's float64 arithmetic."""
+        return tuple(int(i) for i in np.linspace(0, total_frames - 1, count).round().astype(int))
+
+    def frame_size(self, height: int, width: int, count: int) -> tuple[int, int]:
+        """The processor's video ``smart_resize``: ``t·h·w`` within ``[min_pixels, total_pixels]``
+        (``t`` the count rounded to whole temporal patches), each frame at most ``max_pixels``."""
+        factor, frames = self.image_factor, round(count / self.frame_factor) * self.frame_factor
+        if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+            raise MediaDecodeError(f"the video's {width}x{height} frames cannot be resized: aspect ratio above "
+                                   f"{MAX_ASPECT_RATIO}")
+        if height < factor or width < factor:
+            scale = max(factor / height, factor / width)
+            height, width = int(height * scale), int(width * scale)
+        max_pixels = min(self.total_pixels, self.max_pixels * frames)
+        h_bar, w_bar = round(height / factor) * factor, round(width / factor) * factor
+        if frames * h_bar * w_bar > max_pixels:
+            beta = math.sqrt(count * height * width / max_pixels)
+            h_bar = max(factor, math.floor(height / beta / factor) * factor)
+            w_bar = max(factor, math.floor(width / beta / factor) * factor)
+        elif frames * h_bar * w_bar < self.min_pixels:
+            beta = math.sqrt(self.min_pixels / (count * height * width))
+            h_bar, w_bar = math.ceil(height * beta / factor) * factor, math.ceil(width * beta / factor) * factor
+        return h_bar, w_bar
 
 
 def _number(value) -> bool:
@@ -441,14 +525,16 @@ class LoadedVideo:
 
     def resized_frames(self) -> np.ndarray:
         """The kept frames at the plan's size, uint8 ``(n, 3, H, W)``: each resized as soon as it is
-        decoded, so at most one full-size frame is held (768 of them at 4K would be 19 GB)."""
+        decoded, so at most one full-size frame is held (768 of them at 4K would be 19 GB). A last,
+        incomplete temporal patch is filled with the last frame (Qwen3-VL's odd counts)."""
         height, width = self.plan.size
-        out = np.empty((self.plan.num_frames, 3, height, width), dtype=np.uint8)
+        out = np.empty((self.plan.num_patches * self.plan.temporal_patch_size, 3, height, width), dtype=np.uint8)
 
         def keep(index: int, image: Image.Image) -> None:
             out[index] = _resized_chw(image, height, width)
 
         decode_frames(self.data, self.stream, self.plan.indices, self.source, keep, self.budget)
+        out[self.plan.num_frames:] = out[self.plan.num_frames - 1]
         return out
 
 

@@ -11,9 +11,11 @@ from input_builders.preprocess import ClipPreprocessor, Qwen2VLPreprocessor, Qwe
 from input_builders.audio_features import WhisperFeatures
 from input_builders.qwen2_audio import Qwen2AudioInputBuilder
 from input_builders.qwen2_vl import Qwen2VlInputBuilder
+from input_builders.qwen3_vl import Qwen3VlInputBuilder
+from input_builders.video import Qwen3VideoSampling, VideoSampling
 from input_builders.qwen_vl import QwenVlInputBuilder
 from input_builders.text import BertInputBuilder, TextInputBuilder
-from routers.base import BaseRouter
+from routers.base import BaseRouter, read_json
 from routers.registry import register_router
 
 
@@ -28,16 +30,36 @@ class TextRouter(BaseRouter):
 
 @register_router("qwen2_vl", "qwen2_5_vl")
 class Qwen2VlRouter(BaseRouter):
+    builder_cls = Qwen2VlInputBuilder
+
     def make_input_builder(self):
-        return Qwen2VlInputBuilder(
+        preprocessor = self.make_preprocessor(Qwen2VLPreprocessor, self.preprocessor_config())
+        return self.builder_cls(
             self.tokenizer,
             media_token_id=self.config_value("image_token_id"),
             video_token_id=config_value(self.raw_config, "video_token_id", None),  # None: no video
             vision_start_token_id=self.config_value("vision_start_token_id"),
             vision_end_token_id=self.config_value("vision_end_token_id"),
-            preprocessor=self.make_preprocessor(Qwen2VLPreprocessor, self.preprocessor_config()),
+            preprocessor=preprocessor,
+            video_sampling=self.video_sampling(preprocessor),
             **self.builder_kwargs(),
         )
+
+    def video_sampling(self, preprocessor: Qwen2VLPreprocessor) -> VideoSampling | None:
+        """None: the builder's default (qwen-vl-utils' rule with the checkpoint's patch sizes)."""
+        return None
+
+
+@register_router("qwen3_vl", "qwen3_vl_moe")
+class Qwen3VlRouter(Qwen2VlRouter):
+    """Qwen3-VL (dense and MoE): Qwen2-VL's images with 16-pixel patches; videos sampled as its
+    ``video_preprocessor_config.json`` says, by transformers' Qwen3-VL rule."""
+
+    builder_cls = Qwen3VlInputBuilder
+
+    def video_sampling(self, preprocessor: Qwen2VLPreprocessor) -> VideoSampling:
+        return Qwen3VideoSampling.from_config(read_json(self.model_dir / "video_preprocessor_config.json"),
+                                              preprocessor.temporal_patch_size, preprocessor.factor)
 
 
 @register_router("llava")

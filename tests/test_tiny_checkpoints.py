@@ -35,6 +35,7 @@ from atb_plugin.testing.tiny import FAMILIES, make_tiny_checkpoint, qwen_vl_weig
 REPO = Path(__file__).resolve().parents[1]
 
 HF_FAMILIES = ["qwen2", "llama", "qwen2_vl", "qwen2_5_vl", "llava", "qwen2_audio", "bert", "qwen3", "qwen3_moe", "qwen2_moe"]
+HF_FAMILIES += ["qwen3_vl", "qwen3_vl_moe"]
 MODEL_CLASS = {
     "qwen2": "Qwen2ForCausalLM",
     "llama": "LlamaForCausalLM",
@@ -46,6 +47,8 @@ MODEL_CLASS = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2_moe": "Qwen2MoeForCausalLM",
+    "qwen3_vl": "Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
 }
 VL_TRANSFORMERS = ["qwen2_vl", "qwen2_5_vl", "llava"]
 
@@ -109,6 +112,8 @@ EXPECTED_FILES["qwen2_seq_cls"] = EXPECTED_FILES["qwen2_reward"] = EXPECTED_FILE
 TEMPLATE_VARIANTS = {"qwen2_5": "qwen2"}
 EXPECTED_FILES["qwen2_5"] = EXPECTED_FILES["qwen2"]
 EXPECTED_FILES["qwen3"] = EXPECTED_FILES["qwen3_moe"] = EXPECTED_FILES["qwen2_moe"] = EXPECTED_FILES["qwen2"]
+EXPECTED_FILES["qwen3_vl"] = EXPECTED_FILES["qwen3_vl_moe"] = {
+    *EXPECTED_FILES["qwen2_vl"], "video_preprocessor_config.json"}
 EXPECTED_FILES["bert_cross_encoder"] = {"config.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt",
                                         "model.safetensors"}
 
@@ -228,6 +233,11 @@ NAMED_IDS = {
 NAMED_IDS["qwen2_5_vl"] = NAMED_IDS["qwen2_vl"]
 NAMED_IDS["qwen3"] = NAMED_IDS["qwen3_moe"] = NAMED_IDS["qwen2"] + [("<think>", None), ("</think>", None)]
 NAMED_IDS["qwen2_moe"] = NAMED_IDS["qwen2"]
+NAMED_IDS["qwen3_vl"] = NAMED_IDS["qwen3_vl_moe"] = [
+    ("<|vision_start|>", lambda c: c["vision_start_token_id"]), ("<|vision_end|>", lambda c: c["vision_end_token_id"]),
+    ("<|image_pad|>", lambda c: c["image_token_id"]), ("<|video_pad|>", lambda c: c["video_token_id"]),
+    ("<|endoftext|>", lambda c: c["text_config"]["bos_token_id"]),
+    ("<|im_end|>", lambda c: c["text_config"]["eos_token_id"]), ("<|im_start|>", None), ("<think>", None)]
 for _variant, _family in {**POOLING_VARIANTS, **TEMPLATE_VARIANTS}.items():
     NAMED_IDS[_variant] = NAMED_IDS[_family]
 

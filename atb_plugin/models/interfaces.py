@@ -10,7 +10,7 @@ Which family has what::
 
     Qwen2, Llama                   none of them
     LLaVA, Qwen-VL                 SupportsMedia
-    Qwen2-VL, Qwen2.5-VL           SupportsMedia, SupportsMRoPE, SupportsVideo
+    Qwen2-VL, Qwen2.5-VL, Qwen3-VL SupportsMedia, SupportsMRoPE, SupportsVideo
     pooling models                 SupportsPooling (BERT also SupportsTokenTypes): native ones
                                    (BERT, Qwen2ForRewardModel) and generative classes adapted
                                    by ``atb_plugin.models.pooling_adapters``

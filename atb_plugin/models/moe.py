@@ -10,7 +10,10 @@ A sparse layer replaces the decoder's SwiGLU MLP (``decoder.DecoderLayer`` picks
 Checkpoints store each expert as three linears (``mlp.experts.E.gate_proj / up_proj /
 down_proj.weight``); ``FusedExperts`` stacks them as the op takes them, ``w13 (E, H, 2I)`` =
 ``[gate.T | up.T]`` and ``w2 (E, I, H)`` = ``down.T``, filled expert by expert at load time
-(``ExpertWeightsMixin``), never materialising the per-expert layout in memory twice.
+(``ExpertWeightsMixin``), never materialising the per-expert layout in memory twice. Qwen3-VL-MoE
+publishes them stacked already (``mlp.experts.gate_up_proj (E, H, 2I)``, ``mlp.experts.down_proj
+(E, I, H)``: the op's layout; transformers' own re-save, ``(E, 2I, H)`` / ``(E, H, I)``, is told
+apart by shape and transposed, as transformers does), read slice by slice (``load_stacked``).
 
 Tensor parallelism (docs/architecture.md, "Tensor parallelism"), two layouts, one collective:
 
@@ -41,10 +44,13 @@ from atb_plugin import ops
 from atb_plugin.distributed import all_reduce, divide, expert_parallel, tp_rank, tp_size
 from atb_plugin.models.weights import WeightLoadingError
 
-__all__ = ["EXPERT_WEIGHT", "ExpertWeightsMixin", "FusedExperts", "MoeConfig", "SparseMoeBlock"]
+__all__ = ["EXPERT_WEIGHT", "STACKED_EXPERT_WEIGHT", "ExpertWeightsMixin", "FusedExperts", "MoeConfig",
+           "SparseMoeBlock"]
 
 #: A per-expert checkpoint tensor: ``<prefix>.mlp.experts.<E>.<gate|up|down>_proj.weight``.
 EXPERT_WEIGHT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+#: All experts of a layer in one tensor (Qwen3-VL-MoE): ``<prefix>.mlp.experts.<gate_up_proj|down_proj>``.
+STACKED_EXPERT_WEIGHT = re.compile(r"^(?P<experts>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)$")
 
 
 @dataclass(frozen=True)
@@ -143,6 +149,29 @@ class FusedExperts(nn.Module):
                 self.w13[local, :, offset:offset + size].copy_(part.t())
         self._filled.add((local, proj))
 
+    def load_stacked(self, proj: str, tensor, name: str) -> None:
+        """This rank's part of every local expert from one stacked tensor: ``gate_up_proj``
+        ``(E, H, 2I)`` (gate columns, then up) or ``down_proj`` ``(E, I, H)``; the transposed
+        forms ``(E, 2I, H)`` / ``(E, H, I)`` too (module docstring)."""
+        experts, hidden, inter = self.num_experts, self.hidden_size, self.total_intermediate_size
+        published = (experts, hidden, 2 * inter) if proj == "gate_up_proj" else (experts, inter, hidden)
+        shape, transposed = tuple(tensor.shape), published[:1] + published[:0:-1]
+        if shape not in (published, transposed):
+            raise WeightLoadingError(f"{name}: checkpoint shape {shape}, expected {published} (or {transposed})")
+        size, start = self.intermediate_size, self.first_column
+        # A CheckpointTensor reads only this rank's experts.
+        local = tensor.narrow(0, self.first_expert, self.num_local_experts)
+        if shape != published:
+            local = local.transpose(1, 2)
+        with torch.no_grad():
+            if proj == "down_proj":
+                self.w2.copy_(local.narrow(1, start, size))
+                self._filled |= {(e, "down_proj") for e in range(self.num_local_experts)}
+                return
+            self.w13[:, :, :size].copy_(local.narrow(2, start, size))
+            self.w13[:, :, size:].copy_(local.narrow(2, inter + start, size))
+        self._filled |= {(e, p) for e in range(self.num_local_experts) for p in ("gate_proj", "up_proj")}
+
     def complete(self) -> list[str]:
         """The parameters (``w13``, ``w2``) every local expert has been loaded into."""
         experts = range(self.num_local_experts)
@@ -189,11 +218,22 @@ class ExpertWeightsMixin:
         return {prefix: module for prefix, module in self.named_modules() if isinstance(module, FusedExperts)}
 
     def _expert_target(self, name: str):
+        """``(module, expert, proj)`` of a per-expert tensor, ``(module, None, proj)`` of a stacked one."""
+        name = self.expert_weight_name(name)
+        stacked = STACKED_EXPERT_WEIGHT.match(name)
+        if stacked:
+            module = self._fused_experts.get(stacked["experts"])
+            return None if module is None else (module, None, stacked["proj"])
         match = EXPERT_WEIGHT.match(name)
         module = self._fused_experts.get(match["experts"]) if match else None
         if module is None or int(match["expert"]) >= module.num_experts:
             return None
         return module, int(match["expert"]), match["proj"]
+
+    def expert_weight_name(self, name: str) -> str:
+        """A checkpoint name as the model's module paths spell it (a family whose checkpoint
+        names differ from its modules' maps them here; as is by default)."""
+        return name
 
     def accepts_weight(self, name: str) -> bool:
         return self._expert_target(name) is not None or super().accepts_weight(name)
@@ -206,7 +246,10 @@ class ExpertWeightsMixin:
                     yield name, tensor
                 else:
                     module, expert, proj = target
-                    module.load_expert(expert, proj, tensor, name)
+                    if expert is None:
+                        module.load_stacked(proj, tensor, name)
+                    else:
+                        module.load_expert(expert, proj, tensor, name)
 
         loaded = super().load_weights(the_rest())
         for prefix, module in self._fused_experts.items():

@@ -106,6 +106,7 @@ class VisionConfig:
     # Qwen2.5-VL: M-RoPE time positions per second of video (a video block's temporal patch is
     # tokens_per_second x second_per_grid_t positions apart). None: Qwen2-VL (one position per patch).
     tokens_per_second: int | None = None
+    patch_bias: bool = False  # the patch embedding's bias (Qwen3-VL has one)
 
     def __post_init__(self):
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
@@ -207,6 +208,21 @@ def window_index(grid_thws: Sequence[GridTHW], merge: int, window_size: int, pat
     return torch.cat(indices), torch.cat(bounds).to(torch.int32)
 
 
+def checked_grids(config: VisionConfig, pixel_values: torch.Tensor, grid_thws: Sequence[GridTHW]) -> list[GridTHW]:
+    """``grid_thws`` as int tuples, after checking that ``pixel_values`` holds their patches and
+    that each grid's sides are whole merge windows."""
+    grid_thws = [tuple(int(v) for v in grid) for grid in grid_thws]
+    num_patches = sum(t * h * w for t, h, w in grid_thws)
+    merge = config.spatial_merge_size
+    for grid in grid_thws:
+        if grid[1] % merge or grid[2] % merge:
+            raise ValueError(f"grid_thw {list(grid)}: h and w must be multiples of spatial_merge_size {merge}")
+    if pixel_values.dim() != 2 or pixel_values.shape != (num_patches, config.patch_dim):
+        raise ValueError(f"pixel_values of shape {tuple(pixel_values.shape)} for grid_thw {grid_thws}: "
+                         f"expected ({num_patches}, {config.patch_dim})")
+    return grid_thws
+
+
 class VisionAttention(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
@@ -283,11 +299,12 @@ class PatchEmbed(nn.Module):
     def __init__(self, config: VisionConfig):
         super().__init__()
         kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel, stride=kernel, bias=config.patch_bias)
 
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
-        return pixel_values.to(weight.dtype) @ weight.flatten(1).t()
+        out = pixel_values.to(weight.dtype) @ weight.flatten(1).t()
+        return out if self.proj.bias is None else out + self.proj.bias
 
 
 class PatchMerger(nn.Module):
@@ -326,15 +343,8 @@ class VisionTransformer(nn.Module):
         """``pixel_values`` ``(sum t·h·w, C·T·P·P)`` of the images ``grid_thws`` (in order) ->
         ``(sum t·h·w / merge², out_hidden_size)``, image after image, each in raster order."""
         config = self.config
-        grid_thws = [tuple(int(v) for v in grid) for grid in grid_thws]
-        num_patches = sum(t * h * w for t, h, w in grid_thws)
-        merge = config.spatial_merge_size
-        for grid in grid_thws:
-            if grid[1] % merge or grid[2] % merge:
-                raise ValueError(f"grid_thw {list(grid)}: h and w must be multiples of spatial_merge_size {merge}")
-        if pixel_values.dim() != 2 or pixel_values.shape != (num_patches, config.patch_dim):
-            raise ValueError(f"pixel_values of shape {tuple(pixel_values.shape)} for grid_thw {grid_thws}: "
-                             f"expected ({num_patches}, {config.patch_dim})")
+        grid_thws = checked_grids(config, pixel_values, grid_thws)
+        num_patches, merge = pixel_values.shape[0], config.spatial_merge_size
         device = pixel_values.device
         x = self.patch_embed(pixel_values)
         cos, sin = self.rotary_cos_sin(grid_thws, device)
@@ -524,19 +534,20 @@ class Qwen2VLForConditionalGeneration(MultimodalModel):
         (``T``: frames per temporal patch) and within ``max_tokens / (n / T)``; of equal token
         counts the larger frames win (longer attention segments: the tower attends per frame).
         None: the checkpoint has no video token, or not one temporal patch of the smallest frame
-        fits ``max_tokens``. ``model_dir`` is unused: the budgets are the sampler's constants,
-        not the checkpoint's (only the patch and merge sizes come from it)."""
+        fits ``max_tokens``. The budgets are ``video_budget``'s: here the sampler's constants, not
+        the checkpoint's (only the patch and merge sizes come from it); Qwen3-VL reads its
+        checkpoint's video processor config."""
         if self.config.video_token_id is None:
             return None
         vision = self.config.vision
         factor, per_patch = vision.patch_size * vision.spatial_merge_size, vision.temporal_patch_size
-        min_windows = cdiv(VIDEO_MIN_PIXELS, factor**2)  # smart_resize scales smaller frames up to it
+        min_pixels, frame_cap_of, max_frames = self.video_budget(model_dir, max_frames)
+        min_windows = cdiv(min_pixels, factor**2)  # smart_resize scales smaller frames up to it
         best = None  # ((tokens, windows per frame), t, rows, cols)
         for t in range(1, max_frames // per_patch + 1):
             if max_tokens // t < min_windows:
                 break  # more temporal patches only leave less per frame
-            frame_cap = min(VIDEO_MAX_PIXELS, max(VIDEO_TOTAL_PIXELS / (t * per_patch) * per_patch,
-                                                  int(VIDEO_MIN_PIXELS * 1.05)))
+            frame_cap = frame_cap_of(t)
             rows, cols = largest_window_grid(min(int(frame_cap) // factor**2, max_tokens // t))
             key = (t * rows * cols, rows * cols)
             if rows * cols >= min_windows and (best is None or key > best[0]):
@@ -551,6 +562,19 @@ class Qwen2VLForConditionalGeneration(MultimodalModel):
             max_item_size=(rows * factor, cols * factor), pixel_shape=(math.prod(grid), vision.patch_dim),
             grid_thw=grid, frames=t * per_patch)
 
+    def video_budget(self, model_dir, max_frames: int):
+        """``(min_pixels per frame, frame_cap(t): the most pixels a frame of a video of t
+        temporal patches may have, max_frames)``: qwen-vl-utils' budgets (module constants)."""
+        per_patch = self.config.vision.temporal_patch_size
+
+        def frame_cap(t: int) -> float:
+            return min(VIDEO_MAX_PIXELS, max(VIDEO_TOTAL_PIXELS / (t * per_patch) * per_patch,
+                                             int(VIDEO_MIN_PIXELS * 1.05)))
+
+        return VIDEO_MIN_PIXELS, frame_cap, max_frames
+
+    video_block = QWEN2_VL_VIDEO_BLOCK  # the family's video block (Qwen3-VL: one per temporal patch)
+
     @property
     def media_layout(self) -> MediaLayout:
         return MediaLayout(placeholder_id=self.config.image_token_id, num_metadata_slots=QWEN2_VL_BLOCK.metadata_slots,
@@ -563,8 +587,9 @@ class Qwen2VLForConditionalGeneration(MultimodalModel):
         if self.config.video_token_id is None:
             return (self.media_layout,)
         video = MediaLayout(placeholder_id=self.config.video_token_id,
-                            num_metadata_slots=QWEN2_VL_VIDEO_BLOCK.metadata_slots,
-                            merge_size=self.config.vision.spatial_merge_size, modality="video")
+                            num_metadata_slots=self.video_block.metadata_slots,
+                            merge_size=self.config.vision.spatial_merge_size, modality="video",
+                            per_temporal_patch=self.video_block.per_temporal_patch)
         return self.media_layout, video
 
     @property

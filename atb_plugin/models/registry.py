@@ -19,6 +19,8 @@ MODEL_CLASSES: dict[str, str] = {
     "qwen2_moe": "atb_plugin.models.qwen3:Qwen2MoeForCausalLM",
     "qwen2_vl": "atb_plugin.models.qwen2_vl:Qwen2VLForConditionalGeneration",
     "qwen2_5_vl": "atb_plugin.models.qwen2_vl:Qwen2VLForConditionalGeneration",
+    "qwen3_vl": "atb_plugin.models.qwen3_vl:Qwen3VLForConditionalGeneration",
+    "qwen3_vl_moe": "atb_plugin.models.qwen3_vl:Qwen3VLMoeForConditionalGeneration",
     "llava": "atb_plugin.models.llava:LlavaForConditionalGeneration",
     "qwen_vl": "atb_plugin.models.qwen_vl:QwenVLForCausalLM",
     "qwen2_audio": "atb_plugin.models.qwen2_audio:Qwen2AudioForConditionalGeneration",

@@ -58,10 +58,15 @@ class MediaLayout:
     frames_to_tokens: Callable[[int], int] | None = None
     # What the block holds: "image", "video" (a fourth slot, SPG: second_per_grid_t), "audio".
     modality: str = "image"
+    # A video block of one temporal patch (wire.QWEN3_VL_VIDEO_BLOCK): the fourth slot is PATCH, its
+    # index; the block reads that patch's share of the segment, as a video of one temporal patch.
+    per_temporal_patch: bool = False
 
     def __post_init__(self):
         if self.num_metadata_slots not in (2, 3, 4):
             raise ValueError(f"num_metadata_slots must be 2, 3 or 4, got {self.num_metadata_slots}")
+        if self.per_temporal_patch and self.num_metadata_slots != 4:
+            raise ValueError("a per-temporal-patch block has 4 metadata slots (NAME, SHAPE, THW, PATCH)")
         if self.num_metadata_slots == 4 and (self.modality != "video" or self.tokens_per_block is not None):
             raise ValueError("4 metadata slots (NAME, SHAPE, THW, SPG) are a video block's, sized by its THW")
         if self.tokens_per_block is None and self.num_metadata_slots < 3:
@@ -87,6 +92,16 @@ class MediaBlock:
     grid_thw: tuple[int, int, int] | None = None
     modality: str = "image"
     second_per_grid_t: float | None = None  # a video's (its SPG slot)
+
+
+def _temporal_patch(pixels: np.ndarray, num_patches: int, patch: int, where: str) -> np.ndarray:
+    """Temporal patch ``patch`` of a video segment (a zero-copy view): both wire forms lead with
+    time, uint8 frames ``(t·T, 3, H, W)`` and float32 patch rows ``(t·h·w, C·T·p·p)``."""
+    if pixels.shape[0] % num_patches:
+        raise MediaBlockError(f"{where}: a segment of shape {list(pixels.shape)} does not split into {num_patches} "
+                              "temporal patches")
+    step = pixels.shape[0] // num_patches
+    return pixels[patch * step:(patch + 1) * step]
 
 
 class MultimodalPrompt:
@@ -143,10 +158,16 @@ class MultimodalPrompt:
             raise MediaBlockError(
                 f"{where}: expected {layout.num_metadata_slots} metadata slots (NAME, SHAPE"
                 f"{', THW' if layout.num_metadata_slots >= 3 else ''}"
-                f"{', SPG' if layout.num_metadata_slots == 4 else ''}), found ids {meta.tolist()}"
+                f"{(', PATCH' if layout.per_temporal_patch else ', SPG') if layout.num_metadata_slots == 4 else ''}), "
+                f"found ids {meta.tolist()}"
             )
-        grid = seconds = None
-        if layout.num_metadata_slots == 4:
+        grid = seconds = patch = None
+        if layout.per_temporal_patch:
+            try:
+                (patch,) = shm.decode_shape_from_int64(int(meta[3]))
+            except ValueError as error:
+                raise MediaBlockError(f"{where}: bad PATCH slot: {error}") from error
+        elif layout.num_metadata_slots == 4:
             try:
                 seconds = decode_second_per_grid_t(int(meta[3]))
             except ValueError as error:
@@ -162,6 +183,11 @@ class MultimodalPrompt:
                     raise MediaBlockError(f"{where}: FRAMES decodes to {list(grid)}, expected one positive dim")
             elif len(grid) != 3 or min(grid) <= 0:
                 raise MediaBlockError(f"{where}: THW decodes to {list(grid)}, expected 3 positive dims")
+        video_grid = grid
+        if patch is not None:
+            if patch >= grid[0]:
+                raise MediaBlockError(f"{where}: PATCH {patch} of a video of {grid[0]} temporal patches")
+            grid = (1, *grid[1:])
         length = layout.block_length(grid)
         slots = ids[start + layout.num_metadata_slots:start + length]
         placeholders = int((slots == layout.placeholder_id).sum())
@@ -175,6 +201,8 @@ class MultimodalPrompt:
             pixels = read(int(meta[0]), int(meta[1]), expected_instance)
         except shm.ShmHandleError as error:
             raise MediaBlockError(f"{where}: {error}") from error
+        if patch is not None:
+            pixels = _temporal_patch(pixels, video_grid[0], patch, where)
         return MediaBlock(index, start, length, torch.from_numpy(pixels), grid, layout.modality, seconds)
 
     def features(self, model, cached_tokens: int = 0) -> list[torch.Tensor | None]:

@@ -33,6 +33,7 @@ from shm.codec import decode_shape_from_int64, encode_shape_to_int64
 
 __all__ = ["DEFAULT_WIRE_DTYPE", "LLAVA_BLOCK", "MediaBlockShape", "OPENAI_CLIP_MEAN", "OPENAI_CLIP_STD",
            "PixelNormalization", "QWEN2_AUDIO_BLOCK", "QWEN2_VL_BLOCK", "QWEN2_VL_VIDEO_BLOCK",
+           "QWEN3_VL_VIDEO_BLOCK",
            "decode_second_per_grid_t", "encode_second_per_grid_t",
            "qwen2_audio_tokens", "QWEN_VL_BLOCK", "WIRE_DTYPES", "check_wire_dtype"]
 
@@ -54,8 +55,13 @@ class MediaBlockShape:
 
     metadata_slots: int
     tokens_per_block: int | None = None
+    # The block holds one temporal patch of its segment's video: its fourth slot is PATCH, the
+    # patch's index (QWEN3_VL_VIDEO_BLOCK), not SPG.
+    per_temporal_patch: bool = False
 
     def __post_init__(self):
+        if self.per_temporal_patch and (self.metadata_slots != 4 or self.tokens_per_block is not None):
+            raise ValueError("a per-temporal-patch block has 4 metadata slots (NAME, SHAPE, THW, PATCH), sized by THW")
         if self.metadata_slots not in (2, 3, 4):
             raise ValueError(f"metadata_slots must be 2, 3 or 4, got {self.metadata_slots}")
         if self.tokens_per_block is not None and self.tokens_per_block < self.metadata_slots:
@@ -67,6 +73,10 @@ QWEN_VL_BLOCK = MediaBlockShape(metadata_slots=2, tokens_per_block=256)  # NAME,
 QWEN2_VL_BLOCK = MediaBlockShape(metadata_slots=3)  # NAME, SHAPE, THW; t·h·w / merge² slots (Qwen2.5-VL too)
 # A video: NAME, SHAPE, THW, SPG (second_per_grid_t: encode_second_per_grid_t); t·h·w / merge² slots
 QWEN2_VL_VIDEO_BLOCK = MediaBlockShape(metadata_slots=4)
+# A Qwen3-VL video is one segment and one block per temporal patch (its frames are separated by
+# timestamp text): NAME, SHAPE, THW (the whole video's grid), PATCH (the temporal patch's index, a
+# 1-d shape); h·w / merge² slots. Its image block is QWEN2_VL_BLOCK.
+QWEN3_VL_VIDEO_BLOCK = MediaBlockShape(metadata_slots=4, per_temporal_patch=True)
 # NAME, SHAPE, FRAMES (valid mel frames F, as a 1-d shape); ((F - 1) // 2 + 1 - 2) // 2 + 1 slots per 30 s window
 QWEN2_AUDIO_BLOCK = MediaBlockShape(metadata_slots=3)
 

@@ -4,6 +4,10 @@ Qwen2-VL's multimodal M-RoPE) and their application (rotate-half convention, as 
 M-RoPE: positions are ``(3, num_tokens)`` (temporal, height, width); the head dimension's
 frequency bands are split by ``mrope_section`` (e.g. [16, 24, 24] of 64) and band i takes its
 angle from position row i. For text tokens the three rows are equal, which is plain RoPE.
+Qwen3-VL interleaves instead (``mrope_interleaved`` in the rope parameters): frequency j takes
+row 1 (height) when ``j % 3 == 1`` and ``j < 3 * mrope_section[1]``, row 2 (width) when
+``j % 3 == 2`` and ``j < 3 * mrope_section[2]``, else row 0 (time), so every axis gets high and
+low frequencies alike.
 """
 
 from __future__ import annotations
@@ -48,6 +52,13 @@ class RotaryEmbedding:
         self.mrope_section = list(mrope_section) if mrope_section else None
         if self.mrope_section and sum(self.mrope_section) != head_dim // 2:
             raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim / 2 = {head_dim // 2}")
+        # Interleaved M-RoPE: the position row each frequency takes (module docstring).
+        self.mrope_rows = None
+        if self.mrope_section and (rope or {}).get("mrope_interleaved"):
+            rows = torch.zeros(head_dim // 2, dtype=torch.int64, device="cpu")
+            for row in (1, 2):
+                rows[row:3 * self.mrope_section[row]:3] = row
+            self.mrope_rows = rows
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` ``(T,)``, or ``(3, T)`` with M-RoPE. Returns cos, sin ``(T, head_dim)``."""
@@ -56,8 +67,12 @@ class RotaryEmbedding:
         if self.mrope_section is not None:
             if positions.dim() == 1:
                 freqs = freqs.expand(3, *freqs.shape)
-            bands = freqs.split(self.mrope_section, dim=-1)
-            freqs = torch.cat([band[i % 3] for i, band in enumerate(bands)], dim=-1)
+            if self.mrope_rows is not None:
+                rows = self.mrope_rows.to(freqs.device)
+                freqs = freqs.gather(0, rows.expand(1, *freqs.shape[1:])).squeeze(0)
+            else:
+                bands = freqs.split(self.mrope_section, dim=-1)
+                freqs = torch.cat([band[i % 3] for i, band in enumerate(bands)], dim=-1)
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 

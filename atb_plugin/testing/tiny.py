@@ -932,6 +932,114 @@ def _build_qwen2_5_vl(out: Path, seed: int) -> None:
     )
 
 
+# Qwen3-VL-Instruct's template, as published less its tool-calling branch: Qwen2-VL's (an image part
+# renders <|vision_start|><|image_pad|><|vision_end|>, a video part <|vision_start|><|video_pad|>
+# <|vision_end|>, which the processor widens into timestamped frames) with no default system prompt.
+_QWEN2_VL_DEFAULT_SYSTEM = r"""
+    {%- if loop.first and message['role'] != 'system' -%}
+        {{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' -}}
+    {%- endif -%}"""
+assert _QWEN2_VL_DEFAULT_SYSTEM in QWEN2_VL_CHAT_TEMPLATE
+QWEN3_VL_CHAT_TEMPLATE = QWEN2_VL_CHAT_TEMPLATE.replace(_QWEN2_VL_DEFAULT_SYSTEM, "")
+
+# Qwen3-VL's pixel bounds, small for fast tests (patch 16 x merge 2 = 32-pixel merge windows): an
+# image from 2x2 to 8x8 windows (64 tokens); a video's frames share 64 windows' worth (t·h·w pixels).
+QWEN3_VL_MIN_PIXELS = 32 * 32 * 4
+QWEN3_VL_MAX_PIXELS = 32 * 32 * 64
+QWEN3_VL_VIDEO_MAX_PIXELS = 32 * 32 * 64
+QWEN3_VL_VIDEO_MAX_FRAMES = 16
+
+
+def _qwen3_vl_moe_published_experts(state: dict[str, torch.Tensor]) -> None:
+    """Qwen3-VL-MoE publishes its stacked experts as ``gate_up_proj (E, H, 2I)`` and ``down_proj
+    (E, I, H)``; transformers holds (and saves) them transposed, and transposes the published
+    ones on load (its conversion mapping, which tells them apart by shape: keep 2I != H)."""
+    for name in [n for n in state if n.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj"))]:
+        state[name] = state[name].transpose(1, 2).contiguous()
+
+
+def _build_qwen3_vl(out: Path, seed: int, moe: dict | None = None) -> None:
+    """Qwen3-VL-Instruct (``moe``: Qwen3-VL-MoE, the sparse keys of Qwen3-VL-30B-A3B): the nested
+    published layout (``text_config`` with interleaved M-RoPE, ``vision_config`` with DeepStack
+    indexes), a ViT of 16-pixel patches with a learned 8x8 position grid, the Qwen3 decoder
+    (q/k norms, head_dim 32 against a hidden size of 64), and both processor configs."""
+    tok = _byte_level_tokenizer(_QWEN2_SPLIT, trailing=_QWEN2_VL_SPECIALS, nfc=True)
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in _QWEN3_PLAIN_TOKENS])
+    endoftext, _, im_end = _ids(tok, *_QWEN_CHATML)
+    v_start, v_end, image_pad, video_pad = _ids(tok, "<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
+                                                "<|video_pad|>")
+    architecture, model_type = "Qwen3VLForConditionalGeneration", "qwen3_vl"
+    text = {
+        **_TINY_DECODER,
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": endoftext,
+        "eos_token_id": im_end,
+        "head_dim": 32,
+        "model_type": "qwen3_vl_text",
+        "rms_norm_eps": 1e-06,
+        # 16 rotary frequencies, interleaved t, h, w, t, h, w, ... (real: [24, 20, 20] of 64)
+        "rope_scaling": {"mrope_interleaved": True, "mrope_section": [6, 5, 5], "rope_type": "default"},
+        "rope_theta": 5000000,
+        "tie_word_embeddings": False,
+        "vocab_size": tok.get_vocab_size(),
+    }
+    if moe is not None:
+        architecture, model_type = "Qwen3VLMoeForConditionalGeneration", "qwen3_vl_moe"
+        text.update(model_type="qwen3_vl_moe_text", **moe)
+    config = {
+        "architectures": [architecture],
+        "model_type": model_type,
+        "image_token_id": image_pad,
+        "video_token_id": video_pad,
+        "vision_start_token_id": v_start,
+        "vision_end_token_id": v_end,
+        "text_config": text,
+        "tie_word_embeddings": False,
+        "transformers_version": _TRANSFORMERS_VERSION,
+        "vocab_size": text["vocab_size"],  # also at the top (unread by transformers), as the flat VL configs have it
+        "vision_config": {
+            "deepstack_visual_indexes": [0, 2],  # real: [5, 11, 17] of 24 blocks (2B) or [8, 16, 24] of 27
+            "depth": 3,
+            "hidden_act": "gelu_pytorch_tanh",
+            "hidden_size": 32,
+            "in_channels": 3,
+            "initializer_range": 0.02,
+            "intermediate_size": 64,
+            "model_type": model_type,
+            "num_heads": 4,
+            "num_position_embeddings": 64,  # an 8x8 grid, interpolated to each image's patches (real 48x48)
+            "out_hidden_size": 64,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+        },
+    }
+    _save_transformers_model(out, config, seed, _qwen3_vl_moe_published_experts if moe is not None else None)
+    _write_json(out / "generation_config.json",
+                _qwen_generation_config(endoftext, im_end, temperature=0.7, top_k=20, top_p=0.8))
+    half = [0.5, 0.5, 0.5]
+    common = {"do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+              "image_mean": half, "image_std": half, "merge_size": 2, "patch_size": 16,
+              "processor_class": "Qwen3VLProcessor", "resample": 3, "rescale_factor": 1 / 255,
+              "temporal_patch_size": 2}
+    _write_json(out / "preprocessor_config.json", {
+        **common, "image_processor_type": "Qwen2VLImageProcessorFast",
+        "size": {"longest_edge": QWEN3_VL_MAX_PIXELS, "shortest_edge": QWEN3_VL_MIN_PIXELS}})
+    _write_json(out / "video_preprocessor_config.json", {
+        **common, "video_processor_type": "Qwen3VLVideoProcessor", "do_sample_frames": True, "fps": 2,
+        "min_frames": 4, "max_frames": QWEN3_VL_VIDEO_MAX_FRAMES,
+        "size": {"longest_edge": QWEN3_VL_VIDEO_MAX_PIXELS, "shortest_edge": QWEN3_VL_MIN_PIXELS}})
+    _write_tokenizer(out, tok, _qwen_tokenizer_config(processor_class="Qwen3VLProcessor"), QWEN3_VL_CHAT_TEMPLATE)
+
+
+def _build_qwen3_vl_moe(out: Path, seed: int) -> None:
+    """Qwen3-VL-30B-A3B-Instruct like: 3 decoder layers, each sparse (8 experts of 24, top-2, always
+    renormalised), experts stored stacked as published (``mlp.experts.gate_up_proj`` / ``down_proj``)."""
+    _build_qwen3_vl(out, seed, moe=dict(num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+                                        moe_intermediate_size=24, decoder_sparse_step=1, mlp_only_layers=[]))
+
+
 # LLaVA-1.5's CLIP tower, shrunk: 56-pixel images in 14-pixel patches = 4x4 = 16 patches (+ CLS),
 # and the "default" feature strategy drops CLS, so each image takes 16 placeholder tokens.
 LLAVA_IMAGE_SIZE = 56
@@ -1448,6 +1556,8 @@ FAMILIES: dict[str, Callable[[Path, int], None]] = {
     "qwen_vl": _build_qwen_vl,
     "qwen2_vl": _build_qwen2_vl,
     "qwen2_5_vl": _build_qwen2_5_vl,
+    "qwen3_vl": _build_qwen3_vl,
+    "qwen3_vl_moe": _build_qwen3_vl_moe,
     "llava": _build_llava,
     "qwen2_audio": _build_qwen2_audio,
     "bert": _build_bert,
