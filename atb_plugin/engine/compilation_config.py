@@ -5,8 +5,9 @@
 ``enforce_eager`` / ``--enforce-eager`` take the same settings; ``EngineConfig`` resolves them
 once (docs/graph-mode.md):
 
-- ``cudagraph_mode``: ``FULL_DECODE_ONLY`` (the default on every platform: NPU / CUDA capture a
-  device graph per batch size, the CPU its native decode plan, which needs no sizes) or ``NONE``.
+- ``cudagraph_mode``: ``FULL_DECODE_ONLY`` (the default: NPU / CUDA capture a device graph per
+  batch size, the CPU its native decode plan, which needs no sizes) or ``NONE`` (the default on
+  the simulated NPU only, where a replay costs what the eager step does and a capture seconds).
   vLLM's ``PIECEWISE``, ``FULL`` and ``FULL_AND_PIECEWISE`` need a compiled, split model (or
   graphs over prefill) that this engine does not build: asked for, they are an error naming the
   two that work. ``enforce_eager`` turns every mode into ``NONE`` (vLLM's rule), the CPU's plan too.
@@ -112,10 +113,11 @@ class CompilationConfig:
         return cls(**{k: v for k, v in value.items() if k in known})
 
     def resolve(self, *, enforce_eager: bool, max_num_seqs: int, max_num_batched_tokens: int,
-                uniform_decode_len: int = 1) -> "CompilationConfig":
-        """What the engine runs (class docstring). Resolving a resolved config changes nothing."""
+                uniform_decode_len: int = 1, default_mode: str = DEFAULT_MODE) -> "CompilationConfig":
+        """What the engine runs (class docstring); ``default_mode``: the platform's
+        (``Platform.default_cudagraph_mode``). Resolving a resolved config changes nothing."""
         explicit = self.explicit if self.explicit is not None else self.cudagraph_mode is not None
-        mode = "NONE" if enforce_eager else (self.cudagraph_mode or DEFAULT_MODE)
+        mode = "NONE" if enforce_eager else (self.cudagraph_mode or default_mode)
         q = uniform_decode_len
         reachable = min(max_num_seqs * q, max_num_batched_tokens)
         given, limit = self.cudagraph_capture_sizes, self.max_cudagraph_capture_size

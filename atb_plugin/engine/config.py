@@ -317,7 +317,8 @@ class EngineConfig:
         set_(self, "compilation_config", CompilationConfig.from_value(self.compilation_config).resolve(
             enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
-            uniform_decode_len=1 + spec.num_speculative_tokens if spec is not None else 1))
+            uniform_decode_len=1 + spec.num_speculative_tokens if spec is not None else 1,
+            default_mode=platform.default_cudagraph_mode()))
         set_(self, "scheduler_config",
              SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len))
 

@@ -102,6 +102,10 @@ class Platform:
     def device_graphs(self) -> DeviceGraphs | None:
         return None
 
+    def default_cudagraph_mode(self) -> str:
+        """``compilation_config.cudagraph_mode`` when none is given (engine/compilation_config.py)."""
+        return "FULL_DECODE_ONLY"
+
     def is_available(self) -> bool:
         raise NotImplementedError
 

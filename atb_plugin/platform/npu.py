@@ -174,6 +174,11 @@ class NpuPlatform(Platform):
         """ACL graphs: ``torch_npu.npu.NPUGraph`` (the simulated NPU's: ``testing/fake_npu_graph.py``)."""
         return DeviceGraphs(torch_npu().npu, "NPUGraph")
 
+    def default_cudagraph_mode(self) -> str:
+        # The simulation replays a graph by re-running its ops in Python: no launch cost to save,
+        # seconds of capture per engine. Tests ask for graphs explicitly.
+        return "NONE" if self.is_simulated() else "FULL_DECODE_ONLY"
+
     # --- kernels -----------------------------------------------------------------------------------
 
     def chip_name(self) -> str:
