@@ -147,26 +147,31 @@ class GraphRunner:
         if size is None or size - tokens > self.block_size:
             return None
         captured = self.captured[size]
-        pad_tokens, width = size - tokens, metadata.block_tables.shape[1]
-        if width > self.block_tables.shape[1]:
+        if metadata.block_tables.shape[1] > self.block_tables.shape[1]:
             return None
         self.input_ids[:tokens].copy_(input_ids)
         self.input_ids[tokens:size].zero_()
         self.positions[..., :tokens].copy_(positions)
         self.positions[..., tokens:size].zero_()
         self.slot_mapping[:tokens].copy_(metadata.slot_mapping)
-        self.slot_mapping[tokens:size].copy_(self.pad_slots[:pad_tokens])
+        self.slot_mapping[tokens:size].copy_(self.pad_slots[:size - tokens])
         self.seq_lens[:requests].copy_(metadata.seq_lens)
         self.seq_lens[requests:captured.requests].fill_(self.q)
         self.seq_lens_cpu[:requests].copy_(metadata.seq_lens_cpu)
         self.seq_lens_cpu[requests:captured.requests].fill_(self.q)
-        self.block_tables[:requests, :width].copy_(metadata.block_tables)
-        self.block_tables[:requests, width:].zero_()
-        self.block_tables[requests:captured.requests].zero_()
-        captured.params.update(captured.metadata)
+        self._write_block_tables(metadata.block_tables, captured.requests)
+        captured.params.update(captured.metadata)  # the attention ops' host lengths of this step
         captured.graph.replay()
         self.replays += 1
         return captured.output[:tokens]
+
+    def _write_block_tables(self, tables: torch.Tensor, rows: int) -> None:
+        """The step's block tables into the static buffer, zero (the null block) past each row's
+        width and in the padded rows."""
+        requests, width = tables.shape
+        self.block_tables[:requests, :width].copy_(tables)
+        self.block_tables[:requests, width:].zero_()
+        self.block_tables[requests:rows].zero_()
 
 
 def make_graph_runner(model, kv_caches, config, platform, device, uses_mrope: bool) -> tuple[GraphRunner | None, str]:

@@ -441,6 +441,10 @@ class FakeGraphApi:
             raise
         npu_graph.capture_end()
 
+    def synchronize(self, device=None) -> None:
+        if self.runtime.capturing is not None:
+            raise GraphCaptureError("host sync inside graph capture: synchronize()")
+
     def is_current_stream_capturing(self) -> bool:
         return self.runtime.capturing is not None
 
