@@ -99,10 +99,13 @@ class ModelRunner:
         # plan (models/native_decode.py). compilation_config says whether (enforce_eager: never).
         platform = platform_for(config.device)
         self.graphs = None
+        compilation = config.compilation_config
         if config.enforce_eager:
             self.decode_capture = "off (enforce_eager)"
-        elif not config.compilation_config.captures:
+        elif not compilation.captures and compilation.explicit:
             self.decode_capture = "off (cudagraph_mode NONE)"
+        elif not compilation.captures:  # the platform's default (the simulated NPU's: NONE)
+            self.decode_capture = f"eager (no captured decode step on {platform.name} yet)"
         elif pooler is not None:
             self.decode_capture = "off (pooling)"
         elif platform.device_graphs() is not None:

@@ -594,9 +594,9 @@ def npu_fused_infer_attention_score_out(
         next_tokens=2147483647, input_layout="BSH", num_key_value_heads=0, sparse_mode=0, inner_precise=0,
         block_size=0, antiquant_mode=0, key_antiquant_mode=0, value_antiquant_mode=0, softmax_lse_flag=False,
         workspace=None, out):
-    """``torch_npu.npu_fused_infer_attention_score.out(..., Tensor? workspace=None, *, out=[attention_out,
-    softmax_lse])`` (schema ``npu_fused_infer_attention_score.out``: the op's arguments, then
-    ``workspace``, then the two outputs, which the Python binding takes as ``out=``): the op written
+    """``torch_npu.npu_fused_infer_attention_score.out(..., bool softmax_lse_flag=False, Tensor?
+    workspace=None, Tensor[] out) -> (Tensor, Tensor)`` (the wheel's binding; the op's registered
+    schema names the two outputs ``attention_out`` and ``softmax_lse``): the op written
     into ``out`` (``attention_out`` the query's shape and dtype; ``softmax_lse`` filled when
     ``softmax_lse_flag``, else left as given, e.g. vllm-ascend's 1-element placeholder), with the
     scratch memory ``workspace`` (from ``_npu_fused_infer_attention_score_get_max_workspace``)."""
