@@ -206,6 +206,25 @@ def test_graphs_equal_eager_with_preemption(monkeypatch):
     assert tokens[False] == tokens[True]
 
 
+def test_speculative_verify_steps_replay_at_multiples_of_the_verify_width(monkeypatch):
+    """n-gram drafts of k = 2: sizes are multiples of 3; a step where every request verifies two
+    drafts (3 tokens each) replays, the others run eager; the tokens are eager's (and plain decoding's)."""
+    ngram = {"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 2}
+    prompts = ["a b c a b c a b c a b c a b", "one two one two one two one two", "x y z x y z x y z"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    tokens = {}
+    with simulated_npu("fia", monkeypatch) as fake:
+        for eager in (False, True):
+            with LLM(tiny_checkpoint("qwen2"), speculative_config=ngram, enforce_eager=eager,
+                     compilation_config=None if eager else {"cudagraph_mode": "FULL_DECODE_ONLY",
+                                                            "cudagraph_capture_sizes": [1, 2, 4, 8]}) as llm:
+                if not eager:
+                    assert llm.engine.config.compilation_config.cudagraph_capture_sizes == (3, 6, 9)
+                tokens[eager] = _tokens(llm.generate(prompts, params))
+        assert fake.graph_stats()["replays"] >= 1
+    assert tokens[False] == tokens[True]
+
+
 # ------------------------------------------------------------------------------------------------
 # the fake catches seeded mistakes
 
