@@ -20,6 +20,10 @@ block sizes that are multiples of 128 in [128, 512] (torch_npu docs: "block_size
 first step, not at the first prefill that happens to reach the op. Dtypes: float16 / bfloat16
 (the op has no float32).
 
+Inside a graph capture (``ops/graph_capture.py``) the attention op is launched as
+``npu_fused_infer_attention_score.out`` with a workspace, in a task group whose update re-launches
+it with the step's lengths before each replay (docs/graph-mode.md).
+
 Host data: the length lists (``SymInt[]`` arguments) come from the metadata's CPU copies and are
 built once per step, cached on the ``AttentionMetadata`` object with the device block table, and
 shared by every layer; the compressed mask is built once per device (module-level cache).

@@ -33,6 +33,10 @@ goes through ``_to_host()``, which reports the sync (the simulated NPU counts th
 cached per step too (on the ``slot_mapping`` / ``cu_seqlens`` tensor every layer receives), so a
 step costs the same number of syncs whatever the number of layers.
 
+Inside a graph capture (``ops/graph_capture.py``) decode attention launches
+``_npu_paged_attention`` with a workspace in a task group whose update re-launches it with the
+step's host ``context_lens`` before each replay, and the cache write skips its host check.
+
 Limits (ATB PagedAttention): ``block_size % 16 == 0`` and ``block_size <= 128``; splitfuse also
 ``block_size * head_size <= 128 * 128`` and ``head_size <= 256``; SelfAttention (flash) ``head_size
 <= 256``; plain paged decode ``head_size <= 576``. Violations raise ``UnsupportedOnNpu`` (a

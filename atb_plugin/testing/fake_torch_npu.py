@@ -60,6 +60,13 @@ Host syncs. ``torch_npu.npu.host_syncs`` counts the device-to-host copies the ke
 through ``npu.note_host_sync()`` (``npu_kernels`` calls it wherever it reads a device tensor on
 the host), so tests can bound them per step.
 
+Graph mode. ``torch_npu.npu`` (and ``torch.npu``) also carry the ACL graph API (``NPUGraph``,
+``graph``, ``graph_task_group_begin/end``, ``graph_task_update_begin/end``, streams, events) and
+the graph-path ops (``npu_fused_infer_attention_score.out``, the get-workspace ops), simulated in
+``atb_plugin.testing.fake_npu_graph``: a capture records, a replay re-runs the record over the
+same tensors, and what the device would get wrong is refused. ``handle.graph_stats()`` counts
+captures and replays.
+
 Schemas. Every op's Python signature follows the real wheel's schema, recorded in
 ``atb_plugin/testing/npu_schemas.txt`` (``tests/test_npu_schemas.py`` checks it).
 """
