@@ -386,6 +386,8 @@ class FakeNPUGraph:
             raise GraphReplayError("replay() of a graph that was never captured")
         if self._runtime.capturing is not None:
             raise GraphReplayError("replay() while a graph is being captured")
+        if self._runtime.updating is not None:
+            raise GraphReplayError("replay() inside graph_task_update_begin/end: end the update first")
         self._check_before_replay()
         for node in self._nodes:
             self._run(node)
