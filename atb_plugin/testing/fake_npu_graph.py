@@ -52,6 +52,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from atb_plugin.testing import fake_fia_ops
 from atb_plugin.testing.fake_torch_npu import HOST_MARK, NpuOpError
 
 # Per op: the arguments that are per-step metadata (device tensors the runner must refresh in its
@@ -563,19 +564,16 @@ def _check_workspace(op: str, workspace, query) -> None:
         raise NpuOpError(f"{op}: workspace of {workspace.numel()} bytes, the launch needs {_workspace_bytes(query)}")
 
 
-def _npu_fused_infer_attention_score_get_max_workspace(
-        query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None, actual_seq_lengths_kv=None,
-        dequant_scale1=None, quant_scale1=None, dequant_scale2=None, quant_scale2=None, quant_offset2=None,
-        antiquant_scale=None, antiquant_offset=None, key_antiquant_scale=None, key_antiquant_offset=None,
-        value_antiquant_scale=None, value_antiquant_offset=None, block_table=None, query_padding_size=None,
-        kv_padding_size=None, key_shared_prefix=None, value_shared_prefix=None, actual_shared_prefix_len=None,
-        query_rope=None, key_rope=None, key_rope_antiquant_scale=None, num_heads=1, scale=1.0, pre_tokens=2147483647,
-        next_tokens=2147483647, input_layout="BSH", num_key_value_heads=0, sparse_mode=0, inner_precise=0,
-        block_size=0, antiquant_mode=0, key_antiquant_mode=0, value_antiquant_mode=0, softmax_lse_flag=False):
-    """``_npu_fused_infer_attention_score_get_max_workspace(...) -> Tensor``: the workspace a
-    ``npu_fused_infer_attention_score.out`` launch with these shapes needs, for any lengths up to
-    the ones given (uint8, 1-D). Allocated before the launch so that a graph holds it."""
+def _npu_fused_infer_attention_score_get_max_workspace(query, key, value, **options):
+    """``_npu_fused_infer_attention_score_get_max_workspace(<the arguments of
+    npu_fused_infer_attention_score>) -> Tensor``: the workspace a ``.out`` launch with these
+    shapes needs, for any lengths up to the ones given (uint8, 1-D). Allocated before the launch so
+    that a graph holds it."""
     return torch.empty(_workspace_bytes(query), dtype=torch.uint8, device=query.device)
+
+
+_npu_fused_infer_attention_score_get_max_workspace.__signature__ = inspect.signature(
+    fake_fia_ops.npu_fused_infer_attention_score)
 
 
 def _npu_paged_attention_get_workspace(query, key_cache, value_cache, num_kv_heads, num_heads, scale_value,
@@ -586,24 +584,13 @@ def _npu_paged_attention_get_workspace(query, key_cache, value_cache, num_kv_hea
     return torch.empty(_workspace_bytes(query), dtype=torch.uint8, device=query.device)
 
 
-def npu_fused_infer_attention_score_out(
-        query, key, value, *, pse_shift=None, atten_mask=None, actual_seq_lengths=None, actual_seq_lengths_kv=None,
-        dequant_scale1=None, quant_scale1=None, dequant_scale2=None, quant_scale2=None, quant_offset2=None,
-        antiquant_scale=None, antiquant_offset=None, key_antiquant_scale=None, key_antiquant_offset=None,
-        value_antiquant_scale=None, value_antiquant_offset=None, block_table=None, query_padding_size=None,
-        kv_padding_size=None, key_shared_prefix=None, value_shared_prefix=None, actual_shared_prefix_len=None,
-        query_rope=None, key_rope=None, key_rope_antiquant_scale=None, num_heads=1, scale=1.0, pre_tokens=2147483647,
-        next_tokens=2147483647, input_layout="BSH", num_key_value_heads=0, sparse_mode=0, inner_precise=0,
-        block_size=0, antiquant_mode=0, key_antiquant_mode=0, value_antiquant_mode=0, softmax_lse_flag=False,
-        workspace=None, out):
+def npu_fused_infer_attention_score_out(query, key, value, *, workspace=None, out, **options):
     """``torch_npu.npu_fused_infer_attention_score.out(..., bool softmax_lse_flag=False, Tensor?
     workspace=None, Tensor[] out) -> (Tensor, Tensor)`` (the wheel's binding; the op's registered
     schema names the two outputs ``attention_out`` and ``softmax_lse``): the op written
     into ``out`` (``attention_out`` the query's shape and dtype; ``softmax_lse`` filled when
     ``softmax_lse_flag``, else left as given, e.g. vllm-ascend's 1-element placeholder), with the
     scratch memory ``workspace`` (from ``_npu_fused_infer_attention_score_get_max_workspace``)."""
-    from atb_plugin.testing.fake_fia_ops import npu_fused_infer_attention_score
-
     op = "npu_fused_infer_attention_score.out"
     if not (isinstance(out, (list, tuple)) and len(out) == 2 and all(isinstance(t, torch.Tensor) for t in out)):
         raise NpuOpError(f"{op}: out must be [attention_out, softmax_lse]")
@@ -611,21 +598,19 @@ def npu_fused_infer_attention_score_out(
     if attention_out.shape != query.shape or attention_out.dtype != query.dtype or not attention_out.is_contiguous():
         raise NpuOpError(f"{op}: attention_out must be a contiguous {tuple(query.shape)} {query.dtype} tensor")
     _check_workspace(op, workspace, query)
-    result, lse = npu_fused_infer_attention_score(
-        query, key, value, atten_mask=atten_mask, actual_seq_lengths=actual_seq_lengths,
-        actual_seq_lengths_kv=actual_seq_lengths_kv, block_table=block_table, num_heads=num_heads, scale=scale,
-        pre_tokens=pre_tokens, next_tokens=next_tokens, input_layout=input_layout,
-        num_key_value_heads=num_key_value_heads, sparse_mode=sparse_mode, inner_precise=inner_precise,
-        block_size=block_size, softmax_lse_flag=softmax_lse_flag, **{name: value for name, value in (
-            ("pse_shift", pse_shift), ("query_rope", query_rope), ("key_rope", key_rope),
-            ("antiquant_scale", antiquant_scale), ("key_shared_prefix", key_shared_prefix)) if value is not None})
+    result, lse = fake_fia_ops.npu_fused_infer_attention_score(query, key, value, **options)
     attention_out.copy_(result)
-    if softmax_lse_flag:
+    if options.get("softmax_lse_flag"):
         if softmax_lse.shape != lse.shape:
             raise NpuOpError(f"{op}: softmax_lse must be {tuple(lse.shape)} with softmax_lse_flag")
         softmax_lse.copy_(lse)
     return attention_out, softmax_lse
 
+
+_fia_parameters = list(inspect.signature(fake_fia_ops.npu_fused_infer_attention_score).parameters.values())
+npu_fused_infer_attention_score_out.__signature__ = inspect.Signature(_fia_parameters + [
+    inspect.Parameter("workspace", inspect.Parameter.KEYWORD_ONLY, default=None),
+    inspect.Parameter("out", inspect.Parameter.KEYWORD_ONLY)])
 
 # Registered on the fake module beside fake_torch_npu.OPS; ``OUT_VARIANTS`` are reached as
 # ``torch_npu.<op>.out``.
