@@ -55,6 +55,11 @@ ACLNN_OPS = (
     "npu_weight_quant_batchmatmul",
     "npu_quantize",
 )
+# Graph mode (ACL graph capture and its task update, atb_plugin/engine/graph_runner.py): written as
+# a section of their own at the end of the fixture.
+GRAPH_ATB_OPS = ("_npu_paged_attention_get_workspace",)
+GRAPH_ACLNN_OPS = ("npu_fused_infer_attention_score.out", "_npu_fused_infer_attention_score_get_max_workspace")
+GRAPH_SECTION = "# --- graph mode (ACL graph capture and task update; docs/graph-mode.md) ---"
 ATB_HEADER = "torch_npu/include/third_party/op-plugin/op_plugin/include/AtbOpsInterface.h"
 ATB_LIB = "torch_npu/lib/libop_plugin_atb.so"
 BINDING_LIB = "torch_npu/lib/libtorch_npu.so"
@@ -131,11 +136,12 @@ _CPP_TYPES = (
 
 
 def _atb_candidates(op: str, header: str) -> list[str]:
-    m = re.search(r"TORCH_NPU_API\s+void\s+" + re.escape(op) + r"\((.*?)\);", header)
+    m = re.search(r"TORCH_NPU_API\s+(void|at::Tensor)\s+" + re.escape(op) + r"\((.*?)\);", header)
     if not m:
         raise SystemExit(f"{op}: no declaration in {ATB_HEADER}")
+    returns = "()" if m.group(1) == "void" else "Tensor"
     params = []
-    for decl in _split_args(m.group(1)):
+    for decl in _split_args(m.group(2)):
         decl = " ".join(decl.replace("&", " & ").split())
         cpp_type, name = decl.rsplit(" ", 1)
         cpp_type = cpp_type.replace(" &", "&").replace("< ", "<").replace(" >", ">")
@@ -151,10 +157,10 @@ def _atb_candidates(op: str, header: str) -> list[str]:
     trailing = [i for i in range(last_out + 1, len(typed)) if typed[i][0] == "Tensor?"]
     head = [f"{t} {n}" for t, n in typed[: len(typed) - len(trailing)]]
     if not trailing:
-        return [f"{op}({', '.join(head)}) -> ()"]
+        return [f"{op}({', '.join(head)}) -> {returns}"]
     tail = [f"{typed[i][0]} {typed[i][1]}=None" for i in trailing]
-    return [f"{op}({', '.join(head)}, *{sep}{', '.join(tail)}) -> ()" for sep in (", ", ",")] + \
-           [f"{op}({', '.join(head + tail)}) -> ()"]
+    return [f"{op}({', '.join(head)}, *{sep}{', '.join(tail)}) -> {returns}" for sep in (", ", ",")] + \
+           [f"{op}({', '.join(head + tail)}) -> {returns}"]
 
 
 def _in_library(schema: str, lib: bytes) -> bool:
@@ -164,7 +170,7 @@ def _in_library(schema: str, lib: bytes) -> bool:
     return all(data[i:i + 16] in lib for i in range(0, len(data), 16))
 
 
-def extract(wheel: Path) -> tuple[str, list[tuple[str, str, str]]]:
+def extract(wheel: Path, atb_ops=ATB_OPS, aclnn_ops=ACLNN_OPS) -> tuple[str, list[tuple[str, str, str]]]:
     """(version, [(op, source file in the wheel, schema)]) read from ``wheel``."""
     with zipfile.ZipFile(wheel) as zf:
         names = zf.namelist()
@@ -174,15 +180,21 @@ def extract(wheel: Path) -> tuple[str, list[tuple[str, str, str]]]:
         binding_lib = zf.read(BINDING_LIB)
         yaml_text = zf.read(NATIVE_YAML).decode()
     rows = []
-    for op in ATB_OPS:
+    for op in atb_ops:
         found = [c for c in _atb_candidates(op, header) if _in_library(c, atb_lib)]
         if not found:
             raise SystemExit(f"{op}: no candidate built from {ATB_HEADER} matches {ATB_LIB}")
         rows.append((op, f"{ATB_LIB} (declared in {ATB_HEADER})", found[0]))
-    for op in ACLNN_OPS:
+    for op in aclnn_ops:
         schema, source = _binding_schema(op, binding_lib, yaml_text)
         rows.append((op, source, schema))
     return version, rows
+
+
+def render_section(title: str, rows: list[tuple[str, str, str]]) -> str:
+    """A trailing section: its title, then its rows' sources and schemas."""
+    lines = [title] + [f"# source {op}: {source}" for op, source, _ in rows] + [schema for _, _, schema in rows]
+    return "\n".join(lines) + "\n"
 
 
 def render(wheel_name: str, version: str, rows: list[tuple[str, str, str]]) -> str:
@@ -204,8 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("-o", "--output", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     version, rows = extract(args.wheel)
-    args.output.write_text(render(args.wheel.name, version, rows))
-    print(f"wrote {len(rows)} schemas (torch_npu {version}) to {args.output}")
+    _, graph_rows = extract(args.wheel, GRAPH_ATB_OPS, GRAPH_ACLNN_OPS)
+    args.output.write_text(render(args.wheel.name, version, rows) + render_section(GRAPH_SECTION, graph_rows))
+    print(f"wrote {len(rows) + len(graph_rows)} schemas (torch_npu {version}) to {args.output}")
     return 0
 
 

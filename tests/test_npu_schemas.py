@@ -46,7 +46,7 @@ def load_schemas(path: Path = FIXTURE) -> tuple[dict[str, str], dict[str, torch.
         if not line.strip():
             continue
         if line.startswith("#"):
-            m = re.match(r"#\s*([\w ]+?):\s*(.*)$", line)
+            m = re.match(r"#\s*([\w .]+?):\s*(.*)$", line)  # ".": an overload, e.g. op.out
             if m:
                 header[m.group(1)] = m.group(2).strip()
             continue

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from atb_plugin.distributed import divide, kv_heads_per_rank
+from atb_plugin.engine.compilation_config import CompilationConfig
 from atb_plugin.engine.memory_profile import DEFAULT_KV_CACHE_BYTES
 from atb_plugin.engine.scheduler import SchedulerConfig
 from atb_plugin.engine.spec_decode.config import SpeculativeConfig
@@ -174,9 +175,14 @@ class EngineConfig:
     # column panels, or oneDNN's packed layout where those do not build; faster GEMMs, same results
     # up to float32 summation order. Off: the checkpoint's layout.
     pack_weights: bool = True
-    # Off (the default): decode-only steps replay a captured decode step where the platform has
-    # one (the CPU with the native kernels: models/native_decode.py). On: always the eager forward.
+    # Off (the default): decode-only steps replay a captured decode step (NPU / CUDA: a device graph
+    # per batch size, engine/graph_runner.py; the CPU with the native kernels: its native plan,
+    # models/native_decode.py). On: always the eager forward (cudagraph_mode NONE).
     enforce_eager: bool = False
+    # vLLM's compilation_config (docs/graph-mode.md): cudagraph_mode FULL_DECODE_ONLY | NONE,
+    # cudagraph_capture_sizes, max_cudagraph_capture_size; a CompilationConfig, a dict or a JSON
+    # string. Resolved in __post_init__ (enforce_eager, speculative width, batch limits).
+    compilation_config: CompilationConfig | None = None
     runner: str = "auto"
     convert: str = "auto"
     hf_overrides: dict | None = None
@@ -333,6 +339,12 @@ class EngineConfig:
             # them (a cached prefix would be skipped): raise the budget, turn prefix caching off.
             set_(self, "max_num_batched_tokens", max(self.max_num_batched_tokens, self.max_model_len))
             set_(self, "enable_prefix_caching", False)
+        spec = self.speculative_config
+        set_(self, "compilation_config", CompilationConfig.from_value(self.compilation_config).resolve(
+            enforce_eager=self.enforce_eager, max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            uniform_decode_len=1 + spec.num_speculative_tokens if spec is not None else 1,
+            default_mode=platform.default_cudagraph_mode()))
         set_(self, "scheduler_config",
              SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len))
 

@@ -27,6 +27,8 @@ inputs made here, and measures what it takes; the KV cache gets what is left::
     KV budget   kv_cache_bytes (--kv-cache-memory) when given: an explicit budget wins everywhere
                 NPU / CUDA: gpu_memory_utilization x total device memory
                             - (peak memory in use during the profile - the temporary KV cache)
+                            - the decode graphs' pool (graph_pool_bytes: one decode forward at the
+                              largest capture size; the graphs are captured after the KV cache)
                 CPU (and the simulated NPU): DEFAULT_KV_CACHE_BYTES (1 GiB); the profile still
                             runs for multimodal models, so its numbers are in the start-up log
 
@@ -293,6 +295,33 @@ def profile_run(model, config, platform) -> MemoryProfile:
                          video_grid_thw=video.grid_thw if video is not None else None)
 
 
+def graph_pool_bytes(model, config, platform) -> int:
+    """What the decode graphs will hold (engine/graph_runner.py), measured before the KV cache
+    exists: the graphs share one memory pool, which the largest capture size fills, so one eager
+    decode forward at that size, its activations' peak above what was in use before. 0 where no
+    device graphs are captured."""
+    compilation = config.compilation_config
+    if not compilation.captures or platform.device_graphs() is None or config.runner == "pooling":
+        return 0
+    size, q = compilation.max_cudagraph_capture_size, compilation.uniform_decode_len
+    requests, device = size // q, next(model.parameters()).device
+    kv_caches = model.make_kv_caches(1 + cdiv(size, config.block_size), config.block_size)
+    platform.reset_peak_memory()
+    baseline = platform.memory_in_use()
+    starts = torch.arange(0, size + 1, q, dtype=torch.int32)
+    seq_lens = torch.full((requests,), q, dtype=torch.int32)
+    metadata = AttentionMetadata(
+        query_start_loc=starts.to(device), seq_lens=seq_lens.to(device),
+        block_tables=torch.zeros(requests, 1, dtype=torch.int32, device=device),
+        slot_mapping=torch.arange(config.block_size, config.block_size + size, dtype=torch.int64, device=device),
+        max_query_len=q, max_seq_len=q, query_start_loc_cpu=starts, seq_lens_cpu=seq_lens)
+    ids = torch.zeros(size, dtype=torch.int64, device=device)
+    positions = (model.decode_positions(0, size, 0).to(device) if isinstance(model, SupportsMRoPE)
+                 else torch.zeros(size, dtype=torch.int64, device=device))
+    model(ids, positions, kv_caches, metadata)
+    return max(0, platform.peak_memory() - baseline)
+
+
 # ------------------------------------------------------------------------------------------------
 # the KV budget
 
@@ -314,13 +343,15 @@ class KVBudget:
     profile: MemoryProfile | None = None
     total_memory: int | None = None
     utilization: float = 1.0
+    graph_bytes: int = 0  # the decode graphs' pool (graph_pool_bytes), held beside the KV cache
 
     def describe(self) -> str:
         """How the budget was reached, for the start-up log and errors."""
         if self.total_memory is None:
             return f"{self.bytes / MiB:.1f} MiB set by {self.flag}"
+        graphs = f" - {self.graph_bytes / MiB:.1f} MiB decode graphs" if self.graph_bytes else ""
         return (f"{self.utilization:g} x {self.total_memory / MiB:.0f} MiB device memory - "
-                f"{self.profile.peak_bytes / MiB:.1f} MiB profiled peak = {self.bytes / MiB:.1f} MiB")
+                f"{self.profile.peak_bytes / MiB:.1f} MiB profiled peak{graphs} = {self.bytes / MiB:.1f} MiB")
 
 
 def kv_cache_budget(model, config, platform) -> KVBudget:
@@ -337,6 +368,7 @@ def kv_cache_budget(model, config, platform) -> KVBudget:
     if total is None or config.kv_cache_bytes is not None:
         explicit = config.kv_cache_bytes if config.kv_cache_bytes is not None else DEFAULT_KV_CACHE_BYTES
         return KVBudget(explicit, "--kv-cache-memory (LLM: kv_cache_bytes)", weights, profile)
-    budget = int(config.gpu_memory_utilization * total) - profile.peak_bytes
+    graphs = graph_pool_bytes(model, config, platform)
+    budget = int(config.gpu_memory_utilization * total) - profile.peak_bytes - graphs
     return KVBudget(max(0, budget), "--gpu-memory-utilization", weights, profile, total,
-                    config.gpu_memory_utilization)
+                    config.gpu_memory_utilization, graphs)

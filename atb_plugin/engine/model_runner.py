@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from atb_plugin.engine.config import EngineConfig
+from atb_plugin.engine.graph_runner import make_graph_runner
 from atb_plugin.engine.input_batch import InputBatch
 from atb_plugin.engine.messages import LogprobsEntry, PooledData
 from atb_plugin.engine.prepare_inputs import prepare_inputs
@@ -100,13 +101,23 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.block_size = config.block_size
         self.kv_caches = model.make_kv_caches(num_blocks, config.block_size)
-        # The captured decode step (vLLM's CUDA graphs; here the CPU's native plan): made once,
-        # over these caches, which are never reallocated.
+        # The captured decode step: made once, over these caches, which are never reallocated.
+        # NPU / CUDA: a device graph per batch size (engine/graph_runner.py); the CPU: its native
+        # plan (models/native_decode.py). compilation_config says whether (enforce_eager: never).
         platform = platform_for(config.device)
+        self.graphs = None
+        compilation = config.compilation_config
         if config.enforce_eager:
             self.decode_capture = "off (enforce_eager)"
+        elif not compilation.captures and compilation.explicit:
+            self.decode_capture = "off (cudagraph_mode NONE)"
+        elif not compilation.captures:  # the platform's default (the simulated NPU's: NONE)
+            self.decode_capture = f"eager (no captured decode step on {platform.name} yet)"
         elif pooler is not None:
             self.decode_capture = "off (pooling)"
+        elif platform.device_graphs() is not None:
+            self.graphs, self.decode_capture = make_graph_runner(model, self.kv_caches, config, platform, self.device,
+                                                                 isinstance(model, SupportsMRoPE))
         elif tp_size() > 1:
             # One native call per layer would still need two all-reduces inside it: the captured
             # step runs whole layers without collectives, so tensor-parallel ranks run eagerly.
@@ -114,7 +125,7 @@ class ModelRunner:
         elif self.target_hidden is not None and self.target_hidden.reads_layers:
             self.decode_capture = "eager (EAGLE-3 reads intermediate layers)"
         elif not platform.captures_decode_step:
-            self.decode_capture = f"eager (no captured decode step on {platform.name} yet)"
+            self.decode_capture = f"eager (no captured decode step on {platform.name})"
         else:
             # A verify step runs captured too, one row per query token (_one_query_per_row).
             spec = config.speculative_config
@@ -206,7 +217,12 @@ class ModelRunner:
         spans = self._spans(request_ids, counts)
         positions = self._mrope_positions(spans) if self.uses_mrope else prepared.positions
         inputs_embeds = self._embeddings(prepared.input_ids, spans)
-        if self.uses_token_types:
+        graphed = None
+        if self.graphs is not None and inputs_embeds is None and not self.uses_token_types:
+            graphed = self.graphs.run(prepared.input_ids, positions, prepared.attn_metadata)
+        if graphed is not None:
+            hidden = graphed
+        elif self.uses_token_types:
             hidden = self.model.forward_with_token_types(prepared.input_ids, positions, self.kv_caches,
                                                          metadata, self._token_types(spans, prepared))
         else:

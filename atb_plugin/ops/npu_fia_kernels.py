@@ -20,6 +20,10 @@ block sizes that are multiples of 128 in [128, 512] (torch_npu docs: "block_size
 first step, not at the first prefill that happens to reach the op. Dtypes: float16 / bfloat16
 (the op has no float32).
 
+Inside a graph capture (``ops/graph_capture.py``) the attention op is launched as
+``npu_fused_infer_attention_score.out`` with a workspace, in a task group whose update re-launches
+it with the step's lengths before each replay (docs/graph-mode.md).
+
 Host data: the length lists (``SymInt[]`` arguments) come from the metadata's CPU copies and are
 built once per step, cached on the ``AttentionMetadata`` object with the device block table, and
 shared by every layer; the compressed mask is built once per device (module-level cache).
@@ -32,6 +36,7 @@ import threading
 import torch
 
 from atb_plugin.ops import npu_kernels as _atb
+from atb_plugin.ops.graph_capture import capturing
 from atb_plugin.platform.npu import torch_npu
 
 # Delegated unchanged (same names, same signatures).
@@ -90,8 +95,9 @@ def causal_mask(device) -> torch.Tensor:
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
-    valid = slot_mapping >= 0
-    if not bool(valid.all()):
+    # Inside a graph every slot is valid (padded rows write the null block): no host check.
+    valid = None if capturing() is not None else slot_mapping >= 0
+    if valid is not None and not bool(valid.all()):
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     if slot_mapping.numel() == 0:
         return
@@ -140,6 +146,9 @@ def paged_attention(query, key_cache, value_cache, metadata, scale) -> torch.Ten
                          "(load the model in half precision, or use ATB_PLUGIN_NPU_KERNELS=atb)")
     if query.shape[0] == 0:
         return torch.empty_like(query)
+    params = capturing()
+    if params is not None:
+        return _captured_attention(query, key_cache, value_cache, metadata, scale, params)
     step = _step_inputs(metadata, query.device)
     out, _ = torch_npu().npu_fused_infer_attention_score(
         query.contiguous(),
@@ -156,6 +165,61 @@ def paged_attention(query, key_cache, value_cache, metadata, scale) -> torch.Ten
         sparse_mode=SPARSE_MODE_RIGHT_DOWN_CAUSAL,
         block_size=block_size,
     )
+    return out
+
+
+def _graph_lengths(metadata) -> tuple[list[int], list[int]]:
+    """(cumulative query ends, KV lengths) from the metadata's host copies: the host parameters a
+    captured launch holds, and what each update re-launches with. Every row of a graph batch has
+    query tokens (padded rows too), so no row is left out."""
+    ends = _atb.host(metadata.query_start_loc_cpu)[1:].tolist()
+    return ends, _atb.host(metadata.seq_lens_cpu).tolist()
+
+
+def _captured_attention(query, key_cache, value_cache, metadata, scale, params) -> torch.Tensor:
+    """``paged_attention`` inside a graph capture, as vllm-ascend's full decode graphs launch it:
+    ``npu_fused_infer_attention_score.out`` with a workspace sized for these shapes, in a task group
+    whose handle becomes an update task (the host lengths of this step re-launched before each
+    replay, graph_task_update_begin/end; an ExternalEvent orders the update before the kernel)."""
+    npu = torch_npu()
+    num_blocks, block_size, num_kv_heads, head_dim = key_cache.shape
+    query = query.contiguous()
+    key = key_cache.view(num_blocks, block_size, num_kv_heads * head_dim)
+    value = value_cache.view(num_blocks, block_size, num_kv_heads * head_dim)
+    mask, tables = causal_mask(query.device), metadata.block_tables
+    ends, kv_lens = _graph_lengths(metadata)
+    workspace = params.workspace(("fia", tuple(query.shape), tuple(key.shape), tables.shape[1]),
+                                 lambda: npu._npu_fused_infer_attention_score_get_max_workspace(
+                                     query, key, value, atten_mask=mask, actual_seq_lengths=ends,
+                                     actual_seq_lengths_kv=kv_lens, block_table=tables, num_heads=query.shape[1],
+                                     scale=float(scale), input_layout="TND", num_key_value_heads=num_kv_heads,
+                                     sparse_mode=SPARSE_MODE_RIGHT_DOWN_CAUSAL, block_size=block_size))
+    out = torch.empty_like(query)
+    lse = torch.empty(1, dtype=torch.float32, device=query.device)
+
+    def launch(ends, kv_lens):
+        npu.npu_fused_infer_attention_score.out(
+            query, key, value, atten_mask=mask, actual_seq_lengths=ends, actual_seq_lengths_kv=kv_lens,
+            block_table=tables, num_heads=query.shape[1], scale=float(scale), input_layout="TND",
+            num_key_value_heads=num_kv_heads, sparse_mode=SPARSE_MODE_RIGHT_DOWN_CAUSAL, block_size=block_size,
+            workspace=workspace, out=[out, lse])
+
+    stream = npu.npu.current_stream()
+    event = npu.npu.ExternalEvent()
+    event.wait(stream)
+    event.reset(stream)
+    npu.npu.graph_task_group_begin(stream)
+    launch(ends, kv_lens)
+    handle = npu.npu.graph_task_group_end(stream)
+
+    def update(step_metadata, update_stream):
+        with npu.npu.stream(update_stream):
+            npu.npu.graph_task_update_begin(update_stream, handle)
+            launch(*_graph_lengths(step_metadata))
+            npu.npu.graph_task_update_end(update_stream)
+            event.record(update_stream)
+
+    params.add_task(update)
     return out
 
 

@@ -33,6 +33,10 @@ goes through ``_to_host()``, which reports the sync (the simulated NPU counts th
 cached per step too (on the ``slot_mapping`` / ``cu_seqlens`` tensor every layer receives), so a
 step costs the same number of syncs whatever the number of layers.
 
+Inside a graph capture (``ops/graph_capture.py``) decode attention launches
+``_npu_paged_attention`` with a workspace in a task group whose update re-launches it with the
+step's host ``context_lens`` before each replay, and the cache write skips its host check.
+
 Limits (ATB PagedAttention): ``block_size % 16 == 0`` and ``block_size <= 128``; splitfuse also
 ``block_size * head_size <= 128 * 128`` and ``head_size <= 256``; SelfAttention (flash) ``head_size
 <= 256``; plain paged decode ``head_size <= 576``. Violations raise ``UnsupportedOnNpu`` (a
@@ -43,6 +47,7 @@ from __future__ import annotations
 
 import torch
 
+from atb_plugin.ops.graph_capture import GraphUnsupported, capturing
 from atb_plugin.platform.npu import torch_npu
 
 BLOCK_SIZE_MULTIPLE = 16  # ATB PagedAttention: "due to hardware restrictions, block_size % 16 == 0"
@@ -107,7 +112,10 @@ def _valid_slots(slots_cpu: torch.Tensor):
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
-    index, count = _host_copy_once(slot_mapping, _valid_slots)
+    if capturing() is not None:  # inside a graph every slot is valid (padded rows: the null block)
+        index, count = None, slot_mapping.numel()
+    else:
+        index, count = _host_copy_once(slot_mapping, _valid_slots)
     if count == 0:
         return
     if index is not None:  # -1 slots (padding): ATB does not document skipping them, so drop them
@@ -236,6 +244,12 @@ def paged_attention(query, key_cache, value_cache, metadata, scale) -> torch.Ten
     if query.shape[0] == 0:
         return out
     query = query.contiguous()
+    params = capturing()
+    if params is not None:
+        if op != "_npu_paged_attention":
+            raise GraphUnsupported(f"the ATB kernel set captures decode steps only ({op} needs masks built on the "
+                                   "host each step); use ATB_PLUGIN_NPU_KERNELS=fia for speculative verify graphs")
+        return _captured_decode(query, key_cache, value_cache, metadata, scale, out, params)
     step = _step_inputs(metadata, query.device)
     npu = torch_npu()
     if metadata.is_decode_only:
@@ -257,6 +271,48 @@ def paged_attention(query, key_cache, value_cache, metadata, scale) -> torch.Ten
             query=query, key_cache=key_cache, value_cache=value_cache, block_table=step.block_tables,
             context_lens=step.context_lens, mask=step.splitfuse_mask(query.dtype), seq_len=step.query_lens,
             num_kv_heads=num_kv_heads, num_heads=num_heads, scale_value=float(scale), out=out)
+    return out
+
+
+def _captured_decode(query, key_cache, value_cache, metadata, scale, out, params) -> torch.Tensor:
+    """Decode attention inside a graph capture, as vllm-ascend's ACL graphs launch it: with a
+    workspace from ``_npu_paged_attention_get_workspace``, in a task group whose update
+    re-launches it with this step's host ``context_lens`` before each replay."""
+    npu = torch_npu()
+    num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+    tables = metadata.block_tables
+
+    def context_lens(step_metadata):
+        return host(step_metadata.seq_lens_cpu)
+
+    workspace = params.workspace(("atb_paged", tuple(query.shape), tables.shape[1]),
+                                 lambda: npu._npu_paged_attention_get_workspace(
+                                     query=query, key_cache=key_cache, value_cache=value_cache,
+                                     num_kv_heads=num_kv_heads, num_heads=num_heads, scale_value=float(scale),
+                                     block_table=tables, context_lens=context_lens(metadata), out=out))
+
+    def launch(lengths):
+        npu._npu_paged_attention(
+            query=query, key_cache=key_cache, value_cache=value_cache, num_kv_heads=num_kv_heads,
+            num_heads=num_heads, scale_value=float(scale), block_table=tables, context_lens=lengths, out=out,
+            workspace=workspace)
+
+    stream = npu.npu.current_stream()
+    event = npu.npu.ExternalEvent()
+    event.wait(stream)
+    event.reset(stream)
+    npu.npu.graph_task_group_begin(stream)
+    launch(context_lens(metadata))
+    handle = npu.npu.graph_task_group_end(stream)
+
+    def update(step_metadata, update_stream):
+        with npu.npu.stream(update_stream):
+            npu.npu.graph_task_update_begin(update_stream, handle)
+            launch(context_lens(step_metadata))
+            npu.npu.graph_task_update_end(update_stream)
+            event.record(update_stream)
+
+    params.add_task(update)
     return out
 
 

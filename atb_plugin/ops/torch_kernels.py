@@ -6,11 +6,13 @@ import torch
 import torch.nn.functional as F
 
 from atb_plugin.ops import cpu_native
+from atb_plugin.ops.graph_capture import GraphUnsupported, capturing
 from atb_plugin.utils import cdiv
 
 
 def write_kv_cache(key, value, key_cache, value_cache, slot_mapping) -> None:
-    if not _all_slots_valid(slot_mapping):
+    # Inside a graph every slot is valid (padded rows write the null block): no host check.
+    if capturing() is None and not _all_slots_valid(slot_mapping):
         valid = slot_mapping >= 0
         key, value, slot_mapping = key[valid], value[valid], slot_mapping[valid]
     num_kv_heads, head_dim = key_cache.shape[-2:]
@@ -140,7 +142,29 @@ def _batched_decode(query, key_cache, value_cache, decodes: _Decodes, scale):
     return out.reshape(batch, heads, head_dim)  # (B, H, D)
 
 
+def captured_decode(query, key_cache, value_cache, metadata, scale) -> torch.Tensor:
+    """Decode attention with no host data (what a CUDA graph can hold): each request's whole
+    block-table row gathered, the keys past its ``seq_lens`` (a device tensor, read at replay)
+    masked. One query token per request. It gathers ``max_model_len`` keys per request whatever
+    the context, the price of a shape fixed at capture."""
+    if query.shape[0] != metadata.num_reqs:
+        raise GraphUnsupported("the plain-torch graph path captures one query token per request (decode); "
+                               "speculative verify steps run eager on this platform")
+    tables = metadata.block_tables.long()
+    key = _gather_blocks(key_cache, tables).flatten(1, 2)  # (B, blocks * block_size, Hkv, D)
+    value = _gather_blocks(value_cache, tables).flatten(1, 2)
+    visible = torch.arange(key.shape[1], device=query.device)[None, :] < metadata.seq_lens[:, None].long()
+    batch, heads, head_dim = query.shape
+    kv_heads = key.shape[2]
+    grouped = query.view(batch, kv_heads, heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, key.transpose(1, 2), value.transpose(1, 2),
+                                         attn_mask=visible[:, None, None, :], scale=scale)
+    return out.reshape(batch, heads, head_dim)
+
+
 def paged_attention(query, key_cache, value_cache, metadata, scale) -> torch.Tensor:
+    if capturing() is not None:
+        return captured_decode(query, key_cache, value_cache, metadata, scale)
     block_size = key_cache.shape[1]
     head_dim = query.shape[-1]
     step = metadata.derived(f"torch_kernels/{block_size}/{query.dtype}/{head_dim}", query.device,

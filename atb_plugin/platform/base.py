@@ -37,6 +37,31 @@ def reset_host_peak() -> bool:
 
 
 @dataclass(frozen=True)
+class DeviceGraphs:
+    """A device's graph API, which torch.cuda and torch_npu.npu spell alike: ``graph_class``
+    (``CUDAGraph`` / ``NPUGraph``) with ``replay()``, the ``graph(g, pool=...)`` capture context,
+    ``graph_pool_handle()`` (one memory pool shared by every captured size), ``Stream()``."""
+
+    module: ModuleType
+    graph_class: str
+
+    def new_graph(self):
+        return getattr(self.module, self.graph_class)()
+
+    def capture(self, graph, pool):
+        return self.module.graph(graph, pool=pool)
+
+    def pool_handle(self):
+        return self.module.graph_pool_handle()
+
+    def stream(self):
+        return self.module.Stream()
+
+    def synchronize(self) -> None:
+        self.module.synchronize()
+
+
+@dataclass(frozen=True)
 class Platform:
     """Contract: ``name`` in {npu, cuda, cpu}; ``device(i)`` the torch device tensors go to;
     ``dist_backend`` for ``torch.distributed``; ``visible_devices_env`` the variable that selects
@@ -46,8 +71,9 @@ class Platform:
     Start-up checks (``EngineConfig`` calls ``check_engine_config`` once, so an illegal setting
     fails before any model is loaded, never at the first forward): ``resolve_dtype("auto")`` is
     the platform's dtype, ``default_block_size(head_size)`` its KV block size.
-    ``captures_decode_step``: decode-only steps can replay a captured decode step there
-    (``DecoderForCausalLM.capture_decode_step``; the CPU's native plan so far)."""
+    ``captures_decode_step``: decode-only steps can replay the CPU's native decode plan there
+    (``DecoderForCausalLM.capture_decode_step``); ``device_graphs()``: the device-graph API
+    decode steps are captured with (NPU, CUDA: ``engine/graph_runner.py``), None elsewhere."""
 
     name: str
     device_type: str
@@ -72,6 +98,13 @@ class Platform:
 
     def device(self, index: int = 0) -> torch.device:
         return torch.device(self.device_type, index) if self.device_type != "cpu" else torch.device("cpu")
+
+    def device_graphs(self) -> DeviceGraphs | None:
+        return None
+
+    def default_cudagraph_mode(self) -> str:
+        """``compilation_config.cudagraph_mode`` when none is given (engine/compilation_config.py)."""
+        return "FULL_DECODE_ONLY"
 
     def is_available(self) -> bool:
         raise NotImplementedError

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from atb_plugin.platform.base import Platform
+from atb_plugin.platform.base import DeviceGraphs, Platform
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,9 @@ class CudaPlatform(Platform):
 
     def is_available(self) -> bool:
         return torch.cuda.is_available()
+
+    def device_graphs(self) -> DeviceGraphs:
+        return DeviceGraphs(torch.cuda, "CUDAGraph")
 
     def default_dtype(self) -> str:
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float16"

@@ -35,7 +35,7 @@ from types import ModuleType
 
 import torch
 
-from atb_plugin.platform.base import Platform
+from atb_plugin.platform.base import DeviceGraphs, Platform
 
 KERNELS_ENV = "ATB_PLUGIN_NPU_KERNELS"
 KERNEL_SETS = {"atb": "atb_plugin.ops.npu_kernels", "fia": "atb_plugin.ops.npu_fia_kernels"}
@@ -169,6 +169,15 @@ class NpuPlatform(Platform):
         if fake_device is not None:
             return torch.device(fake_device)
         return torch.device(self.device_type, index)
+
+    def device_graphs(self) -> DeviceGraphs:
+        """ACL graphs: ``torch_npu.npu.NPUGraph`` (the simulated NPU's: ``testing/fake_npu_graph.py``)."""
+        return DeviceGraphs(torch_npu().npu, "NPUGraph")
+
+    def default_cudagraph_mode(self) -> str:
+        # The simulation replays a graph by re-running its ops in Python: no launch cost to save,
+        # seconds of capture per engine. Tests ask for graphs explicitly.
+        return "NONE" if self.is_simulated() else "FULL_DECODE_ONLY"
 
     # --- kernels -----------------------------------------------------------------------------------
 

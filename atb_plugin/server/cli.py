@@ -108,6 +108,16 @@ def _speculative_config(text: str) -> dict:
     return _json_object(text, "speculative_config keys", '{"method": "ngram", "num_speculative_tokens": 4}')
 
 
+def _compilation_config(text: str) -> dict:
+    """``-O`` / ``--compilation-config '{"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes":
+    [1, 2, 4, 8]}'``: vLLM's keys (EngineConfig checks them). vLLM's bare levels: ``-O0`` is no
+    graphs (cudagraph_mode NONE), ``-O1`` .. ``-O3`` the defaults (nothing here is compiled)."""
+    if text.strip() in ("0", "1", "2", "3"):
+        return {"cudagraph_mode": "NONE"} if text.strip() == "0" else {}
+    return _json_object(text, "compilation_config keys",
+                        '{"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8]}')
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="atb-plugin serve", description="OpenAI-compatible server (vLLM's routes).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -178,8 +188,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
              "(optional prompt_lookup_min / prompt_lookup_max; docs/speculative.md)")
     add("--enforce-eager", action="store_true",
-        help="always run the eager forward: no captured decode step (on the CPU with the native kernels "
-             "decode-only steps otherwise replay one captured plan per step; same tokens, less host time)")
+        help="always run the eager forward: no captured decode step (NPU / CUDA: no decode graphs; on the "
+             "CPU with the native kernels no captured plan; same tokens, more host time), i.e. cudagraph_mode NONE")
+    add("-O", "--compilation-config", type=_compilation_config, metavar="JSON",
+        help="decode graphs, vLLM's keys: '{\"cudagraph_mode\": \"FULL_DECODE_ONLY\" | \"NONE\", "
+             "\"cudagraph_capture_sizes\": [1, 2, 4, 8], \"max_cudagraph_capture_size\": 8}' (docs/graph-mode.md); "
+             "-O0: no graphs")
     add("--mm-wire-dtype", choices=WIRE_DTYPES, default=DEFAULT_WIRE_DTYPE,
         help="how images cross shared memory: uint8 = the resized image, normalised on the device (4x fewer "
              "bytes, 8x for Qwen2-VL); float32 = normalised pixel values, MindIE's form")
@@ -382,7 +396,8 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                           distributed_executor_backend=values["distributed_executor_backend"],
                           data_parallel_size=values["data_parallel_size"], runner=values["runner"],
                           convert=values["convert"], hf_overrides=values["hf_overrides"],
-                          speculative_config=values["speculative_config"])
+                          speculative_config=values["speculative_config"],
+                          compilation_config=values["compilation_config"])
     _check_mm_modality(parser, values["limit_mm_per_prompt"], engine)
     changes = {}  # applied in one replace: each one validates the whole config again
     videos = _video_limit(parser, values["limit_mm_per_prompt"], engine)

@@ -60,6 +60,13 @@ Host syncs. ``torch_npu.npu.host_syncs`` counts the device-to-host copies the ke
 through ``npu.note_host_sync()`` (``npu_kernels`` calls it wherever it reads a device tensor on
 the host), so tests can bound them per step.
 
+Graph mode. ``torch_npu.npu`` (and ``torch.npu``) also carry the ACL graph API (``NPUGraph``,
+``graph``, ``graph_task_group_begin/end``, ``graph_task_update_begin/end``, streams, events) and
+the graph-path ops (``npu_fused_infer_attention_score.out``, the get-workspace ops), simulated in
+``atb_plugin.testing.fake_npu_graph``: a capture records, a replay re-runs the record over the
+same tensors, and what the device would get wrong is refused. ``handle.graph_stats()`` counts
+captures and replays.
+
 Schemas. Every op's Python signature follows the real wheel's schema, recorded in
 ``atb_plugin/testing/npu_schemas.txt`` (``tests/test_npu_schemas.py`` checks it).
 """
@@ -1070,8 +1077,21 @@ class _NpuRuntime:
 
     def note_host_sync(self) -> None:
         """Simulation only (a real torch_npu has no such hook): the kernels call it wherever they
-        copy a device tensor to the host, which on a real NPU waits for the device."""
+        copy a device tensor to the host, which on a real NPU waits for the device (and inside a
+        graph capture cannot happen: ``fake_npu_graph``)."""
+        self._refuse_in_capture("a kernel read a device tensor on the host (note_host_sync)")
         self.host_syncs += 1
+
+    def _refuse_in_capture(self, what: str) -> None:
+        graphs = getattr(self, "graphs", None)
+        if graphs is not None and graphs.runtime.capturing is not None:
+            from atb_plugin.testing.fake_npu_graph import GraphCaptureError
+
+            raise GraphCaptureError(f"host sync inside graph capture: {what}")
+
+    def graph_stats(self) -> dict:
+        """``{"captures": n, "replays": m}`` of every graph of this fake."""
+        return self.graphs.stats()
 
     def is_available(self) -> bool:
         return self._count > 0
@@ -1091,7 +1111,8 @@ class _NpuRuntime:
         self._current = index
 
     def synchronize(self, device=None) -> None:
-        """CPU work is synchronous: nothing to wait for."""
+        """CPU work is synchronous: nothing to wait for (inside a graph capture: refused)."""
+        self._refuse_in_capture("npu.synchronize()")
 
     def get_device_name(self, device=None) -> str:
         return self._chip
@@ -1121,7 +1142,14 @@ class _TorchNpuProxy(types.ModuleType):
         return self.runtime.current_device()
 
     def synchronize(self, device=None) -> None:
-        return None
+        return None if self.runtime is None else self.runtime.synchronize(device)
+
+    def __getattr__(self, name):
+        # The installed fake's runtime (its graph API: NPUGraph, graph, graph_task_update_begin, ...).
+        runtime = self.__dict__.get("runtime")
+        if runtime is not None and not name.startswith("__") and hasattr(runtime, name):
+            return getattr(runtime, name)
+        raise AttributeError(f"torch.npu has no attribute {name!r}")
 
     def is_initialized(self) -> bool:
         return self.runtime is not None
@@ -1179,6 +1207,10 @@ class FakeTorchNpu:
         self.module = module
         self.installed = True
 
+    def graph_stats(self) -> dict:
+        """``{"captures": n, "replays": m}``: graphs captured and replayed on this fake so far."""
+        return self.module.npu.graph_stats()
+
     @property
     def host_syncs(self) -> int:
         """Device-to-host syncs the kernels reported so far (``torch_npu.npu.host_syncs``)."""
@@ -1226,12 +1258,19 @@ def _forget_cached_npu_probes() -> None:
         probe.cache_clear()
 
 
-def _counting(module: types.ModuleType, fn):
+def _counting(module: types.ModuleType, fn, name: str | None = None):
+    name = name or fn.__name__
+
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        module.calls[fn.__name__] += 1
+        module.calls[name] += 1
+        graphs = module.npu.graphs  # the graph mode (fake_npu_graph): capture records, an update re-targets
+        if graphs.runtime.updating is not None:
+            return graphs.update_npu_op(name, args, kwargs)
         token = _allow_fp32.set(bool(module.allow_fp32_attention))
         try:
+            if graphs.runtime.capturing is not None:
+                return graphs.runtime.capturing.on_npu_op(name, fn, args, kwargs)
             return fn(*args, **kwargs)
         finally:
             _allow_fp32.reset(token)
@@ -1261,7 +1300,23 @@ def build_module(device_count: int = 1, *, allow_fp32_attention: bool = False,
     module.npu = _NpuRuntime(device_count, chip)
     for fn in OPS + fake_fia_ops.OPS:
         setattr(module, fn.__name__, _counting(module, fn))
+    _add_graph_mode(module)
     return module
+
+
+def _add_graph_mode(module: types.ModuleType) -> None:
+    """``torch_npu.npu``'s graph API and the graph-path ops (``fake_npu_graph``)."""
+    from atb_plugin.testing import fake_npu_graph  # imports this module: not at the top
+
+    module.npu.graphs = graphs = fake_npu_graph.FakeGraphApi()
+    for name in ("NPUGraph", "graph", "graph_pool_handle", "graph_task_group_begin", "graph_task_group_end",
+                 "graph_task_update_begin", "graph_task_update_end", "Stream", "ExternalEvent", "current_stream",
+                 "stream", "is_current_stream_capturing"):
+        setattr(module.npu, name, getattr(graphs, name))
+    for fn in fake_npu_graph.GRAPH_OPS:
+        setattr(module, fn.__name__, _counting(module, fn))
+    for op, out_fn in fake_npu_graph.OUT_VARIANTS.items():
+        getattr(module, op).out = _counting(module, out_fn, f"{op}.out")
 
 
 def _register_hccl() -> None:
