@@ -20,20 +20,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # random_checkpoint as a sibling module
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from atb_plugin import LLM, SamplingParams  # noqa: E402
 from atb_plugin.default_model import default_model_dir  # noqa: E402
 from atb_plugin.platform import platform_for  # noqa: E402
+from random_checkpoint import random_checkpoint  # noqa: E402
 
 QWEN2_5_0_5B = {"hidden_size": 896, "intermediate_size": 4864, "num_attention_heads": 14, "num_key_value_heads": 2,
                 "num_hidden_layers": 24, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "tie_word_embeddings": True,
@@ -42,48 +41,9 @@ SIDES = ("graphs", "eager")
 
 
 def qwen2_5_shaped_checkpoint() -> Path:
-    """The Qwen2.5-0.5B-shaped random checkpoint (std 0.02 weights, unit norms, q/k/v biases, a tied
-    head), SmolLM2's tokenizer; written once into the cache."""
-    from safetensors.torch import save_file
-
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "atb-plugin" / "models"
-    out = base / "qwen2.5-0.5b-shape-random-smollm2-vocab"
-    if (out / ".complete").exists():
-        return out
-    base.mkdir(parents=True, exist_ok=True)
-    source = default_model_dir()
-    config = {**json.loads((source / "config.json").read_text()), **QWEN2_5_0_5B, "torch_dtype": "float32"}
-    config.pop("rope_scaling", None)
-    scratch = Path(tempfile.mkdtemp(dir=base, prefix=".qwen2.5-shape-"))
-    for name in os.listdir(source):
-        if name not in ("config.json", "model.safetensors") and (source / name).is_file():
-            (scratch / name).write_bytes((source / name).read_bytes())
-    (scratch / "config.json").write_text(json.dumps(config, indent=2))
-    gen = torch.Generator().manual_seed(0)
-    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    head_dim = hidden // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
-
-    def w(*shape):
-        return torch.randn(*shape, generator=gen) * 0.02
-
-    state = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": torch.ones(hidden)}
-    for i in range(config["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        state.update({p + "input_layernorm.weight": torch.ones(hidden),
-                      p + "post_attention_layernorm.weight": torch.ones(hidden),
-                      p + "self_attn.q_proj.weight": w(q, hidden), p + "self_attn.q_proj.bias": w(q),
-                      p + "self_attn.k_proj.weight": w(kv, hidden), p + "self_attn.k_proj.bias": w(kv),
-                      p + "self_attn.v_proj.weight": w(kv, hidden), p + "self_attn.v_proj.bias": w(kv),
-                      p + "self_attn.o_proj.weight": w(hidden, q), p + "mlp.gate_proj.weight": w(inter, hidden),
-                      p + "mlp.up_proj.weight": w(inter, hidden), p + "mlp.down_proj.weight": w(hidden, inter)})
-    save_file(state, str(scratch / "model.safetensors"), metadata={"format": "pt"})
-    (scratch / ".complete").write_text("random Qwen2.5-0.5B-shaped weights, seed 0\n")
-    try:
-        scratch.rename(out)
-    except OSError:  # another process finished first
-        pass
-    return out
+    """The Qwen2.5-0.5B-shaped random checkpoint (q/k/v biases, a tied head), SmolLM2's tokenizer;
+    written once into the cache."""
+    return random_checkpoint("qwen2.5-0.5b-shape-random-smollm2-vocab", QWEN2_5_0_5B, qkv_bias=True)
 
 
 def decode_rate(llm: LLM, prompts: list[str], tokens: int) -> tuple[float, list[list[int]]]:

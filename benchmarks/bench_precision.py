@@ -47,7 +47,6 @@ import os
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -58,6 +57,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_engine as a si
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench_engine import chats, ours_batch, ours_single  # noqa: E402
+from random_checkpoint import random_checkpoint  # noqa: E402
 
 from atb_plugin import LLM  # noqa: E402
 from atb_plugin.default_model import default_model_dir  # noqa: E402
@@ -70,47 +70,11 @@ GGUF_TYPES = {"fp32": "F32", "bf16": "BF16", "w8a8": "Q8_0"}
 
 
 def tinyllama_checkpoint(layers: int) -> Path:
-    """The TinyLlama-shaped random checkpoint (fp32 safetensors, std 0.02 weights, unit norms, an
-    untied LM head), written once; the tokenizer and its vocabulary (49152) are SmolLM2's, which
-    llama.cpp's converter recognises (it refuses the tiny test tokenizer's pre-tokenizer)."""
-    from safetensors.torch import save_file
-
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "atb-plugin" / "models"
-    out = base / f"tinyllama-shape-random-{layers}-smollm2-vocab"
-    if (out / ".complete").exists():
-        return out
-    source = default_model_dir()
-    config = json.loads((source / "config.json").read_text())
-    config.update(TINYLLAMA, num_hidden_layers=layers, rope_scaling=None, rope_theta=10000.0,
-                  max_position_embeddings=2048, tie_word_embeddings=False, torch_dtype="float32")
-    scratch = Path(tempfile.mkdtemp(dir=base, prefix=".tinyllama-"))
-    for name in os.listdir(source):
-        if name not in ("config.json", "model.safetensors") and (source / name).is_file():
-            (scratch / name).write_bytes((source / name).read_bytes())
-    (scratch / "config.json").write_text(json.dumps(config, indent=2))
-    gen = torch.Generator().manual_seed(0)
-    hidden, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    q, kv = config["num_attention_heads"] * 128, config["num_key_value_heads"] * 128
-
-    def w(*shape):
-        return torch.randn(*shape, generator=gen) * 0.02
-
-    state = {"model.embed_tokens.weight": w(vocab, hidden), "model.norm.weight": torch.ones(hidden),
-             "lm_head.weight": w(vocab, hidden)}
-    for i in range(layers):
-        p = f"model.layers.{i}."
-        state.update({p + "input_layernorm.weight": torch.ones(hidden), p + "post_attention_layernorm.weight":
-                      torch.ones(hidden), p + "self_attn.q_proj.weight": w(q, hidden),
-                      p + "self_attn.k_proj.weight": w(kv, hidden), p + "self_attn.v_proj.weight": w(kv, hidden),
-                      p + "self_attn.o_proj.weight": w(hidden, q), p + "mlp.gate_proj.weight": w(inter, hidden),
-                      p + "mlp.up_proj.weight": w(inter, hidden), p + "mlp.down_proj.weight": w(hidden, inter)})
-    save_file(state, str(scratch / "model.safetensors"), metadata={"format": "pt"})
-    (scratch / ".complete").write_text("random TinyLlama-shaped weights, seed 0\n")
-    try:
-        scratch.rename(out)
-    except OSError:  # another process finished first
-        pass
-    return out
+    """The TinyLlama-shaped random checkpoint (an untied LM head), written once; the tokenizer and
+    its vocabulary (49152) are SmolLM2's, which llama.cpp's converter recognises."""
+    return random_checkpoint(f"tinyllama-shape-random-{layers}-smollm2-vocab",
+                             {**TINYLLAMA, "num_hidden_layers": layers, "rope_scaling": None, "rope_theta": 10000.0,
+                              "max_position_embeddings": 2048, "tie_word_embeddings": False}, qkv_bias=False)
 
 
 def precision_kwargs(precision: str) -> dict:
