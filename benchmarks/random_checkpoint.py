@@ -26,7 +26,8 @@ def random_checkpoint(name: str, shape: dict, *, qkv_bias: bool) -> Path:
         return out
     base.mkdir(parents=True, exist_ok=True)
     source = default_model_dir()
-    config = {**json.loads((source / "config.json").read_text()), **shape, "torch_dtype": "float32"}
+    config = {**json.loads((source / "config.json").read_text()), **shape, "torch_dtype": "float32",
+              "attention_bias": qkv_bias}  # SmolLM2's false would drop a Qwen2 shape's biases
     if config.get("rope_scaling") is None:
         config.pop("rope_scaling", None)
     scratch = Path(tempfile.mkdtemp(dir=base, prefix=f".{name}-"))
