@@ -42,6 +42,9 @@ class MeterPlatform:
     def total_memory(self):
         return self.total
 
+    def device_graphs(self):  # a meter, not a device: no decode graphs to count (engine/graph_runner.py)
+        return None
+
     def reset_peak_memory(self):
         self.meter = AllocationMeter()
         self.meter.__enter__()
