@@ -14,6 +14,7 @@ batch runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass, field
@@ -84,8 +85,10 @@ class ModelRunner:
     the sampled token)."""
 
     def __init__(self, model, config: EngineConfig, num_blocks: int, pooler: DispatchPooler | None = None,
-                 remote_media: bool = False):
+                 remote_media: bool = False, lora=None):
         self.model = model
+        # The LoRA adapters' slots (lora/manager.py, LoRAManager) when the engine serves them.
+        self.lora = lora
         # A rank on another node than the engine core reads media blocks from the step
         # (SchedulerOutput.shipped_media), not from this node's shared memory (multimodal/shipped.py).
         self.remote_media = remote_media
@@ -178,6 +181,9 @@ class ModelRunner:
         result = RunnerOutput()
         self._update_batch(output, result)
         request_ids = [r for r in output.num_scheduled_tokens if r in self.states and r not in result.failed]
+        lora_slots: list[int] = []
+        if self.lora is not None:
+            request_ids, lora_slots = self._lora_slots(request_ids, result)
         if not request_ids:
             return result
         counts = [output.num_scheduled_tokens[r] for r in request_ids]
@@ -192,8 +198,10 @@ class ModelRunner:
             hidden = self.model.forward_with_token_types(prepared.input_ids, positions, self.kv_caches,
                                                          prepared.attn_metadata, self._token_types(spans, prepared))
         else:
-            hidden = self.model(prepared.input_ids, positions, self.kv_caches, prepared.attn_metadata,
-                                inputs_embeds=inputs_embeds)
+            # With LoRA, each row through its own adapter (lora/manager.py: LoRAManager.step).
+            with self.lora.step(lora_slots, counts) if self.lora is not None else contextlib.nullcontext():
+                hidden = self.model(prepared.input_ids, positions, self.kv_caches, prepared.attn_metadata,
+                                    inputs_embeds=inputs_embeds)
 
         if self.pooler is not None:  # a pooling runner: every request pools (EngineConfig.check_task)
             self._pool(hidden, prepared, spans, result)
@@ -223,6 +231,15 @@ class ModelRunner:
                 result.logprobs[request_id] = logprobs
                 self.input_batch.append_token(request_id, token)
         return result
+
+    def _lora_slots(self, request_ids: list[str], result: RunnerOutput) -> tuple[list[str], list[int]]:
+        """The step's requests whose adapter is in a device slot, and each one's slot (-1: the
+        base model); a request whose adapter fails to load fails alone (``result.failed``)."""
+        slots, failed = self.lora.slots_for([self.states[r].request.lora_request for r in request_ids])
+        for index, why in failed.items():
+            result.failed[request_ids[index]] = why
+        kept = [i for i in range(len(request_ids)) if i not in failed]
+        return [request_ids[i] for i in kept], [slots[i] for i in kept]
 
     def _verify(self, hidden, prepared, request_ids, verifying: dict[str, list[int]], grammar_bitmask,
                 result: RunnerOutput) -> None:

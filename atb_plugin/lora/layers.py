@@ -1,0 +1,158 @@
+"""The LoRA wrapper of a linear layer: adapter slots beside the base layer, and every row of a
+step through its own adapter in a fixed handful of torch ops (docs/lora.md, "Kernels").
+
+A wrapped layer keeps its base layer whole (float, packed, W8A16 or W8A8: whatever its method
+made) and adds, per adapter slot ``s`` of ``max_loras``::
+
+    lora_a[s]  (slices * R, in)    slice j's A in rows j*R .. j*R + r_j (zeros past its rank)
+    lora_b[s]  (slices * R, out)   slice j's scale * B^T in the same rows, in the columns of
+                                   slice j's output (q / k / v of qkv_proj, gate / up of gate_up_proj)
+
+``R`` is ``max_lora_rank``, float32 always (the adapter's product accumulates in float32 whatever
+the model's dtype: a bfloat16 model otherwise rounds a small delta away). A step's rows use slots
+``first .. first + width - 1`` (``LoRAStep``, set by the manager once per step for every layer)::
+
+    out   = base(x)
+    h     = x @ lora_a[first:first+width].T          (T, width * slices * R)    shrink
+    h     = h * mask                                 row t keeps only its own slot's columns
+    delta = h @ lora_b[first:first+width]            (T, out)                   expand
+    out   = out + delta
+
+Rows of the base model have an all-zero mask row; a step whose rows all use one adapter needs no
+mask. So a batch mixing adapters and the base model costs three matmuls per layer whatever its
+size and mix (Punica's bgmv / sgmv as one dense product over the step's slots), never a Python
+loop per request. The same ops run on the NPU (aten matmul and mul: no torch_npu op needed).
+
+Tensor parallelism: a column-parallel layer (qkv, gate_up) holds A whole and B's rows of its own
+output (like its base weight); a row-parallel one (o, down) holds A's columns of its own input and
+B whole; its partial delta is summed by the all-reduce its owner already does after the layer
+(the product is linear in the rank's input columns).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from atb_plugin.distributed import TPShard
+from atb_plugin.models.linear import LinearMethodBase
+
+
+class LoRAStep:
+    """The row -> slot map of the current step, shared by every wrapped layer of one model.
+    ``width`` 0: no row is adapted (the layers add nothing); else rows use slots ``first`` ..
+    ``first + width - 1``, and ``mask`` (T, width, 1) float32 says which (None: every row uses
+    slot ``first``)."""
+
+    def __init__(self):
+        self.first, self.width, self.mask = 0, 0, None
+
+    def set(self, first: int, width: int, mask: torch.Tensor | None) -> None:
+        self.first, self.width, self.mask = first, width, mask
+
+    def clear(self) -> None:
+        self.set(0, 0, None)
+
+
+class LoRAMethod(LinearMethodBase):
+    """The method a wrapped layer carries: its base layer's, for what reads a layer through its
+    method (the captured decode step's operands: the base weights, for steps without adapted rows)."""
+
+    name = "LORA"
+
+    def __init__(self, base: LinearMethodBase):
+        self.base = base
+
+    def native_operands(self, layer: nn.Module):
+        return self.base.native_operands(layer.base)
+
+
+class LoRALinear(nn.Module):
+    """``base`` with ``max_loras`` adapter slots of rank up to ``max_rank`` (module docstring).
+    ``out_slices``: this rank's output features of each piece; ``shards``: per piece, the part of
+    the adapter's checkpoint tensor this rank holds (``TPShard`` of B for a column-parallel
+    layer, of A for a row-parallel one; None: whole)."""
+
+    def __init__(self, base: nn.Module, in_features: int, out_slices: list[int], shards: list[TPShard | None],
+                 row_parallel: bool, max_loras: int, max_rank: int, step: LoRAStep, device):
+        super().__init__()
+        self.base = base
+        self.quant_method, self.linear_spec = LoRAMethod(base.quant_method), base.linear_spec
+        self.in_features, self.out_slices, self.shards = in_features, list(out_slices), shards
+        self.row_parallel, self.max_rank, self.step = row_parallel, max_rank, step
+        rows = len(out_slices) * max_rank
+        self.register_buffer("lora_a", torch.zeros(max_loras, rows, in_features, device=device), persistent=False)
+        self.register_buffer("lora_b", torch.zeros(max_loras, rows, sum(out_slices), device=device),
+                             persistent=False)
+
+    def set_slot(self, slot: int, pieces: list[tuple[torch.Tensor, torch.Tensor, float] | None]) -> None:
+        """Write one adapter into ``slot``: per piece, its checkpoint ``A`` (r, in) and ``B``
+        (out, r) and scale, or None (the piece not adapted). A copy into the slot's rows."""
+        a, b = self.lora_a[slot], self.lora_b[slot]
+        a.zero_()
+        b.zero_()
+        column = 0
+        for index, (piece, width, shard) in enumerate(zip(pieces, self.out_slices, self.shards)):
+            if piece is not None:
+                lora_a, lora_b, scale = piece
+                if shard is not None:  # this rank's part (module docstring)
+                    if self.row_parallel:
+                        lora_a = lora_a.narrow(shard.dim, shard.start, shard.length)
+                    else:
+                        lora_b = lora_b.narrow(shard.dim, shard.start, shard.length)
+                rank, first = lora_a.shape[0], index * self.max_rank
+                a[first:first + rank] = lora_a.to(a.device, torch.float32)
+                b[first:first + rank, column:column + width] = (lora_b.to(b.device, torch.float32) * scale).T
+            column += width
+
+    def clear_slot(self, slot: int) -> None:
+        self.lora_a[slot].zero_()
+        self.lora_b[slot].zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base(x)
+        step = self.step
+        if not step.width:
+            return out
+        rows = self.lora_a.shape[1]
+        slots = slice(step.first, step.first + step.width)
+        flat = x.reshape(-1, self.in_features).to(torch.float32)
+        h = flat @ self.lora_a[slots].reshape(-1, self.in_features).T  # shrink: (T, width * rows)
+        if step.mask is not None:
+            h = (h.view(-1, step.width, rows) * step.mask).view(-1, step.width * rows)
+        delta = h @ self.lora_b[slots].reshape(step.width * rows, -1)  # expand: (T, out)
+        return (out.to(torch.float32) + delta.view(out.shape)).to(out.dtype)
+
+
+# The layers wrapped in each decoder layer: (owner attribute, layer attribute, row-parallel).
+WRAPPED = (("self_attn", "qkv_proj", False), ("self_attn", "o_proj", True), ("mlp", "gate_up_proj", False),
+           ("mlp", "down_proj", True))
+
+
+def _wrap(owner: nn.Module, leaf: str, row_parallel: bool, max_loras: int, max_rank: int, step: LoRAStep):
+    base = getattr(owner, leaf)
+    spec = base.linear_spec
+    if row_parallel:
+        out_slices, shards = [spec.out_features], [owner.tp_shard(leaf, "weight", None)]
+    else:
+        out_slices = owner.shard_sizes(leaf)
+        shards = [owner.tp_shard(leaf, "weight", j) for j in range(len(out_slices))]
+    device = next(iter(base.parameters()), None)
+    device = device.device if device is not None else next(iter(base.buffers())).device
+    layer = LoRALinear(base, spec.in_features, out_slices, shards, row_parallel, max_loras, max_rank, step, device)
+    setattr(owner, leaf, layer)
+    return layer
+
+
+def wrap_model(model: nn.Module, max_loras: int, max_rank: int) -> tuple[LoRAStep, dict[tuple[int, str], LoRALinear]]:
+    """Wrap the decoder layers' projections of ``model``'s language model (a loaded model: its
+    layers are the ones that serve). Returns the shared ``LoRAStep`` and the wrapped layers by
+    (layer index, layer name). A layer without them (a mixture-of-experts MLP) stays as it is."""
+    step = LoRAStep()
+    wrapped = {}
+    for index, decoder_layer in enumerate(model.get_language_model().model.layers):
+        for owner_name, leaf, row_parallel in WRAPPED:
+            owner = getattr(decoder_layer, owner_name, None)
+            if owner is not None and hasattr(owner, leaf) and hasattr(owner, "tp_shard"):
+                wrapped[index, leaf] = _wrap(owner, leaf, row_parallel, max_loras, max_rank, step)
+    return step, wrapped
