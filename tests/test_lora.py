@@ -264,3 +264,18 @@ def test_simulated_npu_bf16_applies_the_adapter(tmp_path):
             base_npu = _first_logprobs(llm)
     assert _max_gap(got, want) <= BF16_LOGPROB_TOL and _max_gap(base_npu, plain) <= BF16_LOGPROB_TOL
     assert _top(got) == _top(want) != _top(base_npu)  # not the base model's answer
+
+
+# -- tensor parallelism ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_tensor_parallel_2_equals_tp1(setup):
+    """TP = 2: column-parallel layers hold A whole and B's rows of their own output, row-parallel
+    ones A's columns of their own input and B whole (layers.py); a mixed batch gives TP = 1's
+    tokens, which are the merged references."""
+    base, adapters, references = setup
+    mix = ["a", None, "b", "c"]
+    with LLM(base, block_size=4, enable_lora=True, max_loras=3, max_lora_rank=16, tensor_parallel_size=2) as llm:
+        got = _tokens(llm.generate(PROMPTS, GREEDY, lora_request=[_request(adapters, n) for n in mix]))
+    assert got == [references[n][i] for i, n in enumerate(mix)]
