@@ -4,24 +4,26 @@ step through its own adapter in a fixed handful of torch ops (docs/lora.md, "Ker
 A wrapped layer keeps its base layer whole (float, packed, W8A16 or W8A8: whatever its method
 made) and adds, per adapter slot ``s`` of ``max_loras``::
 
-    lora_a[s]  (slices * R, in)    slice j's A in rows j*R .. j*R + r_j (zeros past its rank)
-    lora_b[s]  (slices * R, out)   slice j's scale * B^T in the same rows, in the columns of
-                                   slice j's output (q / k / v of qkv_proj, gate / up of gate_up_proj)
+    lora_a[s]   (slices * R, in)   slice j's A in rows j*R .. j*R + r_j (zeros past its rank)
+    lora_bj[s]  (R, out_j)         slice j's scale * B^T (slice j: q / k / v of qkv_proj, gate /
+                                   up of gate_up_proj; the whole output of the others)
 
 ``R`` is ``max_lora_rank``, float32 always (the adapter's product accumulates in float32 whatever
 the model's dtype: a bfloat16 model otherwise rounds a small delta away). A step's rows use slots
 ``first .. first + width - 1`` (``LoRAStep``, set by the manager once per step for every layer)::
 
-    out   = base(x)
-    h     = x @ lora_a[first:first+width].T          (T, width * slices * R)    shrink
-    h     = h * mask                                 row t keeps only its own slot's columns
-    delta = h @ lora_b[first:first+width]            (T, out)                   expand
-    out   = out + delta
+    out    = base(x)
+    h      = x @ lora_a[first:first+width].T                (T, width * slices * R)   shrink
+    h      = h * mask                                       row t keeps only its own slot's columns
+    deltaj = h[:, :, j] @ lora_bj[first:first+width]        (T, out_j)                expand, per slice
+    out    = out + [delta0 | delta1 | ...]
 
 Rows of the base model have an all-zero mask row; a step whose rows all use one adapter needs no
-mask. So a batch mixing adapters and the base model costs three matmuls per layer whatever its
-size and mix (Punica's bgmv / sgmv as one dense product over the step's slots), never a Python
-loop per request. The same ops run on the NPU (aten matmul and mul: no torch_npu op needed).
+mask. So a batch mixing adapters and the base model costs one shrink and one expand per slice
+whatever its size and mix (Punica's bgmv / sgmv as one dense product over the step's slots),
+never a Python loop per request. The expand is per slice rather than one block-diagonal product:
+a third of qkv_proj's expand work and bytes (benchmarks/RESULTS.md, bench_lora.py). The same ops
+run on the NPU (aten matmul and mul: no torch_npu op needed, so none in the schema fixture).
 
 Tensor parallelism: a column-parallel layer (qkv, gate_up) holds A whole and B's rows of its own
 output (like its base weight); a row-parallel one (o, down) holds A's columns of its own input and
@@ -82,17 +84,20 @@ class LoRALinear(nn.Module):
         self.row_parallel, self.max_rank, self.step = row_parallel, max_rank, step
         rows = len(out_slices) * max_rank
         self.register_buffer("lora_a", torch.zeros(max_loras, rows, in_features, device=device), persistent=False)
-        self.register_buffer("lora_b", torch.zeros(max_loras, rows, sum(out_slices), device=device),
-                             persistent=False)
+        for index, width in enumerate(out_slices):
+            self.register_buffer(f"lora_b{index}", torch.zeros(max_loras, max_rank, width, device=device),
+                                 persistent=False)
+
+    @property
+    def lora_b(self) -> list[torch.Tensor]:
+        return [getattr(self, f"lora_b{index}") for index in range(len(self.out_slices))]
 
     def set_slot(self, slot: int, pieces: list[tuple[torch.Tensor, torch.Tensor, float] | None]) -> None:
         """Write one adapter into ``slot``: per piece, its checkpoint ``A`` (r, in) and ``B``
         (out, r) and scale, or None (the piece not adapted). A copy into the slot's rows."""
-        a, b = self.lora_a[slot], self.lora_b[slot]
-        a.zero_()
-        b.zero_()
-        column = 0
-        for index, (piece, width, shard) in enumerate(zip(pieces, self.out_slices, self.shards)):
+        self.clear_slot(slot)
+        a = self.lora_a[slot]
+        for index, (piece, b, shard) in enumerate(zip(pieces, self.lora_b, self.shards)):
             if piece is not None:
                 lora_a, lora_b, scale = piece
                 if shard is not None:  # this rank's part (module docstring)
@@ -102,25 +107,28 @@ class LoRALinear(nn.Module):
                         lora_b = lora_b.narrow(shard.dim, shard.start, shard.length)
                 rank, first = lora_a.shape[0], index * self.max_rank
                 a[first:first + rank] = lora_a.to(a.device, torch.float32)
-                b[first:first + rank, column:column + width] = (lora_b.to(b.device, torch.float32) * scale).T
-            column += width
+                b[slot, :rank] = (lora_b.to(b.device, torch.float32) * scale).T
 
     def clear_slot(self, slot: int) -> None:
-        self.lora_a[slot].zero_()
-        self.lora_b[slot].zero_()
+        for buffer in (self.lora_a, *self.lora_b):
+            buffer[slot].zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         step = self.step
         if not step.width:
             return out
-        rows = self.lora_a.shape[1]
-        slots = slice(step.first, step.first + step.width)
+        width, rank = step.width, self.max_rank
+        slots = slice(step.first, step.first + width)
         flat = x.reshape(-1, self.in_features).to(torch.float32)
-        h = flat @ self.lora_a[slots].reshape(-1, self.in_features).T  # shrink: (T, width * rows)
+        h = flat @ self.lora_a[slots].reshape(-1, self.in_features).T  # shrink: (T, width * slices * R)
         if step.mask is not None:
-            h = (h.view(-1, step.width, rows) * step.mask).view(-1, step.width * rows)
-        delta = h @ self.lora_b[slots].reshape(step.width * rows, -1)  # expand: (T, out)
+            h = h.view(-1, width, self.lora_a.shape[1]) * step.mask
+        h = h.view(-1, width, len(self.out_slices), rank)
+        # expand, per slice: (T, width * R) @ (width * R, out_j)
+        deltas = [h[:, :, j].reshape(-1, width * rank) @ b[slots].reshape(width * rank, -1)
+                  for j, b in enumerate(self.lora_b)]
+        delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=-1)
         return (out.to(torch.float32) + delta.view(out.shape)).to(out.dtype)
 
 

@@ -49,7 +49,7 @@ class LoRAManager:
         self.loads = 0  # adapters read from disk (tests: the host cache's hits and misses)
 
     def slot_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers.values() for t in (layer.lora_a, layer.lora_b))
+        return sum(t.numel() * t.element_size() for layer in self.layers.values() for t in layer.buffers(recurse=False))
 
     # -- host cache ------------------------------------------------------------------------------
 
