@@ -13,13 +13,14 @@ import pytest
 import torch
 
 from atb_plugin import LLM, LoRARequest, SamplingParams
+from atb_plugin.engine.sampling_params import StructuredOutputsParams
 from atb_plugin.lora import LoRAError
 from atb_plugin.lora.peft import inspect_adapter
-from atb_plugin.models import native_decode
 from atb_plugin.platform import use_platform
 from atb_plugin.testing import fake_torch_npu
 from atb_plugin.testing.lora_adapters import make_adapter, merge_adapter
 from atb_plugin.testing.tiny import tiny_checkpoint
+from tests.test_native_decode import captured_calls  # noqa: F401 (a fixture: steps that ran captured)
 
 PROMPTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a b c d e f g h i j", "one two three"]
 GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
@@ -60,7 +61,7 @@ def _request(adapters, name, int_ids={"a": 1, "b": 2, "c": 3}):
     return None if name is None else LoRARequest(name, int_ids[name], str(adapters[name]))
 
 
-def test_each_row_gets_its_own_adapter_in_a_mixed_batch(setup, captured_calls):
+def test_each_row_gets_its_own_adapter_in_a_mixed_batch(setup, captured_calls):  # noqa: F811 (the fixture)
     base, adapters, references = setup
     for name in "abc":
         assert references[name] != references[None], "an adapter that changes nothing proves nothing"
@@ -108,19 +109,6 @@ def test_prefix_cache_never_shares_blocks_between_adapters(setup):
     assert _tokens(other) == [references["b"][1]] and _tokens(plain) == [references[None][1]]
 
 
-@pytest.fixture
-def captured_calls(monkeypatch):
-    calls = []
-    original = native_decode.NativeDecodeStep.__call__
-
-    def counting(self, *args, **kwargs):
-        calls.append(args[0].shape[0])
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(native_decode.NativeDecodeStep, "__call__", counting)
-    return calls
-
-
 def test_n_and_seeded_sampling_through_an_adapter(setup):
     """n > 1 children all run through the adapter: seeded samples equal the merged model's."""
     base, adapters, _ = setup
@@ -131,6 +119,31 @@ def test_n_and_seeded_sampling_through_an_adapter(setup):
     with LLM(merged, block_size=4) as llm:
         want = [c.token_ids for c in llm.generate(PROMPTS[0], params)[0].outputs]
     assert got == want
+
+
+def test_structured_output_through_an_adapter(setup):
+    base, adapters, _ = setup
+    params = SamplingParams(temperature=0, max_tokens=12, structured_outputs=StructuredOutputsParams(regex="[a-z ]+"))
+    with LLM(base, block_size=4, enable_lora=True, max_lora_rank=16) as llm:
+        got = _tokens(llm.generate(PROMPTS[:2], params, lora_request=_request(adapters, "b")))
+    with LLM(adapters["b"].parent / "merged-b", block_size=4) as llm:
+        assert got == _tokens(llm.generate(PROMPTS[:2], params))
+
+
+def test_adapter_slots_are_weights_before_the_kv_cache_is_sized():
+    """The slots are allocated with the model, before the KV budget is computed: they count as
+    weights there (engine/memory_profile.py), and on a device the profile's peak holds them."""
+    base = tiny_checkpoint("llama")
+    with LLM(base, block_size=4) as llm:
+        plain = llm.engine.core.executor.weight_bytes[0]
+    with LLM(base, block_size=4, enable_lora=True, max_loras=3, max_lora_rank=8) as llm:
+        manager = llm.engine.runner.lora
+        slots = manager.slot_bytes()
+        assert llm.engine.core.executor.weight_bytes[0] == plain + slots
+    # 2 layers x 3 slots x rank 8 x float32: A (3 + 1 + 2 + 1 slices) and B of every layer.
+    a = 3 * 8 * 64 + 8 * 64 + 2 * 8 * 64 + 8 * 128
+    b = 8 * (64 + 32 + 32) + 8 * 64 + 8 * (128 + 128) + 8 * 64
+    assert slots == 2 * 3 * 4 * (a + b)
 
 
 # -- bad adapters ---------------------------------------------------------------------------------------
