@@ -13,10 +13,12 @@ the model's dtype: a bfloat16 model otherwise rounds a small delta away). A step
 ``first .. first + width - 1`` (``LoRAStep``, set by the manager once per step for every layer)::
 
     out    = base(x)
-    h      = x @ lora_a[first:first+width].T                (T, width * slices * R)   shrink
+    h      = x @ lora_a[first:first+width].T                (T, slices * width * R)   shrink
     h      = h * mask                                       row t keeps only its own slot's columns
-    deltaj = h[:, :, j] @ lora_bj[first:first+width]        (T, out_j)                expand, per slice
-    out    = out + [delta0 | delta1 | ...]
+    out_j += h_j @ lora_bj[first:first+width]               (T, out_j)                expand, per slice
+
+(``h_j``: slice j's column block; the step's operands are laid out once per slot range and
+reused by every step until a slot is rewritten, ``LoRALinear._step_operands``.)
 
 Rows of the base model have an all-zero mask row; a step whose rows all use one adapter needs no
 mask. So a batch mixing adapters and the base model costs one shrink and one expand per slice
@@ -43,11 +45,12 @@ from atb_plugin.models.linear import LinearMethodBase
 class LoRAStep:
     """The row -> slot map of the current step, shared by every wrapped layer of one model.
     ``width`` 0: no row is adapted (the layers add nothing); else rows use slots ``first`` ..
-    ``first + width - 1``, and ``mask`` (T, width, 1) float32 says which (None: every row uses
+    ``first + width - 1``, and ``mask`` (T, 1, width, 1) float32 says which (None: every row uses
     slot ``first``)."""
 
     def __init__(self):
         self.first, self.width, self.mask = 0, 0, None
+        self.version = 0  # bumped whenever a slot is written: the layers' operand views are remade
 
     def set(self, first: int, width: int, mask: torch.Tensor | None) -> None:
         self.first, self.width, self.mask = first, width, mask
@@ -83,6 +86,7 @@ class LoRALinear(nn.Module):
         self.in_features, self.out_slices, self.shards = in_features, list(out_slices), shards
         self.row_parallel, self.max_rank, self.step = row_parallel, max_rank, step
         rows = len(out_slices) * max_rank
+        self._operands: tuple | None = None  # (first, width, version, A^T, [B_j]) of the last step's slots
         self.register_buffer("lora_a", torch.zeros(max_loras, rows, in_features, device=device), persistent=False)
         for index, width in enumerate(out_slices):
             self.register_buffer(f"lora_b{index}", torch.zeros(max_loras, max_rank, width, device=device),
@@ -113,21 +117,33 @@ class LoRALinear(nn.Module):
         for buffer in (self.lora_a, *self.lora_b):
             buffer[slot].zero_()
 
+    def _step_operands(self, step: LoRAStep) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The step's slots as the products read them, made once per slot range and slot
+        contents (every step of a steady batch reuses them): ``A^T`` (in, slices * width * R)
+        with its columns slice-major, so each slice's shrink output is one column block, and
+        each slice's ``B`` (width * R, out_j), a view."""
+        key = (step.first, step.width, step.version)
+        if self._operands is None or self._operands[0] != key:
+            slots, slices = slice(step.first, step.first + step.width), len(self.out_slices)
+            a = self.lora_a[slots]
+            if slices > 1:  # (width, slices, R, in) -> (slices, width, R, in): a copy of these slots
+                a = a.view(step.width, slices, self.max_rank, -1).transpose(0, 1).contiguous()
+            self._operands = (key, a.reshape(-1, self.in_features).T,
+                              [b[slots].reshape(step.width * self.max_rank, -1) for b in self.lora_b])
+        return self._operands[1], self._operands[2]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
         step = self.step
         if not step.width:
             return out
-        width, rank = step.width, self.max_rank
-        slots = slice(step.first, step.first + width)
-        flat = x.reshape(-1, self.in_features).to(torch.float32)
-        h = flat @ self.lora_a[slots].reshape(-1, self.in_features).T  # shrink: (T, width * slices * R)
+        a_t, bs = self._step_operands(step)
+        block = step.width * self.max_rank  # one slice's columns of the shrink output
+        h = x.reshape(-1, self.in_features).to(torch.float32) @ a_t  # shrink: (T, slices * width * R)
         if step.mask is not None:
-            h = h.view(-1, width, self.lora_a.shape[1]) * step.mask
-        h = h.view(-1, width, len(self.out_slices), rank)
+            h = (h.view(-1, len(bs), step.width, self.max_rank) * step.mask).view(h.shape)
         # expand, per slice: (T, width * R) @ (width * R, out_j)
-        pieces = [(h[:, :, j].reshape(-1, width * rank), b[slots].reshape(width * rank, -1))
-                  for j, b in enumerate(self.lora_b)]
+        pieces = [(h[:, j * block:(j + 1) * block], b) for j, b in enumerate(bs)]
         if out.dtype == torch.float32 and out.dim() == 2:
             # Added in place into each slice's columns (the base output is this call's own tensor):
             # no concatenation, no second output (host time counts at 4 layers x every layer).

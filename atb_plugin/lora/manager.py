@@ -91,6 +91,7 @@ class LoRAManager:
             else:
                 layer.set_slot(slot, pieces)
         self.slots[slot] = key
+        self.state.version += 1
 
     def slots_for(self, loras: Sequence[LoRARequest | None]) -> tuple[list[int], dict[int, str]]:
         """Each entry's slot (-1: the base model), loading what is missing; entries whose adapter
@@ -135,9 +136,9 @@ class LoRAManager:
             mask = None
             if not (adapted.all() and first == last):
                 tokens = np.repeat(slots, np.asarray(counts, dtype=np.int64))
-                one_hot = np.zeros((len(tokens), last - first + 1, 1), dtype=np.float32)
+                one_hot = np.zeros((len(tokens), 1, last - first + 1, 1), dtype=np.float32)
                 rows = np.flatnonzero(tokens >= 0)
-                one_hot[rows, tokens[rows] - first, 0] = 1.0
+                one_hot[rows, 0, tokens[rows] - first, 0] = 1.0
                 mask = torch.from_numpy(one_hot).to(self.device)
             self.state.set(first, last - first + 1, mask)
             if captured is not None:
