@@ -233,12 +233,14 @@ class ModelRunner:
         return result
 
     def _lora_slots(self, request_ids: list[str], result: RunnerOutput) -> tuple[list[str], list[int]]:
-        """The step's requests whose adapter is in a device slot, and each one's slot (-1: the
-        base model); a request whose adapter fails to load fails alone (``result.failed``)."""
+        """The step's requests whose adapter is in a device slot, ordered by slot, and each one's
+        slot (-1: the base model); a request whose adapter fails to load fails alone
+        (``result.failed``)."""
         slots, failed = self.lora.slots_for([self.states[r].request.lora_request for r in request_ids])
         for index, why in failed.items():
             result.failed[request_ids[index]] = why
-        kept = [i for i in range(len(request_ids)) if i not in failed]
+        # Ordered by slot (stable): each adapter's rows are one run of the step (lora/layers.py).
+        kept = sorted((i for i in range(len(request_ids)) if i not in failed), key=lambda i: slots[i])
         return [request_ids[i] for i in kept], [slots[i] for i in kept]
 
     def _verify(self, hidden, prepared, request_ids, verifying: dict[str, list[int]], grammar_bitmask,

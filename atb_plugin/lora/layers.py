@@ -1,5 +1,5 @@
 """The LoRA wrapper of a linear layer: adapter slots beside the base layer, and every row of a
-step through its own adapter in a fixed handful of torch ops (docs/lora.md, "Kernels").
+step through its own adapter (docs/lora.md, "How a row finds its adapter").
 
 A wrapped layer keeps its base layer whole (float, packed, W8A16 or W8A8: whatever its method
 made) and adds, per adapter slot ``s`` of ``max_loras``::
@@ -9,23 +9,21 @@ made) and adds, per adapter slot ``s`` of ``max_loras``::
                                    up of gate_up_proj; the whole output of the others)
 
 ``R`` is ``max_lora_rank``, float32 always (the adapter's product accumulates in float32 whatever
-the model's dtype: a bfloat16 model otherwise rounds a small delta away). A step's rows use slots
-``first .. first + width - 1`` (``LoRAStep``, set by the manager once per step for every layer)::
+the model's dtype: a bfloat16 model otherwise rounds a small delta away). The model runner orders
+a step's requests by slot, so each adapter's tokens are one run of rows: the step's segments
+``(slot, start, end)`` (``LoRAStep``, set by the manager once per step for every layer)::
 
-    out    = base(x)
-    h      = x @ lora_a[first:first+width].T                (T, slices * width * R)   shrink
-    h      = h * mask                                       row t keeps only its own slot's columns
-    out_j += h_j @ lora_bj[first:first+width]               (T, out_j)                expand, per slice
+    out = base(x)
+    for slot, start, end in segments:                       Punica's sgmv: a decode row is a
+        h = x[start:end] @ lora_a[slot].T                   segment of one, a prefill chunk of
+        out[start:end, out_j] += h_j @ lora_bj[slot]        many; rows of the base model are in none
 
-(``h_j``: slice j's column block; the step's operands are laid out once per slot range and
-reused by every step until a slot is rewritten, ``LoRALinear._step_operands``.)
-
-Rows of the base model have an all-zero mask row; a step whose rows all use one adapter needs no
-mask. So a batch mixing adapters and the base model costs one shrink and one expand per slice
-whatever its size and mix (Punica's bgmv / sgmv as one dense product over the step's slots),
-never a Python loop per request. The expand is per slice rather than one block-diagonal product:
-a third of qkv_proj's expand work and bytes (benchmarks/RESULTS.md, bench_lora.py). The same ops
-run on the NPU (aten matmul and mul: no torch_npu op needed, so none in the schema fixture).
+One shrink and one in-place expand per slice for each adapter the step holds (at most
+``max_loras``), on views of the slots (no gather, no scatter, no copy of the slots), never a
+Python loop per request; each row does its own adapter's work only. Measured against one dense
+product over all of a step's slots with a one-hot mask, and against rows gathered per slot with
+``bmm`` and ``index_add_``: benchmarks/RESULTS.md, bench_lora.py. The same ops run on the NPU
+(aten matmul / addmm: no torch_npu op needed, so none in the schema fixture).
 
 Tensor parallelism: a column-parallel layer (qkv, gate_up) holds A whole and B's rows of its own
 output (like its base weight); a row-parallel one (o, down) holds A's columns of its own input and
@@ -43,20 +41,12 @@ from atb_plugin.models.linear import LinearMethodBase
 
 
 class LoRAStep:
-    """The row -> slot map of the current step, shared by every wrapped layer of one model.
-    ``width`` 0: no row is adapted (the layers add nothing); else rows use slots ``first`` ..
-    ``first + width - 1``, and ``mask`` (T, 1, width, 1) float32 says which (None: every row uses
-    slot ``first``)."""
+    """The rows -> slots map of the current step, shared by every wrapped layer of one model:
+    ``segments``, (slot, first row, end row) of each run of adapted rows (empty: no row is
+    adapted, the layers add nothing)."""
 
     def __init__(self):
-        self.first, self.width, self.mask = 0, 0, None
-        self.version = 0  # bumped whenever a slot is written: the layers' operand views are remade
-
-    def set(self, first: int, width: int, mask: torch.Tensor | None) -> None:
-        self.first, self.width, self.mask = first, width, mask
-
-    def clear(self) -> None:
-        self.set(0, 0, None)
+        self.segments: list[tuple[int, int, int]] = []
 
 
 class LoRAMethod(LinearMethodBase):
@@ -86,7 +76,6 @@ class LoRALinear(nn.Module):
         self.in_features, self.out_slices, self.shards = in_features, list(out_slices), shards
         self.row_parallel, self.max_rank, self.step = row_parallel, max_rank, step
         rows = len(out_slices) * max_rank
-        self._operands: tuple | None = None  # (first, width, version, A^T, [B_j]) of the last step's slots
         self.register_buffer("lora_a", torch.zeros(max_loras, rows, in_features, device=device), persistent=False)
         for index, width in enumerate(out_slices):
             self.register_buffer(f"lora_b{index}", torch.zeros(max_loras, max_rank, width, device=device),
@@ -117,43 +106,33 @@ class LoRALinear(nn.Module):
         for buffer in (self.lora_a, *self.lora_b):
             buffer[slot].zero_()
 
-    def _step_operands(self, step: LoRAStep) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The step's slots as the products read them, made once per slot range and slot
-        contents (every step of a steady batch reuses them): ``A^T`` (in, slices * width * R)
-        with its columns slice-major, so each slice's shrink output is one column block, and
-        each slice's ``B`` (width * R, out_j), a view."""
-        key = (step.first, step.width, step.version)
-        if self._operands is None or self._operands[0] != key:
-            slots, slices = slice(step.first, step.first + step.width), len(self.out_slices)
-            a = self.lora_a[slots]
-            if slices > 1:  # (width, slices, R, in) -> (slices, width, R, in): a copy of these slots
-                a = a.view(step.width, slices, self.max_rank, -1).transpose(0, 1).contiguous()
-            self._operands = (key, a.reshape(-1, self.in_features).T,
-                              [b[slots].reshape(step.width * self.max_rank, -1) for b in self.lora_b])
-        return self._operands[1], self._operands[2]
+    def _slot_operands(self, slot: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Slot ``slot`` as the products read it: ``A^T`` (in, slices * R) and each slice's ``B``
+        (R, out_j), views of the slot buffers (a rewritten slot is read through them as it is)."""
+        return self.lora_a[slot].T, [b[slot] for b in self.lora_b]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base(x)
-        step = self.step
-        if not step.width:
+        segments = self.step.segments
+        if not segments:
             return out
-        a_t, bs = self._step_operands(step)
-        block = step.width * self.max_rank  # one slice's columns of the shrink output
-        h = x.reshape(-1, self.in_features).to(torch.float32) @ a_t  # shrink: (T, slices * width * R)
-        if step.mask is not None:
-            h = (h.view(-1, len(bs), step.width, self.max_rank) * step.mask).view(h.shape)
-        # expand, per slice: (T, width * R) @ (width * R, out_j)
-        pieces = [(h[:, j * block:(j + 1) * block], b) for j, b in enumerate(bs)]
-        if out.dtype == torch.float32 and out.dim() == 2:
-            # Added in place into each slice's columns (the base output is this call's own tensor):
-            # no concatenation, no second output (host time counts at 4 layers x every layer).
+        flat = x.reshape(-1, self.in_features).to(torch.float32)
+        # Added in place into a float32 output (the base output is this call's own tensor); a
+        # lower-precision one gets a float32 delta and one rounding of the sum.
+        in_place = out.dtype == torch.float32 and out.dim() == 2
+        target = out if in_place else torch.zeros(flat.shape[0], sum(self.out_slices), dtype=torch.float32,
+                                                  device=out.device)
+        rank = self.max_rank
+        for slot, start, end in segments:
+            a_t, bs = self._slot_operands(slot)
+            h = flat[start:end] @ a_t  # shrink: (rows, slices * R)
             column = 0
-            for piece, width_j in zip(pieces, self.out_slices):
-                out[:, column:column + width_j].addmm_(*piece)
-                column += width_j
+            for j, (b, width) in enumerate(zip(bs, self.out_slices)):  # expand, per slice
+                target[start:end, column:column + width].addmm_(h[:, j * rank:(j + 1) * rank], b)
+                column += width
+        if in_place:
             return out
-        delta = torch.cat([a @ b for a, b in pieces], dim=-1)
-        return (out.to(torch.float32) + delta.view(out.shape)).to(out.dtype)
+        return (out.to(torch.float32) + target.view(out.shape)).to(out.dtype)
 
 
 # The layers wrapped in each decoder layer: (owner attribute, layer attribute, row-parallel).

@@ -18,7 +18,6 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-import numpy as np
 import torch
 from safetensors.torch import load_file
 
@@ -91,7 +90,6 @@ class LoRAManager:
             else:
                 layer.set_slot(slot, pieces)
         self.slots[slot] = key
-        self.state.version += 1
 
     def slots_for(self, loras: Sequence[LoRARequest | None]) -> tuple[list[int], dict[int, str]]:
         """Each entry's slot (-1: the base model), loading what is missing; entries whose adapter
@@ -124,29 +122,29 @@ class LoRAManager:
 
     @contextlib.contextmanager
     def step(self, row_slots: Sequence[int], counts: Sequence[int]) -> Iterator[bool]:
-        """The forward's context: every wrapped layer adds its rows' adapters. A step with
-        adapted rows runs the eager forward (the captured decode step holds the base weights
-        only); yields whether any row is adapted."""
-        slots = np.asarray(row_slots, dtype=np.int64)
-        adapted = slots >= 0
+        """The forward's context: every wrapped layer adds each run of adapted rows' adapter
+        (requests in the step's order with their slots and token counts; the runner orders
+        them by slot, so each adapter is one run). A step with adapted rows runs the eager
+        forward (the captured decode step holds the base weights only); yields whether any
+        row is adapted."""
+        segments: list[tuple[int, int, int]] = []
+        row = 0
+        for slot, count in zip(row_slots, counts):
+            if slot >= 0:
+                if segments and segments[-1][0] == slot and segments[-1][2] == row:
+                    segments[-1] = (slot, segments[-1][1], row + count)
+                else:
+                    segments.append((slot, row, row + count))
+            row += count
         decoder = self.model.get_language_model().model
         captured = getattr(decoder, "captured_decode", None)
-        if adapted.any():
-            first, last = int(slots[adapted].min()), int(slots[adapted].max())
-            mask = None
-            if not (adapted.all() and first == last):
-                tokens = np.repeat(slots, np.asarray(counts, dtype=np.int64))
-                one_hot = np.zeros((len(tokens), 1, last - first + 1, 1), dtype=np.float32)
-                rows = np.flatnonzero(tokens >= 0)
-                one_hot[rows, 0, tokens[rows] - first, 0] = 1.0
-                mask = torch.from_numpy(one_hot).to(self.device)
-            self.state.set(first, last - first + 1, mask)
-            if captured is not None:
-                decoder.captured_decode = None
+        self.state.segments = segments
+        if segments and captured is not None:
+            decoder.captured_decode = None
         try:
-            yield bool(adapted.any())
+            yield bool(segments)
         finally:
-            self.state.clear()
+            self.state.segments = []
             if captured is not None:
                 decoder.captured_decode = captured
 
