@@ -197,6 +197,19 @@ def test_bad_adapters_are_refused_naming_the_problem(llama_lora, tmp_path):
     assert llama_lora.generate(PROMPTS[0], GREEDY, lora_request=LoRARequest("good", 99, str(good)))
 
 
+def test_an_adapter_broken_after_its_check_fails_its_requests_only(llama_lora, tmp_path):
+    """The engine reads the files again when it loads an adapter: one that changed since the
+    frontend's check fails its own requests ("error"), the rest of the batch runs."""
+    base = tiny_checkpoint("llama")
+    broken = make_adapter(tmp_path / "broken", base, r=4)
+    lora = LoRARequest("broken", 500, str(broken))
+    llama_lora.input_processor.check_lora(lora)  # checked while intact ...
+    (broken / "adapter_model.safetensors").write_bytes(b"\x00" * 16)  # ... then broken
+    outputs = llama_lora.generate(PROMPTS[:2], GREEDY, lora_request=[lora, None])
+    assert outputs[0].outputs[0].finish_reason == "error" and "broken" in outputs[0].error
+    assert len(outputs[1].outputs[0].token_ids) == GREEDY.max_tokens
+
+
 def test_moe_experts_are_refused(tmp_path):
     base = tiny_checkpoint("qwen3_moe")
     adapter = make_adapter(tmp_path / "moe", base, r=4)
