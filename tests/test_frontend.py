@@ -158,7 +158,7 @@ def test_a_pooling_request_is_the_same_through_both_doors():
 FLOORS = {
     "shm": 0, "atb_plugin.utils": 0, "atb_plugin.validation": 0, "atb_plugin.processes": 0,
     "atb_plugin.platform": 1, "atb_plugin.distributed": 1, "atb_plugin.ops": 2, "atb_plugin.testing": 3,
-    "atb_plugin.pooling": 3, "atb_plugin.multimodal": 3, "atb_plugin.models": 4,
+    "atb_plugin.pooling": 3, "atb_plugin.multimodal": 3, "atb_plugin.models": 4, "atb_plugin.lora": 4.5,
     "atb_plugin.engine": 5, "input_builders": 5, "routers": 6, "atb_plugin.default_model": 6,
     "atb_plugin.frontend": 7, "atb_plugin.server": 8, "atb_plugin": 9,
 }

@@ -212,6 +212,13 @@ class EngineConfig:
     # Speculative decoding (docs/speculative.md): a SpeculativeConfig, or a dict of vLLM's keys
     # (``{"method": "ngram", "num_speculative_tokens": 4}``, --speculative-config); None: off.
     speculative_config: SpeculativeConfig | None = None
+    # Multi-LoRA (docs/lora.md; vLLM's flags): adapters served over this model, at most max_loras
+    # of them in one step (device slots of rank up to max_lora_rank, allocated before the KV cache
+    # is sized) and max_cpu_loras (None: max_loras) kept in host memory.
+    enable_lora: bool = False
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
     # Resolved from config.json in __post_init__:
     architecture: str = field(init=False)
     tasks: tuple[str, ...] = field(init=False)  # what the model serves: ("generate",) or pooling tasks
@@ -239,7 +246,7 @@ class EngineConfig:
         _check_int("max_num_seqs", self.max_num_seqs, 1)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"EngineConfig.enable_prefix_caching must be a bool, got {self.enable_prefix_caching!r}")
-        for flag in ("pack_weights", "enforce_eager", "enable_expert_parallel"):
+        for flag in ("pack_weights", "enforce_eager", "enable_expert_parallel", "enable_lora"):
             if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"EngineConfig.{flag} must be a bool, got {getattr(self, flag)!r}")
         set_(self, "shm_instances", tuple(self.shm_instances))
@@ -345,8 +352,20 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             uniform_decode_len=1 + spec.num_speculative_tokens if spec is not None else 1,
             default_mode=platform.default_cudagraph_mode()))
+        self._check_lora()
         set_(self, "scheduler_config",
-             SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len))
+             SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
+                             self.max_loras if self.enable_lora else 0))
+
+    def _check_lora(self) -> None:
+        _check_int("max_loras", self.max_loras, 1, 256)
+        _check_int("max_lora_rank", self.max_lora_rank, 1, 512)
+        if self.max_cpu_loras is None:
+            object.__setattr__(self, "max_cpu_loras", self.max_loras)
+        _check_int("max_cpu_loras", self.max_cpu_loras, self.max_loras)
+        if self.enable_lora and self.runner != "generate":
+            raise ValueError("EngineConfig.enable_lora: LoRA adapters serve generative models (the pooling runner "
+                             "keeps its base weights)")
 
     def draft_config(self) -> "EngineConfig":
         """The draft checkpoint's config (speculative method ``draft_model``): this engine's

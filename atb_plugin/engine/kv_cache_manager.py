@@ -7,6 +7,14 @@ from atb_plugin.engine.request import Request
 from atb_plugin.utils import cdiv
 
 
+def _extra_keys(request: Request):
+    """What besides its tokens names a request's blocks: its ``cache_salt``, and its LoRA
+    adapter (id and path: the same tokens through two adapters have different KV)."""
+    salt = getattr(request, "cache_salt", None)
+    lora = getattr(request, "lora_request", None)
+    return salt if lora is None else (salt, "lora", *lora.key)
+
+
 class KVCacheManager:
     """Maps requests to block lists over a ``BlockPool``. Contract:
 
@@ -39,7 +47,8 @@ class KVCacheManager:
       paged-attention kernels write before they read.
     - Identity of a block = chained hash of its token ids (media handles included) and the
       request's ``cache_salt`` attribute when it has one (vLLM's name; requests with different
-      salts never share blocks), see ``block_pool.hash_block_tokens``.
+      salts never share blocks) and its LoRA adapter (two adapters never share blocks), see
+      ``block_pool.hash_block_tokens``.
     - ``free`` releases a request's blocks (finished or preempted); blocks nobody else holds go
       to the free queue still hashed, and stay hittable until the pool hands them out again.
     """
@@ -83,7 +92,7 @@ class KVCacheManager:
             known = hash_request_tokens(
                 request.all_token_ids[:num_tokens],
                 self.block_size,
-                extra_keys=getattr(request, "cache_salt", None),
+                extra_keys=_extra_keys(request),
                 parent_hashes=known,
             )
             self.req_to_block_hashes[request.request_id] = known

@@ -19,6 +19,7 @@ import msgspec
 import numpy as np
 
 from atb_plugin.engine.sampling_params import SamplingParams
+from atb_plugin.lora.request import LoRARequest
 from atb_plugin.pooling.params import PoolingParams
 
 __all__ = ["LogprobsEntry", "PooledData", "EngineCoreRequest", "EngineCoreOutput", "SchedulerStats",
@@ -90,6 +91,7 @@ class EngineCoreRequest:
     arrival_time: float = field(default_factory=time.monotonic)  # CLOCK_MONOTONIC: one clock for all processes
     pooling_params: PoolingParams | None = None
     token_type_start: int | None = None
+    lora_request: LoRARequest | None = None  # the adapter it runs through (None: the base model)
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:

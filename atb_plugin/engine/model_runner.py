@@ -14,6 +14,7 @@ batch runs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 from dataclasses import dataclass, field
@@ -88,12 +89,14 @@ class ModelRunner:
     the sampled token)."""
 
     def __init__(self, model, config: EngineConfig, num_blocks: int, pooler: DispatchPooler | None = None,
-                 remote_media: bool = False, spec_model: SpecModel | None = None):
+                 remote_media: bool = False, spec_model: SpecModel | None = None, lora=None):
         self.model = model
         # Speculative decoding's draft or head (the engine core's proposer drives it); a head
         # drafts from the target's hidden states, recorded here after each step.
         self.spec_model = spec_model
         self.target_hidden = spec_model.hidden_states if spec_model is not None else None
+        # The LoRA adapters' slots (lora/manager.py, LoRAManager) when the engine serves them.
+        self.lora = lora
         # A rank on another node than the engine core reads media blocks from the step
         # (SchedulerOutput.shipped_media), not from this node's shared memory (multimodal/shipped.py).
         self.remote_media = remote_media
@@ -203,6 +206,9 @@ class ModelRunner:
         result = RunnerOutput()
         self._update_batch(output, result)
         request_ids = [r for r in output.num_scheduled_tokens if r in self.states and r not in result.failed]
+        lora_slots: list[int] = []
+        if self.lora is not None:
+            request_ids, lora_slots = self._lora_slots(request_ids, result)
         if not request_ids:
             return result
         counts = [output.num_scheduled_tokens[r] for r in request_ids]
@@ -211,14 +217,17 @@ class ModelRunner:
             self.input_batch.set_tokens(request_id, self.states[request_id].request.num_tokens, drafts)
         prepared = prepare_inputs(self.input_batch, request_ids, counts, device=self.device)
         metadata = prepared.attn_metadata
-        if verifying and self.decode_capture == "captured" and all(
+        # Adapted rows run the eager forward (neither the captured CPU step nor a device graph
+        # holds the adapters: lora/manager.py), so they keep the eager attention metadata.
+        adapted = any(slot >= 0 for slot in lora_slots)
+        if verifying and not adapted and self.decode_capture == "captured" and all(
                 count == 1 or request_id in verifying for request_id, count in zip(request_ids, counts)):
             metadata = _one_query_per_row(prepared)
         spans = self._spans(request_ids, counts)
         positions = self._mrope_positions(spans) if self.uses_mrope else prepared.positions
         inputs_embeds = self._embeddings(prepared.input_ids, spans)
         graphed = None
-        if self.graphs is not None and inputs_embeds is None and not self.uses_token_types:
+        if self.graphs is not None and inputs_embeds is None and not self.uses_token_types and not adapted:
             graphed = self.graphs.run(prepared.input_ids, positions, prepared.attn_metadata)
         if graphed is not None:
             hidden = graphed
@@ -226,7 +235,9 @@ class ModelRunner:
             hidden = self.model.forward_with_token_types(prepared.input_ids, positions, self.kv_caches,
                                                          metadata, self._token_types(spans, prepared))
         else:
-            hidden = self.model(prepared.input_ids, positions, self.kv_caches, metadata, inputs_embeds=inputs_embeds)
+            # With LoRA, each row through its own adapter (lora/manager.py: LoRAManager.step).
+            with self.lora.step(lora_slots, counts) if self.lora is not None else contextlib.nullcontext():
+                hidden = self.model(prepared.input_ids, positions, self.kv_caches, metadata, inputs_embeds=inputs_embeds)
 
         if self.pooler is not None:  # a pooling runner: every request pools (EngineConfig.check_task)
             self._pool(hidden, prepared, spans, result)
@@ -271,6 +282,17 @@ class ModelRunner:
             if request_id in verifying:
                 kept = 1 + len(result.spec_sampled.get(request_id, ())) if request_id in result.sampled else 0
             self.target_hidden.record(request_id, start, features[offset:offset + kept])
+
+    def _lora_slots(self, request_ids: list[str], result: RunnerOutput) -> tuple[list[str], list[int]]:
+        """The step's requests whose adapter is in a device slot, ordered by slot, and each one's
+        slot (-1: the base model); a request whose adapter fails to load fails alone
+        (``result.failed``)."""
+        slots, failed = self.lora.slots_for([self.states[r].request.lora_request for r in request_ids])
+        for index, why in failed.items():
+            result.failed[request_ids[index]] = why
+        # Ordered by slot (stable): each adapter's rows are one run of the step (lora/layers.py).
+        kept = sorted((i for i in range(len(request_ids)) if i not in failed), key=lambda i: slots[i])
+        return [request_ids[i] for i in kept], [slots[i] for i in kept]
 
     def _verify(self, hidden, prepared, request_ids, verifying: dict[str, list[int]], grammar_bitmask,
                 result: RunnerOutput) -> None:

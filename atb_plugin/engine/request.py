@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from atb_plugin.engine.sampling_params import SamplingParams
+from atb_plugin.lora.request import LoRARequest
 from atb_plugin.pooling.params import PoolingParams
 
 
@@ -51,6 +52,9 @@ class Request:
     # Never part of all_token_ids: only accepted tokens are, so only they are hashed for the
     # prefix cache.
     spec_token_ids: list[int] = field(default_factory=list)
+    # The LoRA adapter this request runs through (None: the base model); part of its prefix-cache
+    # keys, so two adapters never share KV blocks.
+    lora_request: LoRARequest | None = None
 
     def __post_init__(self):
         if not self.prompt_token_ids:
@@ -62,7 +66,7 @@ class Request:
         return cls(message.request_id, list(message.prompt_token_ids), message.sampling_params,
                    arrival_time=message.arrival_time, eos_token_ids=tuple(message.eos_token_ids),
                    shm_instances=tuple(message.shm_instances), pooling_params=message.pooling_params,
-                   token_type_start=message.token_type_start)
+                   token_type_start=message.token_type_start, lora_request=message.lora_request)
 
     @property
     def is_pooling(self) -> bool:

@@ -33,6 +33,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int = 4096
+    # Distinct LoRA adapters among the running requests at most (their device slots); 0: LoRA off.
+    max_loras: int = 0
 
     def __post_init__(self):
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -178,7 +180,7 @@ class Scheduler:
         not_ready: list[Request] = []
         while self.waiting and not preempted and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            if not self.is_ready(request):
+            if not self.is_ready(request) or not self._has_lora_slot(request):
                 not_ready.append(self.waiting.popleft())
                 continue
             computed_block_ids, num_cached = self.kv_cache_manager.get_computed_blocks(request)
@@ -309,6 +311,15 @@ class Scheduler:
         return stats
 
     # -- helpers ---------------------------------------------------------------------------------
+
+    def _has_lora_slot(self, request: Request) -> bool:
+        """Whether ``request``'s adapter (if any) fits the running requests' ``max_loras`` slots:
+        its adapter runs already, or a slot is free. One that waits keeps its place."""
+        lora = getattr(request, "lora_request", None)
+        if lora is None:
+            return True
+        running = {r.lora_request.key for r in self.running if r.lora_request is not None}
+        return lora.key in running or len(running) < self.config.max_loras
 
     def _num_new_tokens(self, request: Request, budget: int, num_cached: int = 0) -> int:
         num_computed = request.num_computed_tokens + num_cached

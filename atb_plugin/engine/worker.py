@@ -76,10 +76,16 @@ class Worker:
         # The rank's device (``Rank`` chose it); a lone worker takes rank 0's.
         self.device = self.platform.device(config.rank_device(0) if device_index is None else device_index)
         self.remote_media = remote_media
-        self.model = self.pooler = self.runner = self.spec_model = None
+        self.model = self.pooler = self.runner = self.spec_model = self.lora = None
 
     def load(self) -> WorkerInfo:
         self.model, self.pooler = load_model(self.config, self.device)
+        if self.config.enable_lora:  # its slots allocated before the KV cache is sized (docs/lora.md)
+            from atb_plugin.lora.manager import attach_lora
+
+            config = self.config
+            self.lora = attach_lora(self.model, config.checkpoint_config(), config.max_loras, config.max_lora_rank,
+                                    config.max_cpu_loras)
         # A speculative method's draft or head: loaded now, so that the KV budget counts it.
         self.spec_model = load_spec_model(self.config, self.model, self.device, load_model)
         spec_weights = weight_bytes(self.spec_model.module) if self.spec_model is not None else 0
@@ -88,7 +94,7 @@ class Worker:
     def initialize(self, num_blocks: int) -> str:
         """Allocate the KV cache and the runner; returns how decode steps run (``decode_capture``)."""
         self.runner = ModelRunner(self.model, self.config, num_blocks, self.pooler, remote_media=self.remote_media,
-                                  spec_model=self.spec_model)
+                                  spec_model=self.spec_model, lora=self.lora)
         return self.runner.decode_capture
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:

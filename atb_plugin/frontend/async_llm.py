@@ -41,6 +41,7 @@ from atb_plugin.frontend.output_processor import RequestOutput
 from atb_plugin.frontend.request_tracker import RequestTracker
 from atb_plugin.frontend.tokenizer_pool import (ChatJob, PairJob, PoolJob, PromptJob, TokenizerPool,
                                                 WorkerSettings)
+from atb_plugin.lora.request import LoRARequest
 from atb_plugin.pooling.outputs import PoolingRequestOutput
 from atb_plugin.pooling.params import PoolingParams
 
@@ -260,15 +261,17 @@ class AsyncLLM:
     # -- requests ----------------------------------------------------------------------------------
 
     def generate(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams | PoolingParams,
-                 deadlines: Deadlines | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                 deadlines: Deadlines | None = None,
+                 lora_request: LoRARequest | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run one prompt (``params.n`` choices): its requests reach the core now, before the
         first ``anext`` (a stream whose body never starts still ends them, and releases the
         prompt's lease, when they finish). The iterator yields (choice index, that choice's
         RequestOutput) as each steps, until all are finished. Closing it early aborts them all;
         a failing choice (an engine or worker death) ends them all with that exception, and so
-        does a limit of ``deadlines`` (``RequestTimeoutError``, counted in the metrics)."""
+        does a limit of ``deadlines`` (``RequestTimeoutError``, counted in the metrics).
+        ``lora_request``: the adapter its choices run through (None: the base model)."""
         queue: asyncio.Queue = asyncio.Queue()
-        return self._outputs(self._add(request_id, prompt, params, queue), queue, deadlines)
+        return self._outputs(self._add(request_id, prompt, params, queue, lora_request), queue, deadlines)
 
     async def _outputs(self, requests: list, queue: asyncio.Queue,
                        deadlines: Deadlines | None) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -307,11 +310,16 @@ class AsyncLLM:
         finally:
             await stream.aclose()
 
-    def _add(self, request_id: str, prompt: PreparedPrompt, params, queue: asyncio.Queue) -> list:
+    def _add(self, request_id: str, prompt: PreparedPrompt, params, queue: asyncio.Queue,
+             lora_request: LoRARequest | None = None) -> list:
         if self.dead_reason is not None:
             self.release(prompt)
             raise EngineDeadError()
-        requests, _ = self.processor.make_requests(request_id, prompt, params)
+        try:
+            requests, _ = self.processor.make_requests(request_id, prompt, params, lora_request)
+        except InvalidRequestError:
+            self.release(prompt)
+            raise
         now = time.monotonic()
         for index, request in enumerate(requests):
             self._tracked[request.request_id] = _Tracked(queue, index, now)

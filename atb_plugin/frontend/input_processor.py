@@ -30,6 +30,8 @@ from atb_plugin.engine.sampling_params import SamplingParams
 from atb_plugin.frontend.errors import InvalidRequestError, RequestError
 from atb_plugin.frontend.input_bounds import check_text_fits, text_chars
 from atb_plugin.frontend.parallel_sampling import ParentRequest, fans_out
+from atb_plugin.lora.peft import LoRAError, inspect_adapter
+from atb_plugin.lora.request import LoRARequest
 from atb_plugin.pooling import inputs as pooling_inputs
 from atb_plugin.pooling.params import PoolingParams
 
@@ -193,6 +195,7 @@ class InputProcessor:
         self.eos_token_ids = tuple(router.eos_token_ids)
         self.generation_defaults, self.unusable_generation_defaults = \
             generation_defaults_from_config(router.generation_config)
+        self._checked_loras: set[tuple[int, str]] = set()  # adapters found servable (check_lora)
 
     @property
     def tokenizer(self):
@@ -384,18 +387,40 @@ class InputProcessor:
 
     # -- EngineCoreRequests ----------------------------------------------------------------------
 
-    def make_requests(self, request_id: str, prompt: PreparedPrompt,
-                      params: SamplingParams | PoolingParams) -> tuple[list[EngineCoreRequest], ParentRequest | None]:
+    def check_lora(self, lora_request: LoRARequest | None) -> None:
+        """``InvalidRequestError`` unless the engine serves LoRA and the adapter fits the base
+        model (``lora.peft.inspect_adapter``: its files, ranks, target modules, shapes); an
+        adapter is read once per id and path."""
+        if lora_request is None:
+            return
+        if not isinstance(lora_request, LoRARequest):
+            raise InvalidRequestError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}",
+                                      param="lora_request")
+        if not self.config.enable_lora:
+            raise InvalidRequestError("this engine serves no LoRA adapters: start it with enable_lora=True "
+                                      "(--enable-lora)", param="lora_request")
+        if lora_request.key not in self._checked_loras:
+            try:
+                inspect_adapter(lora_request.lora_path, self.config.checkpoint_config(), self.config.max_lora_rank)
+            except LoRAError as error:
+                raise InvalidRequestError(f"LoRA adapter {lora_request.lora_name!r}: {error}",
+                                          param="lora_request") from None
+            self._checked_loras.add(lora_request.key)
+
+    def make_requests(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams | PoolingParams,
+                      lora_request: LoRARequest | None = None) -> tuple[list[EngineCoreRequest], ParentRequest | None]:
         """The engine requests of one prompt: one, or with n > 1 one per choice (ids
         ``parallel_sampling.child_request_id``, seeds seed + i), all reading the prompt's
-        segments; the ``ParentRequest`` merges the choices back (None without fan-out)."""
+        segments and running through ``lora_request``'s adapter (checked: ``check_lora``); the
+        ``ParentRequest`` merges the choices back (None without fan-out)."""
+        self.check_lora(lora_request)
         parent = ParentRequest(request_id, params) if fans_out(params) else None
         children = parent.children if parent is not None else [(request_id, params)]
         instances = (prompt.shm_instance,) if prompt.shm_instance else ()
         pooling = isinstance(params, PoolingParams)
         return [EngineCoreRequest(child_id, list(prompt.ids), None if pooling else child_params, self.eos_token_ids,
                                   instances, pooling_params=child_params if pooling else None,
-                                  token_type_start=prompt.token_type_start)
+                                  token_type_start=prompt.token_type_start, lora_request=lora_request)
                 for child_id, child_params in children], parent
 
     def score_mode(self, activation: bool | None = None) -> tuple[str, PoolingParams]:

@@ -25,6 +25,7 @@ from atb_plugin.frontend.input_processor import (InputLimits, InputProcessor, Le
                                                  pooled_data)
 from atb_plugin.frontend.output_processor import CompletionOutput, RequestOutput
 from atb_plugin.frontend.request_tracker import RequestTracker
+from atb_plugin.lora.request import LoRARequest
 from atb_plugin.pooling import inputs as pooling_inputs
 from atb_plugin.pooling.outputs import (ClassificationRequestOutput, EmbeddingRequestOutput, PoolingRequestOutput,
                                         ScoringOutput, ScoringRequestOutput, cosine_similarity)
@@ -84,12 +85,12 @@ class LLMEngine:
         return PreparedPrompt(list(ids), Lease(request_id), self.shm_store.instance_id, token_type_start)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
-                    prompt=None, token_type_start: int | None = None):
-        """Queue one prompt's request(s) (n > 1: its children); returns the ``ParentRequest``
-        that merges their choices, or None. The prompt's segments (leased to ``request_id``)
-        are released when the last of them ends."""
+                    prompt=None, token_type_start: int | None = None, lora_request: LoRARequest | None = None):
+        """Queue one prompt's request(s) (n > 1: its children), through ``lora_request``'s adapter
+        when given; returns the ``ParentRequest`` that merges their choices, or None. The
+        prompt's segments (leased to ``request_id``) are released when the last of them ends."""
         requests, parent = self.input_processor.make_requests(
-            request_id, self.prepared(request_id, prompt_token_ids, token_type_start), params)
+            request_id, self.prepared(request_id, prompt_token_ids, token_type_start), params, lora_request)
         self.tracker.add(requests, prompt, Lease(request_id))
         return parent
 
@@ -151,17 +152,21 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         return self.input_processor.default_sampling_params()
 
-    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+        """``lora_request``: one adapter for every prompt, or a list of them (None: the base
+        model), one per prompt (the engine needs ``enable_lora=True``)."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict)))
         if not single and not (isinstance(prompts, (list, tuple)) and prompts):
             raise ValueError(f"prompts must be a string, a list of token ids, a list of MindIE items, or a "
                              f"non-empty list of those; got {type(prompts).__name__}")
         prompts = [prompts] if single else list(prompts)
-        return self._run(prompts, sampling_params, self.input_processor.prompt_ids)
+        return self._run(prompts, sampling_params, self.input_processor.prompt_ids, lora_request)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
-             tools: list | None = None, mm_processor_kwargs: dict | None = None) -> list[RequestOutput]:
+             tools: list | None = None, mm_processor_kwargs: dict | None = None,
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """One conversation or a list of them, through the checkpoint's chat template (with
         ``chat_template_kwargs`` and ``tools`` as the server's chat route passes them)."""
         if not isinstance(messages, (list, tuple)) or not messages:
@@ -172,7 +177,8 @@ class LLM:
             raise ValueError("each conversation must be a non-empty list of message dicts")
         return self._run(conversations, sampling_params, functools.partial(
             self.input_processor.chat_ids, add_generation_prompt=add_generation_prompt,
-            chat_template_kwargs=chat_template_kwargs, tools=tools, mm_processor_kwargs=mm_processor_kwargs))
+            chat_template_kwargs=chat_template_kwargs, tools=tools, mm_processor_kwargs=mm_processor_kwargs),
+            lora_request)
 
     # -- pooling ---------------------------------------------------------------------------------
 
@@ -241,15 +247,22 @@ class LLM:
             pooled_data(output)  # a failed one raises
         return outputs
 
-    def _run(self, prompts, params_list, to_ids) -> list:
+    def _run(self, prompts, params_list, to_ids, lora_requests=None) -> list:
         """Add every prompt (``to_ids(prompt, request_id)`` -> ids, or ``(ids, token_type_start)``)
-        with its params and step until all finished; returns their final outputs in order. A
-        prompt with ``n > 1`` runs as n child requests merged into one output (parallel_sampling)."""
+        with its params (and adapter) and step until all finished; returns their final outputs in
+        order. A prompt with ``n > 1`` runs as n child requests merged into one output
+        (parallel_sampling)."""
         if params_list is None or isinstance(params_list, SamplingParams):
             params_list = [params_list or self.get_default_sampling_params()] * len(prompts)
         if not isinstance(params_list, (list, tuple)) or len(params_list) != len(prompts):
             raise ValueError(f"params must be one SamplingParams / PoolingParams or a list of them, one per "
                              f"prompt ({len(prompts)})")
+        if not isinstance(lora_requests, (list, tuple)):
+            lora_requests = [lora_requests] * len(prompts)
+        elif len(lora_requests) != len(prompts):
+            raise ValueError(f"lora_request must be one LoRARequest or a list of them, one per prompt ({len(prompts)})")
+        for lora in dict.fromkeys(lora_requests):  # each adapter checked before anything is queued
+            self.input_processor.check_lora(lora)
         kind = PoolingParams if isinstance(params_list[0], PoolingParams) else SamplingParams
         if not all(isinstance(p, kind) for p in params_list):
             raise ValueError(f"params must all be {kind.__name__}s, one per prompt")
@@ -262,7 +275,7 @@ class LLM:
         added: list[str] = []  # the engine's request ids (a parent's children in its place)
         finished: dict[str, RequestOutput] = {}
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, lora in zip(prompts, params_list, lora_requests):
                 request_id = str(next(self._ids))
                 try:
                     ids = to_ids(prompt, request_id)
@@ -276,7 +289,7 @@ class LLM:
                     processor.release(request_id)  # segments the builder made before failing
                     raise
                 order.append(request_id)
-                parent = engine.add_request(request_id, ids, params, prompt, token_type_start)
+                parent = engine.add_request(request_id, ids, params, prompt, token_type_start, lora)
                 if parent is not None:
                     parents[request_id] = parent
                 added += parent.child_ids if parent is not None else [request_id]

@@ -45,6 +45,8 @@ from atb_plugin.frontend.errors import RequestError
 from atb_plugin.frontend.input_processor import InputLimits, PreparedPrompt, validate_client_token_ids
 from atb_plugin.frontend.output_processor import RequestOutput
 from atb_plugin.frontend.tokenizer_pool import WorkerSettings
+from atb_plugin.lora import LoRAError, LoRARequest
+from atb_plugin.lora.registry import LoRAModule, ServedAdapters
 from atb_plugin.server import protocol, tool_parsers
 from atb_plugin.server.config import ServerConfig
 from atb_plugin.server.dialects import ChatDialect, ChatOptions, CompletionDialect, usage_of
@@ -79,6 +81,13 @@ class Service:
         self.config = config
         self.metrics = ServerMetrics(config.served_model_name, config.engine.max_model_len,
                                      config.engine.data_parallel_size)
+        # The LoRA adapters served by name (docs/lora.md): --lora-modules now (a bad one stops the
+        # start-up), runtime loads later.
+        engine = config.engine
+        self.adapters = ServedAdapters(engine.checkpoint_config(), engine.max_lora_rank, config.served_model_name,
+                                       reserved=(engine.model,))
+        for module in config.lora_modules:
+            self.adapters.add(module)
         settings = WorkerSettings(config.engine, config.media_config(), config.chat_template)
         self.llm = AsyncLLM(config.engine, settings, num_workers=config.tokenizer_workers,
                             shm_budget_bytes=config.shm_budget_bytes,
@@ -432,6 +441,7 @@ class Generation:
     start: float
     model_name: str
     token_text: Callable[[int], str]
+    lora_request: LoRARequest | None = None  # the adapter `model` named (None: the base model)
 
 
 async def admit_generation(raw: Request, model_cls, prefix: str) -> Generation:
@@ -441,8 +451,9 @@ async def admit_generation(raw: Request, model_cls, prefix: str) -> Generation:
     service = service_of(raw)
     req, llm, request_id = await admit(raw, model_cls, prefix)
     check_generates(service)
-    return Generation(req, llm, request_id, start, service.config.served_model_name,
-                      lambda token_id: service.tokenizer.decode([token_id]))
+    lora = service.adapters.get(req.model)
+    return Generation(req, llm, request_id, start, lora.lora_name if lora else service.config.served_model_name,
+                      lambda token_id: service.tokenizer.decode([token_id]), lora)
 
 
 async def respond(raw: Request, generation: Generation, make_dialect, prompt: PreparedPrompt, structured=None):
@@ -457,13 +468,14 @@ async def respond(raw: Request, generation: Generation, make_dialect, prompt: Pr
         raise
     dialect = make_dialect(params.n)
     limits = deadlines(service_of(raw).config, req, start)
+    lora = generation.lora_request
     if not req.stream:
-        outputs = await until_answered(raw, last_outputs(llm.generate(request_id, prompt, params, limits)))
+        outputs = await until_answered(raw, last_outputs(llm.generate(request_id, prompt, params, limits, lora)))
         failed = next((o for o in outputs if o.outputs[0].finish_reason == "error"), None)
         if failed is not None:
             raise APIError(500, f"the request failed: {failed.error}")
         return JSONResponse(dialect.response(outputs).model_dump(exclude_none=True))
-    choices = llm.generate(request_id, prompt, params, limits)
+    choices = llm.generate(request_id, prompt, params, limits, lora)
 
     async def events():
         for chunk in dialect.first_chunks():
@@ -521,7 +533,44 @@ async def models(raw: Request):
     # vLLM's path: where the checkpoint lies is this machine's business.
     card = protocol.ModelCard(id=config.served_model_name, root=config.served_model_name,
                               max_model_len=config.engine.max_model_len)
-    return JSONResponse(protocol.ModelList(data=[card]).model_dump(exclude_none=True))
+    # Each LoRA adapter as vLLM lists it: its own card, `parent` the base model's.
+    cards = [card] + [protocol.ModelCard(id=lora.lora_name, root=lora.lora_name, parent=lora.base_model_name,
+                                         max_model_len=config.engine.max_model_len)
+                      for lora in service_of(raw).adapters]
+    return JSONResponse(protocol.ModelList(data=cards).model_dump(exclude_none=True))
+
+
+def _runtime_lora(raw: Request):
+    service = service_of(raw)
+    if not service.config.allow_runtime_lora_updating:
+        raise APIError(404, "runtime LoRA updating is off: start the server with --allow-runtime-lora-updating (or "
+                            "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True) and --enable-lora")
+    return service
+
+
+@routes.post("/v1/load_lora_adapter")
+async def load_lora_adapter(raw: Request):
+    """vLLM's route: ``{"lora_name", "lora_path"}``; the path must lie under --allowed-lora-dir."""
+    service = _runtime_lora(raw)
+    req = await parse(raw, protocol.LoadLoRAAdapterRequest)
+    try:
+        # The adapter's files are read off the event loop (a large header or a slow disk).
+        await asyncio.to_thread(service.adapters.add, LoRAModule(req.lora_name, req.lora_path, req.base_model_name),
+                                service.config.allowed_lora_dirs)
+    except LoRAError as error:
+        raise APIError(400, str(error), param="lora_path") from None
+    return Response(f"Success: LoRA adapter '{req.lora_name}' added successfully.", media_type="text/plain")
+
+
+@routes.post("/v1/unload_lora_adapter")
+async def unload_lora_adapter(raw: Request):
+    service = _runtime_lora(raw)
+    req = await parse(raw, protocol.UnloadLoRAAdapterRequest)
+    try:
+        service.adapters.remove(req.lora_name)
+    except KeyError as error:
+        raise APIError(404, error.args[0], param="lora_name") from None
+    return Response(f"Success: LoRA adapter '{req.lora_name}' removed successfully.", media_type="text/plain")
 
 
 @routes.get("/metrics")

@@ -118,6 +118,20 @@ def _compilation_config(text: str) -> dict:
                         '{"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes": [1, 2, 4, 8]}')
 
 
+def _lora_module(text: str):
+    from atb_plugin.lora.registry import LoRAModule
+
+    try:
+        return LoRAModule.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def runtime_lora_updating(flag: bool) -> bool:
+    """--allow-runtime-lora-updating, or vLLM's environment variable saying the same."""
+    return flag or os.environ.get("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "").strip().lower() in ("1", "true")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="atb-plugin serve", description="OpenAI-compatible server (vLLM's routes).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -187,6 +201,19 @@ def build_parser() -> argparse.ArgumentParser:
     add("-sc", "--speculative-config", type=_speculative_config, metavar="JSON",
         help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
              "(optional prompt_lookup_min / prompt_lookup_max; docs/speculative.md)")
+    add("--enable-lora", action="store_true",
+        help="serve LoRA adapters over the model (docs/lora.md): --lora-modules, or loaded at run time")
+    add("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
+        help="adapters served by name (a request picks one by `model`): name=path, or JSON "
+             "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}'")
+    add("--max-loras", type=int, default=1, help="distinct adapters in one step (their device slots)")
+    add("--max-lora-rank", type=int, default=16, help="the largest adapter rank served (the slots' size)")
+    add("--max-cpu-loras", type=int, default=None, help="adapters kept in host memory (default: --max-loras)")
+    add("--allow-runtime-lora-updating", action="store_true",
+        help="POST /v1/load_lora_adapter and /v1/unload_lora_adapter (also on with vLLM's environment "
+             "variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); paths under --allowed-lora-dir only")
+    add("--allowed-lora-dir", action="append", default=[], metavar="DIR",
+        help="a directory adapters may be loaded from at run time; repeatable")
     add("--enforce-eager", action="store_true",
         help="always run the eager forward: no captured decode step (NPU / CUDA: no decode graphs; on the "
              "CPU with the native kernels no captured plan; same tokens, more host time), i.e. cudagraph_mode NONE")
@@ -397,7 +424,9 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                           data_parallel_size=values["data_parallel_size"], runner=values["runner"],
                           convert=values["convert"], hf_overrides=values["hf_overrides"],
                           speculative_config=values["speculative_config"],
-                          compilation_config=values["compilation_config"])
+                          compilation_config=values["compilation_config"], enable_lora=values["enable_lora"],
+                          max_loras=values["max_loras"], max_lora_rank=values["max_lora_rank"],
+                          max_cpu_loras=values["max_cpu_loras"])
     _check_mm_modality(parser, values["limit_mm_per_prompt"], engine)
     changes = {}  # applied in one replace: each one validates the whole config again
     videos = _video_limit(parser, values["limit_mm_per_prompt"], engine)
@@ -425,7 +454,9 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
         log_level=values["log_level"], max_parallel_samples=values["max_parallel_samples"],
         enable_auto_tool_choice=values["enable_auto_tool_choice"], tool_call_parser=values["tool_call_parser"],
         reasoning_parser=values["reasoning_parser"], request_timeout=values["request_timeout"],
-        token_timeout=values["token_timeout"],
+        token_timeout=values["token_timeout"], lora_modules=tuple(values["lora_modules"]),
+        allow_runtime_lora_updating=runtime_lora_updating(values["allow_runtime_lora_updating"]),
+        allowed_lora_dirs=tuple(values["allowed_lora_dir"]),
         tls=TLSSettings(certfile=values["ssl_certfile"], keyfile=values["ssl_keyfile"],
                         keyfile_password_file=values["ssl_keyfile_password_file"],
                         ca_certs=tuple(values["ssl_ca_certs"]), cert_reqs=values["ssl_cert_reqs"],

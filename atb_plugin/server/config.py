@@ -91,6 +91,12 @@ class ServerConfig:
     tls: TLSSettings = field(default_factory=TLSSettings)
     request_timeout: float | None = None
     token_timeout: float | None = None
+    # LoRA adapters served by name (--lora-modules: lora.registry.LoRAModule), runtime loading and
+    # unloading (--allow-runtime-lora-updating / VLLM_ALLOW_RUNTIME_LORA_UPDATING), and the
+    # directories runtime loads may read (docs/lora.md).
+    lora_modules: tuple = ()
+    allow_runtime_lora_updating: bool = False
+    allowed_lora_dirs: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.served_model_name is None:
@@ -117,6 +123,8 @@ class ServerConfig:
                                       or not 0 < value < float("inf")):
                 raise ValueError(f"--{name.replace('_', '-')} = {value!r}: must be a number of seconds > 0")
         check_tls(self.tls, self.api_key)
+        if (self.lora_modules or self.allow_runtime_lora_updating) and not self.engine.enable_lora:
+            raise ValueError("--lora-modules / runtime LoRA updating need --enable-lora")
         if self.shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout = {self.shutdown_timeout}: must be >= 0")
         object.__setattr__(self, "allowed_local_media_paths", tuple(self.allowed_local_media_paths))

@@ -83,8 +83,10 @@ async def parse(raw: Request, model_cls):
         raise APIError(400, message, param=param) from None
     except ValueError as error:
         raise APIError(400, str(error), param=getattr(error, "param", None)) from None
-    config = service_of(raw).config
-    if req.model is not None and req.model not in (config.served_model_name, config.engine.model):
+    service = service_of(raw)
+    config = service.config
+    if req.model is not None and req.model not in (config.served_model_name, config.engine.model) \
+            and req.model not in service.adapters:  # a LoRA adapter's name picks it (docs/lora.md)
         raise APIError(404, f"The model `{req.model}` does not exist. This server serves "
                             f"`{config.served_model_name}`.", param="model")
     return req

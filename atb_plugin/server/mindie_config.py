@@ -24,6 +24,9 @@ So a MindIE deployment can switch over with its existing config file. Mapped fie
                                                            request's output at it: the same
                                                            rule as generation_config's
                                                            max_new_tokens)
+    ...ModelDeployConfig.LoraModules                    -> enable_lora, lora_modules (each
+      [{"name", "path", "baseModelName"}]                  entry an adapter served by name;
+                                                           docs/lora.md)
     ServerConfig.e2eTimeout / tokenTimeout (seconds)    -> request_timeout / token_timeout
     ServerConfig.httpsEnabled                           -> require_https: with it true, a missing
                                                            certificate is a start-up error; absent,
@@ -201,6 +204,7 @@ _MODEL_DEPLOY: dict[str, Any] = {
     "maxInputTokenLen": Flag("max_input_tokens", _positive),
     "truncation": Neutral(_is_false, "over-long inputs are refused, not truncated", _bool),
     "ModelConfig": Custom("_model_config"),
+    "LoraModules": Custom("_lora_modules"),
 }
 
 _SCHEDULE: dict[str, Any] = {
@@ -347,6 +351,24 @@ class _Mapper:
             crl.append(path(tls["tlsCrl"]))
         if crl:
             flags["ssl_crl"] = crl
+
+    def _lora_modules(self, path: str, value) -> None:
+        """``[{"name", "path", "baseModelName"}]`` -> enable_lora and lora_modules (paths relative
+        to the config file's folder)."""
+        from atb_plugin.lora.registry import LoRAModule
+
+        if not isinstance(value, list):
+            raise ValueError(f"{path} must be a list of {{\"name\", \"path\"}} objects, got {_type_name(value)}")
+        modules = []
+        for index, entry in enumerate(value):
+            if not isinstance(entry, dict) or not entry.get("name") or not entry.get("path"):
+                raise ValueError(f"{path}[{index}] must be an object with \"name\" and \"path\", got {entry!r}")
+            modules.append(LoRAModule(_text(f"{path}[{index}].name", entry["name"]),
+                                      str(self.base_dir / _text(f"{path}[{index}].path", entry["path"])),
+                                      entry.get("baseModelName")))
+        if modules:
+            self.out.flags["enable_lora"] = True
+            self.out.flags["lora_modules"] = modules
 
     def _model_config(self, path: str, value) -> None:
         if not isinstance(value, list) or not value:

@@ -1055,6 +1055,21 @@ class ModelCard(OpenAIBaseModel):
     permission: list[ModelPermission] = Field(default_factory=list)
 
 
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    """vLLM's POST /v1/load_lora_adapter body (docs/lora.md)."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    base_model_name: str | None = None
+    model: str | None = None
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None
+    model: str | None = None
+
+
 class ModelList(OpenAIBaseModel):
     object: str = "list"
     data: list[ModelCard] = Field(default_factory=list)
