@@ -59,16 +59,26 @@ class RotaryEmbedding:
             for row in (1, 2):
                 rows[row:3 * self.mrope_section[row]:3] = row
             self.mrope_rows = rows
+        # The tables per device, copied once: a copy from host memory on every step costs a
+        # transfer, and inside a CUDA / ACL graph capture it is illegal (the eager warm-up before
+        # each capture fills this).
+        self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor | None]] = {}
+
+    def _tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tables = self._on_device.get(device)
+        if tables is None:
+            rows = self.mrope_rows.to(device) if self.mrope_rows is not None else None
+            tables = self._on_device[device] = (self.inv_freq.to(device), rows)
+        return tables
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``positions`` ``(T,)``, or ``(3, T)`` with M-RoPE. Returns cos, sin ``(T, head_dim)``."""
-        inv_freq = self.inv_freq.to(positions.device)
+        inv_freq, rows = self._tables(positions.device)
         freqs = positions.float().unsqueeze(-1) * inv_freq  # (..., T, head_dim / 2)
         if self.mrope_section is not None:
             if positions.dim() == 1:
                 freqs = freqs.expand(3, *freqs.shape)
-            if self.mrope_rows is not None:
-                rows = self.mrope_rows.to(freqs.device)
+            if rows is not None:
                 freqs = freqs.gather(0, rows.expand(1, *freqs.shape[1:])).squeeze(0)
             else:
                 bands = freqs.split(self.mrope_section, dim=-1)
