@@ -10,8 +10,8 @@ token), medians over ``--runs``. Last line: JSON with both sides' medians, the r
 the tokens are equal.
 
 Needs CUDA or an Ascend NPU (``--device``; auto picks what is there); on the CPU it exits with a
-message, since the CPU's captured step is measured by bench_decode_capture.py. Not run yet: no
-GPU or NPU was lent while graph mode was built (benchmarks/RESULTS.md says so).
+message, since the CPU's captured step is measured by bench_decode_capture.py. What ran on a
+GPU so far: benchmarks/RESULTS.md.
 
     python benchmarks/bench_graph.py [--runs 3] [--tokens 64] [--batches 1 8 32] [--device auto]
 """
@@ -73,7 +73,10 @@ def main() -> None:
     report = {"device": platform.name, "runs": args.runs, "tokens": args.tokens, "models": {}}
     for name, path in (("SmolLM2-135M-Instruct", default_model_dir()),
                        ("Qwen2.5-0.5B-shaped random", qwen2_5_shaped_checkpoint())):
+        # An explicit KV cache size per side: the profile's peak is the process's, so a second LLM
+        # at the default gpu_memory_utilization would find the first one's cache counted against it.
         llms = {side: LLM(str(path), device=args.device, max_num_seqs=max(args.batches), enforce_eager=side == "eager",
+                          kv_cache_bytes=2 << 30,
                           compilation_config=None if side == "eager" else {"cudagraph_mode": "FULL_DECODE_ONLY"})
                 for side in SIDES}
         print(f"{name}: decode step {llms['graphs'].engine.client.core.runner.decode_capture}", flush=True)
