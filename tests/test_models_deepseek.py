@@ -374,3 +374,80 @@ def test_npu_path_equals_cpu_path_in_bfloat16_at_tiny_sizes(family):
     calls = check_simulated_npu(ours, prompt(40, ours.config.vocab_size, seed=12), torch.bfloat16, NPU_MODEL_TOL)
     assert calls.get("npu_moe_gating_top_k") and calls.get("npu_rotary_mul") and calls.get("npu_rms_norm")
     assert not calls.get("npu_kv_rmsnorm_rope_cache")
+
+
+# ------------------------------------------------------------------------------------------------
+# Through the service (the V3-like checkpoint, its MTP layer in the files)
+
+
+@pytest.fixture(scope="module")
+def server(serve):
+    with serve(tiny_checkpoint("deepseek_v3"), "--max-model-len", "256") as server:
+        yield server
+
+
+@pytest.mark.slow
+def test_server_greedy_equals_transformers_generate(server):
+    """Completions (the prompt's ids) against transformers' generate, text for text; a chat turn
+    through DeepSeek's template against the offline engine."""
+    from atb_plugin import LLM, SamplingParams
+    from routers import get_router
+
+    client = server.client()
+    name = client.models.list().data[0].id
+    router = get_router(tiny_checkpoint("deepseek_v3"))
+    prompt_ids = [router.tokenize(p) for p in PROMPTS[:2]]
+    expected = reference_greedy(pair("deepseek_v3")[1], prompt_ids, 10)
+    for text, tokens in zip(PROMPTS[:2], expected):
+        reply = client.completions.create(model=name, prompt=text, max_tokens=10, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert reply.choices[0].text == router.tokenizer.decode(tokens, skip_special_tokens=True)
+    messages = [{"role": "user", "content": "The quick brown fox jumps over the lazy dog"}]
+    chat = client.chat.completions.create(model=name, messages=messages, max_tokens=10, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    with LLM(tiny_checkpoint("deepseek_v3"), block_size=16, max_model_len=256) as offline:
+        offline_chat = offline.chat(messages, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    assert chat.choices[0].message.content == offline_chat.outputs[0].text
+    assert chat.usage.prompt_tokens == len(offline_chat.prompt_token_ids)
+    assert offline_chat.prompt_token_ids[0] == 0 and offline_chat.prompt_token_ids[-1] == router.tokenizer.convert_tokens_to_ids(
+        "<｜Assistant｜>")
+
+
+# ------------------------------------------------------------------------------------------------
+# Tensor parallelism (rank processes), expert parallelism
+
+
+TP_GREEDY = dict(temperature=0, max_tokens=16, ignore_eos=True, logprobs=5)
+
+
+def tp_generate(family: str, tp: int, expert_parallel: bool) -> dict:
+    from atb_plugin import LLM, SamplingParams
+    from tests.test_tensor_parallel import PROMPTS as TP_PROMPTS
+
+    with LLM(tiny_checkpoint(family), tensor_parallel_size=tp, enable_expert_parallel=expert_parallel,
+             block_size=16, kv_cache_blocks=12) as llm:
+        return {"outputs": llm.generate(TP_PROMPTS, SamplingParams(**TP_GREEDY)),
+                "weight_bytes": list(llm.engine.core.executor.weight_bytes)}
+
+
+@pytest.fixture(scope="module")
+def tp_generated():
+    from tests.test_tensor_parallel import Memo
+
+    return Memo(tp_generate)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family, expert_parallel", [("deepseek_v3", False), ("deepseek_v3", True),
+                                                     ("deepseek_v2_lite", True)],
+                         ids=["v3-tp2", "v3-tp2-ep", "v2_lite-tp2-ep"])
+def test_tp2_generates_as_tp1(family, expert_parallel, tp_generated):
+    """Query heads split over 2 ranks (the latent projections and cache replicated), experts
+    sliced (plain TP) or 4 whole experts a rank (EP), shared experts sliced like a dense MLP:
+    TP = 1's greedy tokens and logprobs."""
+    from tests.test_tensor_parallel import assert_same_answers
+
+    tp1, tp2 = tp_generated(family, 1, False), tp_generated(family, 2, expert_parallel)
+    for got, expected in zip(tp2["outputs"], tp1["outputs"]):
+        assert_same_answers(got, expected, f"{family} tp2 ep={expert_parallel}: {expected.prompt}")
+    assert len(tp2["weight_bytes"]) == 2 and max(tp2["weight_bytes"]) < tp1["weight_bytes"][0]
