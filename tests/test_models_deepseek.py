@@ -18,6 +18,7 @@ and per-channel int8 weights move logits by ~0.1 here).
 from __future__ import annotations
 
 import functools
+import json
 import re
 
 import pytest
@@ -451,3 +452,56 @@ def test_tp2_generates_as_tp1(family, expert_parallel, tp_generated):
     for got, expected in zip(tp2["outputs"], tp1["outputs"]):
         assert_same_answers(got, expected, f"{family} tp2 ep={expert_parallel}: {expected.prompt}")
     assert len(tp2["weight_bytes"]) == 2 and max(tp2["weight_bytes"]) < tp1["weight_bytes"][0]
+
+
+# ------------------------------------------------------------------------------------------------
+# W8A8 dynamic
+
+
+def test_w8a8_dynamic_on_the_linears(tmp_path):
+    """``quantization="w8a8"`` on the float checkpoint and the msModelSlim W8A8_DYNAMIC export of
+    it: the same int8 weights in the same layers (the attention's projections and the dense MLP;
+    the latent up-projection, router and experts float), logits within 15 % of the float model's
+    (tests/test_quantization_loading.py's bound for random tiny weights) on at least 80 % of the
+    rows: int8 activation noise flips a near-tied routing choice on a few (the bfloat16 story
+    of the simulated-NPU tests), which moves those rows wholesale."""
+    from atb_plugin.models.quantization.export import export
+    from atb_plugin.models.quantization.layers import QuantLinear
+    from atb_plugin.testing.sequence import chunked_logits
+
+    path = tiny_checkpoint("deepseek_v3")
+    float_model, _ = pair("deepseek_v3")
+    on_the_fly = type(float_model).from_pretrained(path, quantization="w8a8")
+    export(path, tmp_path / "w8a8", "w8a8_dynamic")
+    exported = type(float_model).from_pretrained(tmp_path / "w8a8")
+    quantized = {name.rpartition(".")[2] for name, m in exported.named_modules() if isinstance(m, QuantLinear)}
+    assert quantized == {"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj", "gate_up_proj", "down_proj"}
+    assert not any(isinstance(m, QuantLinear) for m in exported.model.layers[1].mlp.modules())
+    ids = prompt(30, float_model.config.vocab_size)
+    reference = chunked_logits(float_model, ids)
+    got = chunked_logits(exported, ids)
+    assert torch.equal(got, chunked_logits(on_the_fly, ids))
+    row_error = (got - reference).abs().amax(-1) / reference.abs().max()
+    assert float((row_error < 0.15).float().mean()) >= 0.8 and float(row_error.median()) < 0.05, row_error
+
+
+def test_int8_experts_are_refused_with_a_clear_error(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from atb_plugin.models.quantization.config import QuantizationError
+    from atb_plugin.models.quantization.export import export
+
+    out = tmp_path / "w8a8"
+    export(tiny_checkpoint("deepseek_v3"), out, "w8a8_dynamic")
+    description_path = next(out.glob("quant_model_description*.json"))
+    description = json.loads(description_path.read_text())
+    tensors = load_file(out / "model.safetensors")
+    name = "model.layers.1.mlp.experts.0.gate_proj"
+    tensors[name + ".weight"] = torch.zeros(32, 64, dtype=torch.int8)
+    tensors[name + ".weight_scale"], tensors[name + ".weight_offset"] = torch.ones(32, 1), torch.zeros(32, 1)
+    for kind in ("weight", "weight_scale", "weight_offset"):
+        description[f"{name}.{kind}"] = "W8A8_DYNAMIC"
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    description_path.write_text(json.dumps(description))
+    with pytest.raises(QuantizationError, match="routed expert's: the fused MoE op .* float experts only"):
+        type(pair("deepseek_v3")[0]).from_pretrained(out)
