@@ -113,8 +113,16 @@ EXPECTED_FILES["bert_cross_encoder"] = {"config.json", "tokenizer.json", "tokeni
                                         "model.safetensors"}
 
 
+# DeepSeek-V2-Lite-like and V3-like (tests/test_models_deepseek.py checks them against transformers; the
+# V3-like one carries its MTP layer, which transformers reports as unexpected keys, hence not in HF_FAMILIES).
+DEEPSEEK_FAMILIES = ["deepseek_v2_lite", "deepseek_v3"]
+for _family in DEEPSEEK_FAMILIES:
+    EXPECTED_FILES[_family] = EXPECTED_FILES["qwen2"]
+
+
 def test_registry_lists_the_seven_families_and_the_pooling_variants():
-    assert set(FAMILIES) == set(EXPECTED_FILES) == {*HF_FAMILIES, "qwen_vl", *POOLING_VARIANTS, *TEMPLATE_VARIANTS}
+    assert set(FAMILIES) == set(EXPECTED_FILES) == {*HF_FAMILIES, "qwen_vl", *POOLING_VARIANTS, *TEMPLATE_VARIANTS,
+                                                    *DEEPSEEK_FAMILIES}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -228,6 +236,9 @@ NAMED_IDS = {
 NAMED_IDS["qwen2_5_vl"] = NAMED_IDS["qwen2_vl"]
 NAMED_IDS["qwen3"] = NAMED_IDS["qwen3_moe"] = NAMED_IDS["qwen2"] + [("<think>", None), ("</think>", None)]
 NAMED_IDS["qwen2_moe"] = NAMED_IDS["qwen2"]
+NAMED_IDS["deepseek_v2_lite"] = NAMED_IDS["deepseek_v3"] = [
+    ("<｜begin▁of▁sentence｜>", lambda c: c["bos_token_id"]), ("<｜end▁of▁sentence｜>", lambda c: c["eos_token_id"]),
+    ("<｜▁pad▁｜>", None), ("<｜User｜>", None), ("<｜Assistant｜>", None)]
 for _variant, _family in {**POOLING_VARIANTS, **TEMPLATE_VARIANTS}.items():
     NAMED_IDS[_variant] = NAMED_IDS[_family]
 
