@@ -457,13 +457,15 @@ def mla_absorbed_attention(q_latent, q_pe, kv_c_cache, k_pe_cache, metadata, sca
     num_blocks, block_size = kv_c_cache.shape[:2]
     tokens, heads, rank = q_latent.shape
     latents = kv_c_cache.view(num_blocks, block_size, rank)
+    # The step's lengths and int32 block table, once for every layer.
+    lengths, tables = metadata.derived("npu_kernels/mla", q_latent.device, lambda: (
+        metadata.seq_lens_cpu.tolist(), metadata.block_tables.to(q_latent.device, torch.int32).contiguous()))
     out, _ = torch_npu().npu_fused_infer_attention_score(
         q_latent.contiguous().view(tokens, 1, heads, rank), latents, latents,
         query_rope=q_pe.contiguous().view(tokens, 1, heads, -1),
-        key_rope=k_pe_cache.view(num_blocks, block_size, -1),
-        actual_seq_lengths_kv=metadata.seq_lens_cpu.tolist(),
-        block_table=metadata.block_tables.to(torch.int32).contiguous(), num_heads=heads, scale=float(scale),
-        input_layout="BSND", num_key_value_heads=1, sparse_mode=0, block_size=block_size)
+        key_rope=k_pe_cache.view(num_blocks, block_size, -1), actual_seq_lengths_kv=lengths, block_table=tables,
+        num_heads=heads, scale=float(scale), input_layout="BSND", num_key_value_heads=1, sparse_mode=0,
+        block_size=block_size)
     return out.view(tokens, heads, rank)
 
 
