@@ -33,6 +33,7 @@ import json
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -57,6 +58,24 @@ def arguments() -> argparse.Namespace:
     return parser.parse_args()
 
 
+@torch.inference_mode()
+def hf_long(model, ids: list[int], tokens: int, pad_id: int) -> tuple[float, float, list[int], list[float]]:
+    """(TTFT s, decode tok/s, token ids, top-2 logit margin at each step) of transformers' generate
+    after a long prompt: one generate of 1 token (TTFT: the prefill) and one of ``tokens``, the
+    decode rate from their difference (a separate forward for the TTFT, as ``hf_single`` measures
+    it, can take longer than the whole generate at 8k tokens: allocator warm-up)."""
+    inputs = torch.tensor([ids])
+    start = time.perf_counter()
+    model.generate(inputs, max_new_tokens=1, do_sample=False, pad_token_id=pad_id)
+    ttft = time.perf_counter() - start
+    start = time.perf_counter()
+    out = model.generate(inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=pad_id,
+                         output_scores=True, return_dict_in_generate=True)
+    elapsed = time.perf_counter() - start
+    margins = [float(top[0, 0] - top[0, 1]) for top in (score.topk(2, dim=-1).values for score in out.scores)]
+    return ttft, (tokens - 1) / (elapsed - ttft), out.sequences[0, len(ids):].tolist(), margins
+
+
 def build(out: Path, args) -> None:
     build_deepseek_v3(out, seed=0, num_hidden_layers=args.layers, first_k_dense_replace=1, hidden_size=512,
                       intermediate_size=1024, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=256,
@@ -77,6 +96,9 @@ def main() -> None:
         path = Path(scratch)
         build(path, args)
         reference = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        # Our side's ignore_eos decodes through EOS; generate's min_new_tokens would instead ban EOS
+        # (another token where the model picks EOS): without an EOS the two agree.
+        reference.generation_config.eos_token_id = None
         max_len = max(args.long + args.long_tokens, 512)
         llm = LLM(path, max_num_seqs=max(args.batch, 1), num_threads=1, block_size=16, max_model_len=max_len)
         try:
@@ -102,8 +124,8 @@ def main() -> None:
                     first, rate, tokens["ours_long"] = ours_single(llm, long_prompt, args.long_tokens)
                     samples["ours_long"].append(rate)
                     ttft["ours_long"].append(first)
-                    first, rate, tokens["hf_long"] = hf_single(reference, long_prompt, args.long_tokens,
-                                                               tokenizer.pad_token_id)
+                    first, rate, tokens["hf_long"], margins = hf_long(reference, long_prompt, args.long_tokens,
+                                                                      tokenizer.pad_token_id)
                     samples["hf_long"].append(rate)
                     ttft["hf_long"].append(first)
                 print(f"run {run + 1}: " + ", ".join(f"{k} {v[-1]:.1f} tok/s" for k, v in samples.items() if v),
@@ -117,6 +139,9 @@ def main() -> None:
             "batch": sum(a[:16] == b[:16] for a, b in zip(tokens["ours_batch"], tokens["hf_batch"]))}
     if args.long:
         same["long"] = tokens["ours_long"] == tokens["hf_long"]
+        diverge = next((i for i, (a, b) in enumerate(zip(tokens["ours_long"], tokens["hf_long"])) if a != b), None)
+        if diverge is not None:  # a near tie in transformers' own scores, or an error: say which
+            same["long_first_difference"] = {"step": diverge, "hf_top2_margin": round(margins[diverge], 5)}
     print(f"model: {args.layers} layers (1 dense), hidden 512, 8 heads, latent 128 + 16, 64 experts of 128, top-8")
     print(f"single stream: ours {med['ours_single']:.1f} tok/s, transformers {med['hf_single']:.1f}, "
           f"{ratios['single']:.2f}x (same tokens: {same['single']})")
