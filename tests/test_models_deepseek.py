@@ -236,21 +236,21 @@ def test_llm_greedy_equals_transformers_generate(family):
 
 
 def test_mtp_layer_is_built_from_the_checkpoints_layer_after_the_decoder():
-    """``build_mtp_layer(0)``: a sparse DeepSeek layer at index num_hidden_layers, whose tensors are
-    the checkpoint's ``model.layers.2.*`` (the target ignored them); it runs over a latent cache of
-    its own with the target's rotary tables."""
+    """``mtp_decoder_layer(0)``: a sparse DeepSeek layer at index num_hidden_layers, whose tensors
+    are the checkpoint's ``model.layers.2.*`` (the target ignored them); it runs over a latent
+    cache of its own (``make_kv_cache``) with the target's rotary tables."""
     from safetensors.torch import load_file
 
     from atb_plugin.models.deepseek import DeepseekMoE
 
     ours, _ = pair("deepseek_v3")
-    prefix = ours.mtp_layer_prefix(0) + "."
-    assert prefix == "model.layers.2."
+    prefix = f"model.layers.{ours.config.num_hidden_layers}."
     state = load_file(tiny_checkpoint("deepseek_v3") / "model.safetensors")
     mtp = {name[len(prefix):]: t for name, t in state.items() if name.startswith(prefix)}
     assert {"enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight", "shared_head.head.weight",
             "embed_tokens.weight"} <= set(mtp)
-    layer = ours.build_mtp_layer(0)
+    assert not any(name.startswith(prefix) for name, _ in ours.named_parameters())
+    layer = ours.mtp_decoder_layer(0)
     assert isinstance(layer.mlp, DeepseekMoE)
     # every parameter has its checkpoint tensor (the fused gate_up from gate / up, the experts stacked)
     checkpoint_names = {re.sub(r"\b(gate|up)_proj\b", "gate_up_proj", name) for name in mtp}
@@ -258,8 +258,8 @@ def test_mtp_layer_is_built_from_the_checkpoints_layer_after_the_decoder():
     assert own <= checkpoint_names, own - checkpoint_names
     assert {f"mlp.experts.{e}.{p}.weight" for e in range(8) for p in ("gate_proj", "up_proj", "down_proj")} <= set(mtp)
     with pytest.raises(ValueError, match="has 1"):
-        ours.build_mtp_layer(1)
-    cache = layer.self_attn.make_kv_cache(3, 4, torch.float32, "cpu")
+        ours.mtp_decoder_layer(1)
+    cache = layer.make_kv_cache(3, 4, torch.float32, "cpu")
     assert [tuple(t.shape) for t in cache] == [(3, 4, 1, 32), (3, 4, 1, 8)]
 
 

@@ -30,8 +30,8 @@ same RMSNorms, residuals, embedding, LM head and vocabulary-parallel TP; what di
 - **MTP** (``num_nextn_predict_layers``): the checkpoint's next-token layers sit after the
   decoder, ``model.layers.{num_hidden_layers + i}.*`` (a full decoder layer plus ``enorm``,
   ``hnorm``, ``eh_proj``, ``shared_head.{norm,head}``, ``embed_tokens``). The target ignores
-  them; a speculative proposer builds the layer through ``build_mtp_layer(i)`` and its KV cache
-  through the layer's ``self_attn.make_kv_cache`` (docs/models.md, "DeepSeek").
+  them; the speculative method "mtp" builds the layer through ``mtp_decoder_layer(i)`` and its KV
+  cache through the layer's ``make_kv_cache`` (docs/models.md, "DeepSeek").
 
 Tensor parallelism: query heads split (``q_proj`` / ``q_b_proj`` / ``kv_b_proj`` by output rows,
 ``o_proj`` by input columns); ``q_a_proj``, ``kv_a_proj_with_mqa``, the latent norms and the
@@ -289,6 +289,10 @@ class DeepseekDecoderLayer(nn.Module):
 
     forward = DecoderLayer.forward
 
+    def make_kv_cache(self, num_blocks: int, block_size: int, dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This layer's latent cache (an MTP block's: engine/spec_decode/mtp.py asks the layer)."""
+        return self.self_attn.make_kv_cache(num_blocks, block_size, dtype, device)
+
 
 class DeepseekModel(DecoderModel):
     layer_class = DeepseekDecoderLayer
@@ -313,32 +317,28 @@ class DeepseekV2ForCausalLM(ExpertWeightsMixin, DecoderForCausalLM):
 
     def make_kv_caches(self, num_blocks: int, block_size: int, dtype=None, device=None):
         weight = self.model.embed_tokens.weight
-        return [layer.self_attn.make_kv_cache(num_blocks, block_size, dtype or weight.dtype, device or weight.device)
+        return [layer.make_kv_cache(num_blocks, block_size, dtype or weight.dtype, device or weight.device)
                 for layer in self.model.layers]
 
     def capture_decode_step(self, kv_caches, max_rows: int) -> str:
         return "eager: the captured decode step runs the GQA decoder, not multi-head latent attention"
 
-    # -- the MTP hooks (a speculative proposer's; this model never runs them) ---------------------
+    # -- the MTP hook (engine/spec_decode/mtp.py's; this model never runs the block) ----------------
 
-    def mtp_layer_prefix(self, i: int = 0) -> str:
-        """Checkpoint prefix of MTP layer ``i``: ``model.layers.{num_hidden_layers + i}``."""
-        return f"model.layers.{self.config.num_hidden_layers + i}"
-
-    def build_mtp_layer(self, i: int = 0) -> DeepseekDecoderLayer:
-        """A fresh decoder layer for MTP layer ``i`` (sparse or dense as its index says), its
-        linear layers made under the quantization config being built (on the meta device inside
-        ``from_pretrained``'s ``building``); its tensors are ``mtp_layer_prefix(i) + ".<name>"``
-        in the checkpoint, its KV cache ``layer.self_attn.make_kv_cache``, its rotary tables
-        ``self.model.rotary`` and its forward ``layer(hidden, cos, sin, kv_cache, metadata)``."""
-        if not 0 <= i < self.config.num_nextn_predict_layers:
-            raise ValueError(f"MTP layer {i}: the checkpoint has {self.config.num_nextn_predict_layers}")
-        return DeepseekDecoderLayer(self.config, self.config.num_hidden_layers + i, self.mtp_layer_prefix(i))
+    def mtp_decoder_layer(self, index: int) -> "DeepseekDecoderLayer":
+        """A fresh DeepSeek decoder layer for MTP block ``index`` (checkpoint
+        ``model.layers.{num_hidden_layers + index}``; sparse or dense as that index says), its
+        linear layers made under the quantization config being built; run as this model's layers
+        are, ``layer(hidden, cos, sin, kv_cache, metadata)`` with ``model.rotary``'s tables, over
+        its own latent cache (``layer.make_kv_cache``)."""
+        if not 0 <= index < self.config.num_nextn_predict_layers:
+            raise ValueError(f"MTP block {index}: the checkpoint has {self.config.num_nextn_predict_layers}")
+        return DeepseekDecoderLayer(self.config, self.config.num_hidden_layers + index, "layer")
 
     def _own_name(self, name: str) -> str | None:
         match = _LAYER_INDEX.match(name)
         if match and int(match[1]) >= self.config.num_hidden_layers:
-            return IGNORE  # an MTP layer's tensor: the proposer's (build_mtp_layer), not the target's
+            return IGNORE  # an MTP block's tensor: the proposer's (mtp_decoder_layer), not the target's
         return super()._own_name(name)
 
 
