@@ -47,15 +47,38 @@ from atb_plugin import LLM  # noqa: E402
 from atb_plugin.testing.tiny import build_deepseek_v3  # noqa: E402
 
 
+# --flag: (default, help); every flag an int
+FLAGS = {
+    "runs": (1, "interleaved runs (medians)"),
+    "tokens": (128, "tokens per request, single stream and batch"),
+    "batch": (32, "batched requests"),
+    "layers": (4, "decoder layers (the first dense)"),
+    "long": (8192, "prompt tokens of the long-context decode (0: skip)"),
+    "long-tokens": (32, "tokens decoded after the long prompt"),
+}
+
+
 def arguments() -> argparse.Namespace:
+    """The flags, parsed; torch set to one thread and seeded, as every engine-speed claim here is
+    measured."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=1)
-    parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--long", type=int, default=8192, help="prompt tokens of the long-context decode (0: skip)")
-    parser.add_argument("--long-tokens", type=int, default=32, help="tokens decoded after the long prompt")
-    return parser.parse_args()
+    for flag, (default, text) in FLAGS.items():
+        parser.add_argument(f"--{flag}", type=int, default=default, help=f"{text} (default {default})")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    return args
+
+
+def reference_model(path: Path):
+    """transformers' model of the checkpoint, float32. Our side's ignore_eos decodes through EOS;
+    generate's min_new_tokens would instead ban EOS (another token where the model picks EOS), so
+    its generation config loses the EOS and the two agree."""
+    import transformers
+
+    model = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model
 
 
 @torch.inference_mode()
@@ -88,17 +111,10 @@ def build(out: Path, args) -> None:
 
 def main() -> None:
     args = arguments()
-    torch.set_num_threads(1)
-    torch.manual_seed(0)
-    import transformers
-
     with tempfile.TemporaryDirectory(prefix="bench-deepseek-") as scratch:
         path = Path(scratch)
         build(path, args)
-        reference = transformers.DeepseekV3ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-        # Our side's ignore_eos decodes through EOS; generate's min_new_tokens would instead ban EOS
-        # (another token where the model picks EOS): without an EOS the two agree.
-        reference.generation_config.eos_token_id = None
+        reference = reference_model(path)
         max_len = max(args.long + args.long_tokens, 512)
         llm = LLM(path, max_num_seqs=max(args.batch, 1), num_threads=1, block_size=16, max_model_len=max_len)
         try:
