@@ -4,7 +4,8 @@ prefill and decode, each attention form), the absorbed decode against the expand
 latent cache's bytes and the block budget it buys, the grouped router against transformers'
 routers, greedy tokens against ``generate`` offline and through the server, TP = 2 and TP = 2 +
 EP against TP = 1, the simulated NPU in bfloat16 (the MLA and gating ops' fakes against their
-documented formulas, then the whole model), W8A8 on the fly, and the MTP hooks.
+documented formulas, then the whole model), W8A8 dynamic, and the MTP family hook
+(``mtp_decoder_layer``, what engine/spec_decode/mtp.py builds its block from).
 
 Tolerances. float32 logits: 1e-4 absolute (logits ~4 here; the same products in another order,
 observed ~3e-6), as tests/test_moe.py. Absorbed against expanded: 1e-4 too (W_UK / W_UV applied

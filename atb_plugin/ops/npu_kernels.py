@@ -442,7 +442,9 @@ def mla_write_latent(latent, gamma, eps, cos, sin, kv_c_cache, k_pe_cache, slot_
 
 
 def _mla_fia_fits(q_latent, kv_c_cache, k_pe_cache, metadata) -> bool:
-    return (metadata.is_decode_only and (kv_c_cache.shape[-1], k_pe_cache.shape[-1]) == MLA_FUSED_WIDTHS
+    # every request one token (its batch row), DeepSeek-V3's widths, the heads and blocks FIA takes
+    return (metadata.is_decode_only and q_latent.shape[0] == metadata.num_reqs
+            and (kv_c_cache.shape[-1], k_pe_cache.shape[-1]) == MLA_FUSED_WIDTHS
             and q_latent.shape[1] in MLA_FIA_HEADS and kv_c_cache.shape[1] in MLA_FIA_BLOCK_SIZES
             and q_latent.dtype in (torch.float16, torch.bfloat16) and _has_op("npu_fused_infer_attention_score"))
 
