@@ -123,13 +123,14 @@ def ours_prefill(llm: LLM, ids: list[int]) -> float:
 
 
 @torch.inference_mode()
-def hf_single(model, ids: list[int], tokens: int) -> tuple[float, float, list[int]]:
+def hf_single(model, ids: list[int], tokens: int, pad_id: int = 0) -> tuple[float, float, list[int]]:
+    """``pad_id``: a token the prompt does not hold (generate masks it out of an unpadded prompt)."""
     inputs = torch.tensor([ids])
     start = time.perf_counter()
     model(inputs)  # TTFT: one forward over the prompt
     ttft = time.perf_counter() - start
     start = time.perf_counter()
-    out = model.generate(inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=0)
+    out = model.generate(inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=pad_id)
     elapsed = time.perf_counter() - start
     return ttft, (tokens - 1) / max(elapsed - ttft, 1e-9), out[0, len(ids):].tolist()
 

@@ -19,7 +19,7 @@ from routers.base import BaseRouter, read_json
 from routers.registry import register_router
 
 
-@register_router("qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe")
+@register_router("qwen2", "llama", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v2", "deepseek_v3")
 class TextRouter(BaseRouter):
     """Decoder-only text models: Qwen2 (dense and MoE), Qwen3 (dense and MoE) and Llama share
     everything the front end needs (Qwen3's thinking switch is its chat template's: ``chat_template_kwargs``)."""

@@ -10,7 +10,8 @@ Where each schema comes from:
   ``npu_fused_infer_attention_score``, the MoE ops ``npu_moe_gating_top_k_softmax``,
   ``npu_moe_init_routing``, ``npu_moe_compute_expert_tokens``, ``npu_grouped_matmul``,
   ``npu_moe_finalize_routing``, the quantised-linear ops ``npu_quant_matmul``, ``npu_dynamic_quant``,
-  ``npu_weight_quant_batchmatmul``, ``npu_quantize``): the Python-binding signature strings compiled into
+  ``npu_weight_quant_batchmatmul``, ``npu_quantize``, DeepSeek's ``npu_kv_rmsnorm_rope_cache`` and
+  ``npu_moe_gating_top_k``): the Python-binding signature strings compiled into
   ``torch_npu/lib/libtorch_npu.so`` (these name the first tensor ``input`` where the yaml says
   ``self``: that is what Python callers bind to). When a binding string is not parseable as a
   schema (C++ types such as ``SymIntArrayRef``), the ``func:`` line of
@@ -54,6 +55,9 @@ ACLNN_OPS = (
     "npu_dynamic_quant",
     "npu_weight_quant_batchmatmul",
     "npu_quantize",
+    # DeepSeek's MLA and grouped gating (models/deepseek.py)
+    "npu_kv_rmsnorm_rope_cache",
+    "npu_moe_gating_top_k",
 )
 # Graph mode (ACL graph capture and its task update, atb_plugin/engine/graph_runner.py): written as
 # a section of their own at the end of the fixture.

@@ -31,7 +31,8 @@ from atb_plugin.testing import fake_torch_npu
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "atb_plugin" / "testing" / "npu_schemas.txt"
 KERNEL_FILES = [ROOT / "atb_plugin" / "ops" / "npu_kernels.py", ROOT / "atb_plugin" / "ops" / "npu_fia_kernels.py"]
-FAKE_MODULES = ["atb_plugin.testing.fake_torch_npu", "atb_plugin.testing.fake_fia_ops"]
+FAKE_MODULES = ["atb_plugin.testing.fake_torch_npu", "atb_plugin.testing.fake_fia_ops",
+                "atb_plugin.testing.fake_mla_ops"]
 
 
 # --------------------------------------------------------------------------------------------

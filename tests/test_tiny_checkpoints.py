@@ -118,8 +118,16 @@ EXPECTED_FILES["bert_cross_encoder"] = {"config.json", "tokenizer.json", "tokeni
                                         "model.safetensors"}
 
 
+# DeepSeek-V2-Lite-like and V3-like (tests/test_models_deepseek.py checks them against transformers; the
+# V3-like one carries its MTP layer, which transformers reports as unexpected keys, hence not in HF_FAMILIES).
+DEEPSEEK_FAMILIES = ["deepseek_v2_lite", "deepseek_v3"]
+for _family in DEEPSEEK_FAMILIES:
+    EXPECTED_FILES[_family] = EXPECTED_FILES["qwen2"]
+
+
 def test_registry_lists_the_seven_families_and_the_pooling_variants():
-    assert set(FAMILIES) == set(EXPECTED_FILES) == {*HF_FAMILIES, "qwen_vl", *POOLING_VARIANTS, *TEMPLATE_VARIANTS}
+    assert set(FAMILIES) == set(EXPECTED_FILES) == {*HF_FAMILIES, "qwen_vl", *POOLING_VARIANTS, *TEMPLATE_VARIANTS,
+                                                    *DEEPSEEK_FAMILIES}
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -238,6 +246,9 @@ NAMED_IDS["qwen3_vl"] = NAMED_IDS["qwen3_vl_moe"] = [
     ("<|image_pad|>", lambda c: c["image_token_id"]), ("<|video_pad|>", lambda c: c["video_token_id"]),
     ("<|endoftext|>", lambda c: c["text_config"]["bos_token_id"]),
     ("<|im_end|>", lambda c: c["text_config"]["eos_token_id"]), ("<|im_start|>", None), ("<think>", None)]
+NAMED_IDS["deepseek_v2_lite"] = NAMED_IDS["deepseek_v3"] = [
+    ("<｜begin▁of▁sentence｜>", lambda c: c["bos_token_id"]), ("<｜end▁of▁sentence｜>", lambda c: c["eos_token_id"]),
+    ("<｜▁pad▁｜>", None), ("<｜User｜>", None), ("<｜Assistant｜>", None)]
 for _variant, _family in {**POOLING_VARIANTS, **TEMPLATE_VARIANTS}.items():
     NAMED_IDS[_variant] = NAMED_IDS[_family]
 

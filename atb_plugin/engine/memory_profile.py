@@ -192,11 +192,13 @@ def _prefill_metadata(num_tokens: int, block_size: int, device) -> AttentionMeta
 
 
 def _kv_bytes(kv_caches) -> int:
-    return sum(k.numel() * k.element_size() + v.numel() * v.element_size() for k, v in kv_caches)
+    return sum(t.numel() * t.element_size() for layer in kv_caches for t in layer)
 
 
 def kv_bytes_per_block(model, block_size: int) -> int:
-    """Bytes one KV block of ``block_size`` tokens takes over all layers (keys and values)."""
+    """Bytes one KV block of ``block_size`` tokens takes over all layers. The layout is the
+    model's (``make_kv_caches``: keys and values per KV head for the GQA decoder, one latent row
+    per token for DeepSeek's MLA, ``ops/mla.py``), so the budget follows whatever it keeps."""
     return _kv_bytes(model.make_kv_caches(1, block_size))
 
 

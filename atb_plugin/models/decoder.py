@@ -217,11 +217,13 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
+    layer_class = DecoderLayer  # a family with another attention (DeepSeek's MLA) brings its own layer
+
     def __init__(self, config: DecoderConfig, prefix: str = ""):
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i, join(prefix, f"layers.{i}"))
+        self.layers = nn.ModuleList(self.layer_class(config, i, join(prefix, f"layers.{i}"))
                                     for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = ops.RotaryEmbedding(config.head_dim, config.rope, config.mrope_section)
@@ -257,10 +259,12 @@ class DecoderForCausalLM(PretrainedModel):
     ``language_model``), the start of its linear layers' paths (``models/linear.py``).
     """
 
+    model_class = DecoderModel  # a family with its own layers (models/deepseek.py) brings its own model
+
     def __init__(self, config: DecoderConfig, prefix: str = ""):
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config, join(prefix, "model"))
+        self.model = self.model_class(config, join(prefix, "model"))
         # Vocabulary-parallel like the embedding (the same rows per rank: a tied head is its weight).
         rows = self.model.embed_tokens.num_embeddings
         head = join(prefix, "lm_head")

@@ -238,6 +238,14 @@ class ExpertWeightsMixin:
     def accepts_weight(self, name: str) -> bool:
         return self._expert_target(name) is not None or super().accepts_weight(name)
 
+    def unquantizable_reason(self, name: str) -> str | None:
+        """Why checkpoint weight ``name`` cannot be a quantized layer here, for the error a
+        quantization description marking it gets (``quantize.MsModelSlimConfig``)."""
+        if self._expert_target(name) is not None:
+            return ("it is a routed expert's: the fused MoE op (ops/moe.py) runs float experts only; keep the "
+                    "experts FLOAT in the description (the attention and dense / shared MLP projections may be int8)")
+        return None
+
     def load_weights(self, weights) -> set[str]:
         def the_rest():
             for name, tensor in weights:

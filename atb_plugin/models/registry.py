@@ -25,6 +25,8 @@ MODEL_CLASSES: dict[str, str] = {
     "qwen_vl": "atb_plugin.models.qwen_vl:QwenVLForCausalLM",
     "qwen2_audio": "atb_plugin.models.qwen2_audio:Qwen2AudioForConditionalGeneration",
     "bert": "atb_plugin.models.bert:BertModel",
+    "deepseek_v2": "atb_plugin.models.deepseek:DeepseekV2ForCausalLM",
+    "deepseek_v3": "atb_plugin.models.deepseek:DeepseekV3ForCausalLM",
 }
 
 

@@ -33,11 +33,13 @@ grouped GEMM over the active experts per projection; NPU (``npu_kernels``):
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from atb_plugin.platform import current_platform
 
-__all__ = ["check_moe_shapes", "fused_moe"]
+__all__ = ["GroupedRouting", "check_moe_shapes", "fused_moe", "grouped_topk", "moe_experts"]
 
 
 def check_moe_shapes(hidden, router_logits, w13, w2, top_k: int, first_expert: int) -> None:
@@ -63,3 +65,47 @@ def fused_moe(hidden: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tens
     kernels = current_platform().kernels
     weights, ids = kernels.moe_select_experts(router_logits, top_k, renormalize)
     return kernels.moe_experts(hidden, weights.to(hidden.dtype), ids, w13, w2, first_expert)
+
+
+@dataclass(frozen=True)
+class GroupedRouting:
+    """DeepSeek's router (``grouped_topk``): ``scoring`` "sigmoid" (V3, with the
+    ``e_score_correction_bias`` added for the choice only: noaux_tc) or "softmax" (V2); experts in
+    ``n_group`` equal groups, of which the ``topk_group`` best are kept, a group's score being the
+    sum of its two best biased scores (``group_score="top2_sum"``, V3) or its best score
+    (``"max"``, V2's group_limited_greedy); ``n_group == 1`` is plain top-k (V2's greedy). The
+    chosen experts' unbiased scores are the weights, divided by their sum (+1e-20) when
+    ``renormalize``, then multiplied by ``routed_scaling_factor``."""
+
+    top_k: int
+    scoring: str = "sigmoid"
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "top2_sum"
+    renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+
+    def __post_init__(self):
+        if self.scoring not in ("sigmoid", "softmax") or self.group_score not in ("top2_sum", "max"):
+            raise ValueError(f"GroupedRouting: scoring {self.scoring!r} / group_score {self.group_score!r} unknown")
+        if not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"topk_group ({self.topk_group}) must be in [1, n_group = {self.n_group}]")
+
+
+def grouped_topk(router_logits: torch.Tensor, routing: GroupedRouting,
+                 correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weights (T, k) float32, expert ids (T, k))`` of DeepSeek's router over ``router_logits``
+    ``(T, E)`` (computed in float32, as transformers computes them); ties go to the lower index
+    (group and expert), as in ``fused_moe``."""
+    experts = router_logits.shape[-1]
+    if experts % routing.n_group or not 1 <= routing.top_k <= experts // routing.n_group * routing.topk_group:
+        raise ValueError(f"grouped_topk: {experts} experts in {routing.n_group} groups, {routing.topk_group} "
+                         f"groups kept, cannot choose {routing.top_k}")
+    return current_platform().kernels.moe_grouped_topk(router_logits.float(), routing, correction_bias)
+
+
+def moe_experts(hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor,
+                w2: torch.Tensor, first_expert: int = 0) -> torch.Tensor:
+    """The experts half of ``fused_moe`` for a routing chosen elsewhere (``grouped_topk``):
+    this rank's partial sum of each token's k experts, weighted."""
+    return current_platform().kernels.moe_experts(hidden, weights.to(hidden.dtype), ids, w13, w2, first_expert)

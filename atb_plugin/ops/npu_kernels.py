@@ -48,6 +48,7 @@ from __future__ import annotations
 import torch
 
 from atb_plugin.ops.graph_capture import GraphUnsupported, capturing
+from atb_plugin.ops import torch_kernels
 from atb_plugin.platform.npu import torch_npu
 
 BLOCK_SIZE_MULTIPLE = 16  # ATB PagedAttention: "due to hardware restrictions, block_size % 16 == 0"
@@ -428,6 +429,107 @@ def moe_experts(hidden, weights, ids, w13, w2, first_expert: int) -> torch.Tenso
     return npu.npu_moe_finalize_routing(
         down, skip1=None, skip2=None, bias=None, scales=weights.to(down.dtype),
         expanded_src_to_dst_row=expanded_row_idx, export_for_source_row=local_ids, drop_pad_mode=0, k=k)
+
+
+def moe_grouped_topk(router_logits, routing, correction_bias):
+    """DeepSeek's router (``ops.moe.GroupedRouting``) in one ``npu_moe_gating_top_k`` (what
+    vllm-ascend calls): ``norm_type`` 1 sigmoid / 0 softmax, ``group_select_mode`` 1 top-2 sum /
+    0 max, float32 logits and bias (A2 / A3 want a bias: zeros stand in for none). The op always
+    renormalises its top-k; a routing without renormalisation (V2) takes the chosen experts'
+    scores from the op's normalised scores (``out_flag``) instead."""
+    experts = router_logits.shape[-1]
+    bias = correction_bias.float() if correction_bias is not None else router_logits.new_zeros(experts)
+    weights, ids, scores = torch_npu().npu_moe_gating_top_k(
+        router_logits.float().contiguous(), routing.top_k, bias=bias, k_group=routing.topk_group,
+        group_count=routing.n_group, group_select_mode=1 if routing.group_score == "top2_sum" else 0, renorm=0,
+        norm_type=1 if routing.scoring == "sigmoid" else 0, out_flag=True,
+        routed_scaling_factor=routing.routed_scaling_factor, eps=1e-20)
+    ids = ids.long()
+    if not routing.renormalize:
+        weights = scores.gather(1, ids) * routing.routed_scaling_factor
+    return weights, ids
+
+
+# --------------------------------------------------------------------------------------------
+# multi-head latent attention (ops/mla.py): vllm-ascend's MLA ops where their shapes fit
+# --------------------------------------------------------------------------------------------
+#
+# The fused ops take DeepSeek-V3's sizes only (torch_npu docs): npu_kv_rmsnorm_rope_cache a latent
+# of 512 + 64, the MLA form of npu_fused_infer_attention_score a 512-wide latent query with 64 rope
+# dims, 32 / 64 / 128 heads per rank, page blocks of 16 or 128. Other sizes (and float32) run the
+# same arithmetic as separate ops (npu_rms_norm, npu_rotary_mul, torch's gathers and SDPA), as
+# do prefill chunks (vllm-ascend's prefill kernel, npu_ring_mla, is not simulated here).
+
+MLA_FUSED_WIDTHS = (512, 64)  # (kv_lora_rank, qk_rope_head_dim) the fused MLA ops take
+MLA_FIA_HEADS = (32, 64, 128)
+MLA_FIA_BLOCK_SIZES = (16, 128)
+
+
+def _has_op(name: str) -> bool:
+    return hasattr(torch_npu(), name)
+
+
+def mla_write_latent(latent, gamma, eps, cos, sin, kv_c_cache, k_pe_cache, slot_mapping, interleaved):
+    rank, rope = kv_c_cache.shape[-1], k_pe_cache.shape[-1]
+    tokens = latent.shape[0]
+    index, _ = _host_copy_once(slot_mapping, _valid_slots)
+    # -1 slots (padding): the op documents none, so a step with them writes through the separate ops
+    fused = ((rank, rope) == MLA_FUSED_WIDTHS and interleaved and latent.dtype in (torch.float16, torch.bfloat16)
+             and kv_c_cache.dtype == latent.dtype and index is None and _has_op("npu_kv_rmsnorm_rope_cache"))
+    if fused:
+        _, _, k_pe, kv_c = torch_npu().npu_kv_rmsnorm_rope_cache(
+            latent.contiguous().view(tokens, 1, 1, rank + rope), gamma.to(latent.dtype),
+            cos.to(latent.dtype).view(tokens, 1, 1, rope), sin.to(latent.dtype).view(tokens, 1, 1, rope),
+            slot_mapping.to(torch.int64), k_pe_cache, kv_c_cache, epsilon=float(eps), cache_mode="PA",
+            is_output_kv=True)
+        return kv_c.view(tokens, rank), k_pe.view(tokens, rope)
+    kv_c = rms_norm(latent[:, :rank].contiguous(), gamma, eps)
+    k_pe = latent[:, rank:]
+    if interleaved:
+        k_pe = torch.cat((k_pe[:, 0::2], k_pe[:, 1::2]), dim=-1)
+    k_pe = apply_rotary(k_pe.unsqueeze(1).contiguous(), cos, sin).squeeze(1)
+    slots, kv_c_rows, k_pe_rows = slot_mapping, kv_c, k_pe
+    if index is not None:
+        index = index.to(slot_mapping.device)
+        slots, kv_c_rows, k_pe_rows = slot_mapping[index], kv_c[index], k_pe[index]
+    kv_c_cache.view(-1, rank).index_copy_(0, slots, kv_c_rows.to(kv_c_cache.dtype))
+    k_pe_cache.view(-1, rope).index_copy_(0, slots, k_pe_rows.to(k_pe_cache.dtype))
+    return kv_c, k_pe
+
+
+def _mla_fia_fits(q_latent, kv_c_cache, k_pe_cache, metadata) -> bool:
+    # every request one token (its batch row), DeepSeek-V3's widths, the heads and blocks FIA takes
+    return (metadata.is_decode_only and q_latent.shape[0] == metadata.num_reqs
+            and (kv_c_cache.shape[-1], k_pe_cache.shape[-1]) == MLA_FUSED_WIDTHS
+            and q_latent.shape[1] in MLA_FIA_HEADS and kv_c_cache.shape[1] in MLA_FIA_BLOCK_SIZES
+            and q_latent.dtype in (torch.float16, torch.bfloat16) and _has_op("npu_fused_infer_attention_score"))
+
+
+def mla_absorbed_attention(q_latent, q_pe, kv_c_cache, k_pe_cache, metadata, scale):
+    """Decode-only steps at DeepSeek-V3's sizes: ``npu_fused_infer_attention_score`` in its MLA
+    form (vllm-ascend's decode): each request's token a batch row (BSND, S = 1), the latent cache
+    as key and value (``(num_blocks, block_size, 512)``, one KV head), the rope cache as
+    ``key_rope``, no mask (``sparse_mode=0``). Otherwise the plain-op form (module comment)."""
+    if not _mla_fia_fits(q_latent, kv_c_cache, k_pe_cache, metadata):
+        return torch_kernels.mla_absorbed_attention(q_latent, q_pe, kv_c_cache, k_pe_cache, metadata, scale)
+    num_blocks, block_size = kv_c_cache.shape[:2]
+    tokens, heads, rank = q_latent.shape
+    latents = kv_c_cache.view(num_blocks, block_size, rank)
+    # The step's lengths and int32 block table, once for every layer.
+    lengths, tables = metadata.derived("npu_kernels/mla", q_latent.device, lambda: (
+        metadata.seq_lens_cpu.tolist(), metadata.block_tables.to(q_latent.device, torch.int32).contiguous()))
+    out, _ = torch_npu().npu_fused_infer_attention_score(
+        q_latent.contiguous().view(tokens, 1, heads, rank), latents, latents,
+        query_rope=q_pe.contiguous().view(tokens, 1, heads, -1),
+        key_rope=k_pe_cache.view(num_blocks, block_size, -1), actual_seq_lengths_kv=lengths, block_table=tables,
+        num_heads=heads, scale=float(scale), input_layout="BSND", num_key_value_heads=1, sparse_mode=0,
+        block_size=block_size)
+    return out.view(tokens, heads, rank)
+
+
+# The gathers and the expanded (prefill) form: torch ops on the device (module comment above).
+mla_gather_context = torch_kernels.mla_gather_context
+mla_expanded_attention = torch_kernels.mla_expanded_attention
 
 
 # --------------------------------------------------------------------------------------------

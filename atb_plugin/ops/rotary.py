@@ -39,7 +39,55 @@ def _inverse_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
         blended = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= old_context / high) & (wavelen <= old_context / low)
         return torch.where(medium, blended, scaled)
-    raise ValueError(f"rope type {rope_type!r} is not supported (default, linear, llama3, mrope)")
+    if rope_type == "yarn":
+        return _yarn_inverse_frequencies(inv_freq, head_dim, base, rope)
+    raise ValueError(f"rope type {rope_type!r} is not supported (default, linear, llama3, mrope, yarn)")
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inverse_frequencies(inv_freq: torch.Tensor, head_dim: int, base: float, rope: dict) -> torch.Tensor:
+    """YaRN (DeepSeek-V2/V3's long-context rope, transformers' ``_compute_yarn_parameters``): the
+    frequencies above ``beta_fast`` rotations over the original context are kept, those below
+    ``beta_slow`` divided by ``factor``, a linear ramp between."""
+    factor = float(rope["factor"])
+    old_context = float(rope["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(rope.get("beta_fast") or 32), float(rope.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / ((high - low) or 0.001)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (the original frequency), 0: interpolate (divided by factor)
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
+
+
+def attention_factor(rope: dict) -> float:
+    """The factor YaRN multiplies cos / sin by (1 for every other rope type): ``attention_factor``
+    when given, else ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` (1 for DeepSeek-V3,
+    whose two are equal), else ``mscale(factor)``."""
+    if rope.get("rope_type", rope.get("type", "default")) != "yarn":
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    factor, mscale, mscale_all_dim = float(rope["factor"]), rope.get("mscale"), rope.get("mscale_all_dim")
+    if mscale and mscale_all_dim:
+        return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim)
+    return _yarn_mscale(factor)
+
+
+def yarn_softmax_scale(rope: dict, scale: float) -> float:
+    """DeepSeek's softmax scale under YaRN: ``scale * mscale(factor, mscale_all_dim) ** 2``
+    (transformers' ``yarn_apply_mscale``); ``scale`` unchanged otherwise."""
+    if rope.get("rope_type", rope.get("type", "default")) == "default" or not rope.get("mscale_all_dim"):
+        return scale
+    return scale * _yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
 
 
 class RotaryEmbedding:
@@ -49,6 +97,7 @@ class RotaryEmbedding:
     def __init__(self, head_dim: int, rope: dict | None = None, mrope_section: list[int] | None = None):
         self.head_dim = head_dim
         self.inv_freq = _inverse_frequencies(head_dim, rope or {})
+        self.attention_factor = attention_factor(rope or {})  # YaRN's cos / sin scale; 1 otherwise
         self.mrope_section = list(mrope_section) if mrope_section else None
         if self.mrope_section and sum(self.mrope_section) != head_dim // 2:
             raise ValueError(f"mrope_section {self.mrope_section} must sum to head_dim / 2 = {head_dim // 2}")
@@ -84,6 +133,8 @@ class RotaryEmbedding:
                 bands = freqs.split(self.mrope_section, dim=-1)
                 freqs = torch.cat([band[i % 3] for i, band in enumerate(bands)], dim=-1)
         emb = torch.cat((freqs, freqs), dim=-1)
+        if self.attention_factor != 1.0:
+            return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
 

@@ -285,6 +285,30 @@ def moe_select_experts(router_logits, top_k: int, renormalize: bool):
     return weights, ids
 
 
+def moe_grouped_topk(router_logits, routing, correction_bias):
+    """DeepSeek's grouped router (``ops.moe.GroupedRouting``), transformers' arithmetic."""
+    tokens, experts = router_logits.shape
+    if routing.scoring == "sigmoid":
+        scores = router_logits.sigmoid()
+    else:
+        scores = torch.softmax(router_logits, dim=-1)
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if routing.n_group > 1:
+        grouped = choice.view(tokens, routing.n_group, experts // routing.n_group)
+        if routing.group_score == "top2_sum":
+            group_scores = top_k_lowest_index_first(grouped.flatten(0, 1), 2)[0].sum(-1).view(tokens, -1)
+        else:
+            group_scores = grouped.amax(dim=-1)
+        kept = top_k_lowest_index_first(group_scores, routing.topk_group)[1]
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        choice = choice.masked_fill(~keep.repeat_interleave(experts // routing.n_group, dim=1), float("-inf"))
+    ids = top_k_lowest_index_first(choice, routing.top_k)[1]
+    weights = scores.gather(1, ids)
+    if routing.renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routing.routed_scaling_factor, ids
+
+
 def _grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """``x`` (M, K), rows sorted by group with ``counts[g]`` rows for group ``g``, times
     ``weight[g]`` (G, K, N) for each group -> (M, N). On the CPU one ``torch._grouped_mm`` call
@@ -428,3 +452,121 @@ def w8a8_static_linear(x, weight, input_scale, input_offset, deq_scale, quant_bi
     acc = int8_matmul(q.to(torch.int8), weight) + quant_bias.to(torch.int32)[None, :]
     out = acc.to(torch.float32) * deq_scale.to(torch.float32)[None, :]
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+# --------------------------------------------------------------------------------------------
+# multi-head latent attention (ops/mla.py)
+# --------------------------------------------------------------------------------------------
+
+
+def mla_write_latent(latent, gamma, eps, cos, sin, kv_c_cache, k_pe_cache, slot_mapping, interleaved):
+    rank = kv_c_cache.shape[-1]
+    kv_c = rms_norm(latent[:, :rank], gamma, eps)
+    k_pe = latent[:, rank:]
+    if interleaved:
+        k_pe = torch.cat((k_pe[:, 0::2], k_pe[:, 1::2]), dim=-1)
+    k_pe = apply_rotary(k_pe.unsqueeze(1), cos, sin).squeeze(1)
+    kv_c_rows, k_pe_rows = kv_c, k_pe
+    if not _all_slots_valid(slot_mapping):
+        valid = slot_mapping >= 0
+        kv_c_rows, k_pe_rows, slot_mapping = kv_c[valid], k_pe[valid], slot_mapping[valid]
+    kv_c_cache.view(-1, rank).index_copy_(0, slot_mapping, kv_c_rows.to(kv_c_cache.dtype))
+    k_pe_cache.view(-1, k_pe_cache.shape[-1]).index_copy_(0, slot_mapping, k_pe_rows.to(k_pe_cache.dtype))
+    return kv_c, k_pe
+
+
+class _MlaStep:
+    """What the MLA kernels derive from a step's metadata, once for all layers: the requests with
+    new tokens (``spans``: row, first token, end token, seq_len), the flat cache slot of every
+    context token of theirs in order (``context_slots``) and its cumulative ends, and the batched
+    decodes (two or more requests with one new token)."""
+
+    def __init__(self, metadata, block_size: int, device):
+        starts = metadata.query_start_loc_cpu.tolist()
+        seq_lens = metadata.seq_lens_cpu.tolist()
+        self.spans = [(r, s, e, seq_lens[r]) for r, (s, e) in enumerate(zip(starts[:-1], starts[1:])) if e > s]
+        rows = torch.tensor([r for r, *_ in self.spans], dtype=torch.long)
+        lens = torch.tensor([n for *_, n in self.spans], dtype=torch.long)
+        ends = lens.cumsum(0)
+        self.context_ends = [0, *ends.tolist()]
+        positions = torch.arange(int(ends[-1]) if len(ends) else 0) - torch.repeat_interleave(ends - lens, lens)
+        tables = metadata.block_tables.long().to(device)
+        row_of = torch.repeat_interleave(rows, lens).to(device)
+        positions = positions.to(device)
+        self.context_slots = tables[row_of, positions // block_size] * block_size + positions % block_size
+        decodes = [(r, s) for r, s, e, _ in self.spans if e - s == 1]
+        self.decodes = None
+        if len(decodes) > 1:
+            self.decodes = _Decodes(metadata, [r for r, _ in decodes], [t for _, t in decodes], block_size, device)
+        batched = {r for r, _ in decodes} if self.decodes is not None else set()
+        self.chunks = [(i, span) for i, span in enumerate(self.spans) if span[0] not in batched]
+        self.only_decodes = not self.chunks and self.decodes is not None
+
+
+def _mla_step(metadata, block_size: int, device) -> _MlaStep:
+    return metadata.derived(f"torch_kernels/mla/{block_size}", device, lambda: _MlaStep(metadata, block_size, device))
+
+
+def _bottom_right_causal(q_len: int, kv_len: int, device) -> torch.Tensor | None:
+    """New token j of ``q_len`` sits at position ``kv_len - q_len + j`` and sees keys up to it;
+    None where every key is visible (a lone decode)."""
+    if q_len == 1:
+        return None
+    return (torch.arange(kv_len)[None, :] <= torch.arange(kv_len - q_len, kv_len)[:, None]).to(device)
+
+
+def mla_gather_context(kv_c_cache, k_pe_cache, metadata):
+    step = _mla_step(metadata, kv_c_cache.shape[1], kv_c_cache.device)
+    return (kv_c_cache.view(-1, kv_c_cache.shape[-1]).index_select(0, step.context_slots),
+            k_pe_cache.view(-1, k_pe_cache.shape[-1]).index_select(0, step.context_slots))
+
+
+def mla_absorbed_attention(q_latent, q_pe, kv_c_cache, k_pe_cache, metadata, scale):
+    """Multi-query attention over the latents: one KV "head" with key ``[c_kv, k_pe]`` and value
+    ``c_kv``; every query head of a token is a row of the same (1-head) attention."""
+    step = _mla_step(metadata, kv_c_cache.shape[1], kv_c_cache.device)
+    query = torch.cat((q_latent, q_pe), dim=-1)
+    rank = kv_c_cache.shape[-1]
+    out = query.new_empty(*q_latent.shape)
+    if step.decodes is not None:
+        decodes = step.decodes
+        latents = _gather_blocks(kv_c_cache, decodes.tables).flatten(1, 2)[:, :decodes.max_seq_len]  # (B, S, 1, R)
+        rope = _gather_blocks(k_pe_cache, decodes.tables).flatten(1, 2)[:, :decodes.max_seq_len]
+        key = torch.cat((latents, rope), dim=-1).transpose(1, 2)  # (B, 1, S, R + P)
+        rows = query[decodes.tokens].unsqueeze(1)  # (B, 1, H, R + P)
+        result = F.scaled_dot_product_attention(rows, key, latents.transpose(1, 2), attn_mask=decodes.mask,
+                                                scale=scale)[:, 0]
+        if step.only_decodes:
+            return result
+        out[decodes.tokens] = result
+    kv_c_flat, k_pe_flat = kv_c_cache.view(-1, rank), k_pe_cache.view(-1, k_pe_cache.shape[-1])
+    for index, (_, start, end, seq_len) in step.chunks:
+        slots = step.context_slots[step.context_ends[index]:step.context_ends[index + 1]]
+        latents = kv_c_flat.index_select(0, slots)
+        key = torch.cat((latents, k_pe_flat.index_select(0, slots)), dim=-1)
+        mask = _bottom_right_causal(end - start, seq_len, query.device)
+        out[start:end] = F.scaled_dot_product_attention(
+            query[start:end].transpose(0, 1)[None], key[None, None], latents[None, None], attn_mask=mask,
+            scale=scale)[0].transpose(0, 1)
+    return out
+
+
+def mla_expanded_attention(q_nope, q_pe, k_nope, k_pe, value, metadata, scale):
+    starts = metadata.query_start_loc_cpu.tolist()
+    seq_lens = metadata.seq_lens_cpu.tolist()
+    heads = q_nope.shape[1]
+    query = torch.cat((q_nope, q_pe), dim=-1)
+    key = torch.cat((k_nope, k_pe.unsqueeze(1).expand(-1, heads, -1)), dim=-1)
+    out = value.new_empty(q_nope.shape[0], heads, value.shape[-1])
+    context = 0
+    for row, (start, end) in enumerate(zip(starts[:-1], starts[1:])):
+        if end == start:
+            continue
+        seq_len = seq_lens[row]
+        q_len = end - start
+        k, v = key[context:context + seq_len], value[context:context + seq_len]
+        causal = q_len == seq_len and q_len > 1
+        mask = None if causal else _bottom_right_causal(q_len, seq_len, query.device)
+        out[start:end] = _sdpa(query[start:end], k, v, scale, mask, causal)
+        context += seq_len
+    return out

@@ -17,10 +17,11 @@ What is simulated, and what is refused:
   ``(num_blocks, KV_N, block_size, D)``) or contiguous TND key/value; ``sparse_mode`` 0 without
   a mask (no masking) or 3 (``rightDownCausal``) with the compressed causal mask; GQA through
   ``num_key_value_heads``; ``softmax_lse_flag``. Any other layout, sparse mode, quantisation,
-  pse, padding, shared-prefix or MLA-rope argument raises ``NotImplementedError`` naming it (it
+  pse, padding, shared-prefix or lone MLA-rope argument raises ``NotImplementedError`` naming it (it
   is not a contract violation, just outside this simulation). Contract violations (float32
   inputs, a mask that is not the 2048x2048 strictly-upper-triangular one, block sizes the docs
-  refuse, non-cumulative TND lengths, ...) raise ``NpuOpError``.
+  refuse, non-cumulative TND lengths, ...) raise ``NpuOpError``. With both ``query_rope`` and
+  ``key_rope`` (DeepSeek's MLA) the call is ``fake_mla_ops.fia_mla_form``'s.
 * ``npu_scatter_pa_kv_cache``: scenario 2 of the docs only (3-D key/value, ND caches
   ``(num_blocks, block_size, num_heads, head_size)``, ``cache_mode="Norm"`` or None). The NZ
   cache layout (the default ``cache_mode='PA_NZ'``) and the compressed scenario 3 are refused.
@@ -35,6 +36,7 @@ import weakref
 
 import torch
 
+from atb_plugin.testing import fake_mla_ops
 from atb_plugin.testing.fake_torch_npu import NpuOpError
 from atb_plugin.utils import cdiv
 
@@ -184,14 +186,25 @@ def npu_fused_infer_attention_score(query, key, value, *, pse_shift=None, atten_
                       ("value_antiquant_offset", value_antiquant_offset), ("query_padding_size", query_padding_size),
                       ("kv_padding_size", kv_padding_size), ("key_shared_prefix", key_shared_prefix),
                       ("value_shared_prefix", value_shared_prefix), ("actual_shared_prefix_len", actual_shared_prefix_len),
-                      ("query_rope", query_rope), ("key_rope", key_rope),
-                      ("key_rope_antiquant_scale", key_rope_antiquant_scale)):
+                      ("key_rope_antiquant_scale", key_rope_antiquant_scale),
+                      # one of the two MLA ropes alone (the MLA form takes both: below)
+                      ("query_rope", None if key_rope is not None else query_rope),
+                      ("key_rope", None if query_rope is not None else key_rope)):
         if arg is not None:
-            raise _unsupported(op, f"{name} (quantisation / pse / padding / shared prefix / MLA rope)")
+            raise _unsupported(op, f"{name} (quantisation / pse / padding / shared prefix / one MLA rope alone)")
     for name, mode in (("antiquant_mode", antiquant_mode), ("key_antiquant_mode", key_antiquant_mode),
                        ("value_antiquant_mode", value_antiquant_mode)):
         if mode != 0:
             raise _unsupported(op, f"{name}={mode}")
+    if query_rope is not None and key_rope is not None:  # the MLA form (DeepSeek): fake_mla_ops
+        if sparse_mode == 3:
+            _check_compressed_causal_mask(op, atten_mask)
+        return fake_mla_ops.fia_mla_form(
+            query, key, value, query_rope=query_rope, key_rope=key_rope, atten_mask=atten_mask,
+            actual_seq_lengths=actual_seq_lengths, actual_seq_lengths_kv=actual_seq_lengths_kv,
+            block_table=block_table, num_heads=num_heads, scale=scale, input_layout=input_layout,
+            num_key_value_heads=num_key_value_heads, sparse_mode=sparse_mode, block_size=block_size,
+            softmax_lse_flag=softmax_lse_flag)
     if input_layout != "TND":
         if input_layout in ("BSH", "BSND", "BNSD", "BNSD_BSND", "NTD", "TND_NTD", "NTD_TND", "NSD"):
             raise _unsupported(op, f"input_layout={input_layout!r} (only 'TND' is)")

@@ -1288,7 +1288,7 @@ def build_module(device_count: int = 1, *, allow_fp32_attention: bool = False,
     """A fresh ``torch_npu`` module object (not installed). ``allow_fp32_attention``: let float32
     through the ATB attention / cache ops (the real ones refuse it). ``chip``: what
     ``torch_npu.npu.get_device_name()`` reports (e.g. "Ascend910B3", "Ascend310P3")."""
-    from atb_plugin.testing import fake_fia_ops  # imports this module: not at the top
+    from atb_plugin.testing import fake_fia_ops, fake_mla_ops  # import this module: not at the top
     module = types.ModuleType("torch_npu", __doc__)
     module.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
     module.__version__ = "0.0.0+fake"
@@ -1298,7 +1298,7 @@ def build_module(device_count: int = 1, *, allow_fp32_attention: bool = False,
     module.allow_fp32_attention = allow_fp32_attention
     module.HOST_MARK = HOST_MARK
     module.npu = _NpuRuntime(device_count, chip)
-    for fn in OPS + fake_fia_ops.OPS:
+    for fn in OPS + fake_fia_ops.OPS + fake_mla_ops.OPS:
         setattr(module, fn.__name__, _counting(module, fn))
     _add_graph_mode(module)
     return module

@@ -66,7 +66,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-__all__ = ["FAMILIES", "build_qwen2_moe", "build_qwen3_moe", "make_tiny_checkpoint", "tiny_checkpoint", "qwen_vl_weight_shapes", "main"]
+__all__ = ["FAMILIES", "build_deepseek_v2_lite", "build_deepseek_v3", "build_qwen2_moe", "build_qwen3_moe", "make_tiny_checkpoint", "tiny_checkpoint", "qwen_vl_weight_shapes", "main"]
 
 # The transformers version the files claim to come from (and that the project pins).
 _TRANSFORMERS_VERSION = "5.23.0"
@@ -716,6 +716,119 @@ def build_qwen2_moe(out: Path, seed: int, **config: object) -> None:
                shared_expert_intermediate_size=48, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[2],
                output_router_logits=False, router_aux_loss_coef=0.001, tie_word_embeddings=False)
     _build_qwen2(out, seed, "Qwen2MoeForCausalLM", model_type="qwen2_moe", **{**moe, **config})
+
+
+# -- DeepSeek-V2 / V3 (models/deepseek.py) ----------------------------------------------------------
+
+# DeepSeek-V3's special tokens at the front of its vocabulary (bos 0, eos 1), the chat markers after.
+_DEEPSEEK_SPECIALS = ("<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜▁pad▁｜>")
+_DEEPSEEK_MARKERS = ("<｜User｜>", "<｜Assistant｜>")
+# DeepSeek-V3's template, trimmed to what the tiny tests render: the system prompt after BOS, then
+# the turns, each assistant turn closed by EOS.
+DEEPSEEK_CHAT_TEMPLATE = _TEXT_OF + r"""
+{{- bos_token -}}
+{%- for message in messages if message['role'] == 'system' -%}{{- text_of(message['content']) -}}{%- endfor -%}
+{%- for message in messages -%}
+    {%- if message['role'] == 'user' -%}
+        {{- '<｜User｜>' + text_of(message['content']) -}}
+    {%- elif message['role'] == 'assistant' -%}
+        {{- '<｜Assistant｜>' + text_of(message['content']) + '<｜end▁of▁sentence｜>' -}}
+    {%- endif -%}
+{%- endfor -%}
+{%- if add_generation_prompt -%}{{- '<｜Assistant｜>' -}}{%- endif -%}
+"""
+# The MLA / MoE keys both tiny configs share: 4 heads of 16 + 8 (rope) query features, a latent of
+# 32 + 8, values of 16; 8 routed experts of 32, top-2; YaRN with DeepSeek's mscale (an original
+# context of 128 so that the 8 rope dimensions span all three YaRN bands).
+_DEEPSEEK_DECODER = {
+    **_TINY_DECODER,
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 32,
+    "moe_intermediate_size": 32,
+    "moe_layer_freq": 1,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "num_key_value_heads": 4,
+    "qk_nope_head_dim": 16,
+    "qk_rope_head_dim": 8,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": False,
+    "v_head_dim": 16,
+}
+
+
+def _deepseek_mtp_and_bias(config: dict, seed: int) -> Callable[[dict[str, torch.Tensor]], None]:
+    """Fill V3's router biases (buffers: save_pretrained writes them as built, zeros) and append
+    the MTP layers in DeepSeek's layout after the decoder: layer ``num_hidden_layers + i`` is a
+    decoder layer (the last layer's names and shapes) plus ``enorm``, ``hnorm``, ``eh_proj``
+    (H x 2H), ``shared_head.norm``, ``shared_head.head`` and ``embed_tokens``."""
+
+    def adjust(state: dict[str, torch.Tensor]) -> None:
+        gen = torch.Generator().manual_seed(seed + 1)
+        layers, hidden, vocab = config["num_hidden_layers"], config["hidden_size"], config["vocab_size"]
+        template = f"model.layers.{layers - 1}."
+        for i in range(config.get("num_nextn_predict_layers", 0)):
+            prefix = f"model.layers.{layers + i}."
+            extra = {prefix + name[len(template):]: torch.empty_like(t) for name, t in state.items()
+                     if name.startswith(template)}
+            extra.update({prefix + "enorm.weight": torch.empty(hidden), prefix + "hnorm.weight": torch.empty(hidden),
+                          prefix + "eh_proj.weight": torch.empty(hidden, 2 * hidden),
+                          prefix + "shared_head.norm.weight": torch.empty(hidden),
+                          prefix + "shared_head.head.weight": torch.empty(vocab, hidden),
+                          prefix + "embed_tokens.weight": torch.empty(vocab, hidden)})
+            state.update(extra)
+        for name in sorted(state):
+            if name.endswith("e_score_correction_bias") or name.startswith(tuple(
+                    f"model.layers.{layers + i}." for i in range(config.get("num_nextn_predict_layers", 0)))):
+                _fill_(name, state[name], gen)
+
+    return adjust
+
+
+def _build_deepseek(out: Path, seed: int, *, architecture: str, model_type: str, **extra: object) -> None:
+    tok = _byte_level_tokenizer(_LLAMA3_SPLIT, leading=_DEEPSEEK_SPECIALS, trailing=_DEEPSEEK_MARKERS)
+    bos, eos, pad = _ids(tok, *_DEEPSEEK_SPECIALS)
+    config = {**_DEEPSEEK_DECODER, "architectures": [architecture], "model_type": model_type, "bos_token_id": bos,
+              "eos_token_id": eos, "vocab_size": tok.get_vocab_size(), **extra}
+    _save_transformers_model(out, config, seed, _deepseek_mtp_and_bias(config, seed))
+    _write_json(out / "generation_config.json",
+                {"bos_token_id": bos, "do_sample": True, "eos_token_id": eos, "temperature": 0.6, "top_p": 0.95,
+                 "transformers_version": _TRANSFORMERS_VERSION})
+    tokenizer_config = {
+        "add_bos_token": False, "add_eos_token": False, "bos_token": _DEEPSEEK_SPECIALS[0],
+        "clean_up_tokenization_spaces": False, "eos_token": _DEEPSEEK_SPECIALS[1], "legacy": True,
+        "model_max_length": _MAX_POSITIONS, "pad_token": _DEEPSEEK_SPECIALS[2],
+        "tokenizer_class": "PreTrainedTokenizerFast", "unk_token": None,
+    }
+    _write_tokenizer(out, tok, tokenizer_config, DEEPSEEK_CHAT_TEMPLATE)
+
+
+def build_deepseek_v2_lite(out: Path, seed: int, **config: object) -> None:
+    """DeepSeek-V2-Lite like: no q LoRA (``q_proj``), softmax routing, greedy top-2 over 8 experts
+    (``n_group`` 1), 2 shared experts, layer 0 dense, YaRN with mscale 0.707."""
+    _build_deepseek(out, seed, architecture="DeepseekV2ForCausalLM", model_type="deepseek_v2", **{
+        "aux_loss_alpha": 0.001, "n_group": 1, "n_shared_experts": 2, "norm_topk_prob": False, "q_lora_rank": None,
+        "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 32, "mscale": 0.707, "mscale_all_dim": 0.707,
+                         "original_max_position_embeddings": 128, "type": "yarn"},
+        "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": True, "topk_group": 1,
+        "topk_method": "greedy", **config})
+
+
+def build_deepseek_v3(out: Path, seed: int, **config: object) -> None:
+    """DeepSeek-V3 like: q LoRA 48, sigmoid routing with ``e_score_correction_bias`` and grouped
+    top-2 (4 groups of 2, 2 kept), 1 shared expert, ``routed_scaling_factor`` 2.5, layer 0 dense,
+    YaRN with mscale 1, one MTP layer (``num_nextn_predict_layers``) in DeepSeek's layout."""
+    _build_deepseek(out, seed, architecture="DeepseekV3ForCausalLM", model_type="deepseek_v3", **{
+        "n_group": 4, "n_shared_experts": 1, "norm_topk_prob": True, "num_nextn_predict_layers": 1,
+        "q_lora_rank": 48, "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 32, "mscale": 1.0,
+                                            "mscale_all_dim": 1.0, "original_max_position_embeddings": 128,
+                                            "type": "yarn"},
+        "routed_scaling_factor": 2.5, "scoring_func": "sigmoid", "topk_group": 2, "topk_method": "noaux_tc",
+        **config})
+
 
 def _build_qwen2_seq_cls(out: Path, seed: int) -> None:
     """A Qwen2ForSequenceClassification checkpoint (3 labels): ``model.*`` + ``score.weight``."""
@@ -1553,6 +1666,8 @@ FAMILIES: dict[str, Callable[[Path, int], None]] = {
     "qwen3": _build_qwen3,
     "qwen3_moe": build_qwen3_moe,
     "qwen2_moe": build_qwen2_moe,
+    "deepseek_v2_lite": build_deepseek_v2_lite,
+    "deepseek_v3": build_deepseek_v3,
     "qwen_vl": _build_qwen_vl,
     "qwen2_vl": _build_qwen2_vl,
     "qwen2_5_vl": _build_qwen2_5_vl,

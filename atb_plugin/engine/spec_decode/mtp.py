@@ -25,6 +25,7 @@ from torch import nn
 
 from atb_plugin.engine.spec_decode.head_proposer import DraftHead
 from atb_plugin.models.decoder import RMSNorm
+from atb_plugin.models.moe import ExpertWeightsMixin
 
 
 def mtp_prefix(target) -> str:
@@ -32,7 +33,7 @@ def mtp_prefix(target) -> str:
     return f"model.layers.{target.config.num_hidden_layers}."
 
 
-class MtpHead(DraftHead):
+class MtpHead(ExpertWeightsMixin, DraftHead):
     def __init__(self, target, own_embedding: bool, own_head: bool):
         super().__init__(target, own_embedding, own_head)
         self.stacked_params = type(target).stacked_params
@@ -55,6 +56,12 @@ class MtpHead(DraftHead):
         if make is None:
             return super().make_kv_caches(num_blocks, block_size, dtype, device)
         return [make(num_blocks, block_size, dtype or self.dtype, device or self.device)]
+
+    def expert_weight_name(self, name: str) -> str:
+        """A routed expert of the block's layer (DeepSeek-V3's MoE MTP layer) as this module's
+        path spells it: ``model.layers.{L}.mlp.experts.…`` is ``layer.mlp.experts.…`` here."""
+        prefix = mtp_prefix(self.target)
+        return "layer." + name.removeprefix(prefix) if name.startswith(prefix) else name
 
     def _own_name(self, name: str) -> str | None:
         prefix = mtp_prefix(self.target)

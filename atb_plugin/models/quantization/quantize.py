@@ -165,8 +165,10 @@ def _layer_groups(model, config: QuantConfig) -> dict[str, tuple[str, list[str]]
     for name, scheme in config.quantized_weights().items():
         found = model.checkpoint_target(name)
         if found is None:
-            raise QuantizationError(f"{config.path}: {name} is marked {scheme}, but {type(model).__name__} has no "
-                                    "such linear layer")
+            # A model may know why (models/moe.py: experts the fused MoE op runs in float only).
+            why = getattr(model, "unquantizable_reason", lambda _: None)(name)
+            raise QuantizationError(f"{config.path}: {name} is marked {scheme}, but " + (
+                why or f"{type(model).__name__} has no such linear layer"))
         module_name = found[0].rpartition(".")[0]
         previous = groups.setdefault(module_name, (scheme, []))
         if previous[0] != scheme:
