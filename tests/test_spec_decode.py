@@ -459,7 +459,7 @@ def test_tensor_parallel_ranks_verify_the_drafts_the_core_proposed(plain):
 def test_tensor_parallel_draft_model_runs_whole_in_the_core(plain):
     """Under TP = 2 the ranks hold the target's shards and the draft runs whole in the core's
     process (draft_tensor_parallel_size 1): greedy output is plain TP = 1's, with a different
-    draft and a prefix-cache hit, and a draft equal to the target accepts every draft."""
+    draft and a prefix-cache hit."""
     different = {"model": str(tiny_checkpoint("qwen2", seed=1)), "num_speculative_tokens": 3,
                  "draft_tensor_parallel_size": 1}
     with LLM(tiny_checkpoint("qwen2"), block_size=4, tensor_parallel_size=2, speculative_config=different) as llm:
@@ -468,12 +468,8 @@ def test_tensor_parallel_draft_model_runs_whole_in_the_core(plain):
         assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
         again = llm.generate(PROMPTS[:1], GREEDY)[0]
         assert again.num_cached_tokens > 0 and [again.outputs[0].token_ids] == plain[0]
-        assert 0 < llm.engine.scheduler.spec_decoding.num_accepted_tokens
-    same = {"model": str(tiny_checkpoint("qwen2")), "num_speculative_tokens": 3}
-    outputs, scheduler = generate(speculative_config=same, tensor_parallel_size=2)
-    assert token_ids(outputs) == plain
-    stats = scheduler.spec_decoding
-    assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+        stats = llm.engine.scheduler.spec_decoding
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Head proposers (EAGLE, EAGLE-3, MTP; docs/speculative.md): tiny random heads in the layouts vLLM
 loads are lossless (greedy token-identical to plain decoding, with prefix-cache hits, under a
-forced preemption, with a json_schema request); their incremental drafts equal a fresh head's over
+forced preemption, with a json_schema request, under TP = 2 with the head on every rank); their incremental drafts equal a fresh head's over
 each whole sequence (the KV bookkeeping); their weights and KV are inside the KV budget; the
 configuration errors name what a method needs."""
 
