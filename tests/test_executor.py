@@ -13,8 +13,8 @@ import msgspec
 import pytest
 
 from atb_plugin.engine.executor.base import (
-    Execute, Executed, Failed, Initialize, Initialized, Load, Loaded, MalformedRankMessage, Stop, decode_from_rank,
-    decode_to_rank, encode_message)
+    Execute, Executed, Failed, Initialize, Initialized, Load, Loaded, MalformedRankMessage, Propose, Proposed, Stop,
+    decode_from_rank, decode_to_rank, encode_message)
 from atb_plugin.engine.model_runner import RunnerOutput
 from atb_plugin.engine.scheduler import SchedulerOutput
 from atb_plugin.engine.worker import WorkerInfo
@@ -25,12 +25,14 @@ TO_RANK = [
     Load(pickle.dumps({"model": "m"}), "tcp://127.0.0.1:1234", 120.0, 20),
     Initialize(48),
     Execute(pickle.dumps(SchedulerOutput({"a": 1}, [], {"a": [3]}, computed_tokens={"a": 7}))),
+    Propose(["a", "b"], [12, 7], [3, 1]),
     Stop(),
 ]
 FROM_RANK = [
     Loaded(WorkerInfo(available_kv_blocks=48, weight_bytes=1 << 20)),
     Initialized("eager (tensor parallel)"),
     Executed(pickle.dumps(RunnerOutput(sampled={"a": 5}, failed={"b": "why"}))),
+    Proposed([[4, 9, 2], []]),
     Failed("Traceback (most recent call last):\n  ...\nValueError: no"),
 ]
 

@@ -414,8 +414,13 @@ def test_engine_config_llm_kwarg_and_cli_flag_take_the_same_config(tmp_path):
         LLM(model, speculative_config={"method": "medusa", "num_speculative_tokens": 1})
     with pytest.raises(ValueError, match="speculative_config.model = '/nowhere'.*does not exist"):
         EngineConfig(model, speculative_config={"model": "/nowhere", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
-        EngineConfig(model, tensor_parallel_size=2, speculative_config={"model": model, "num_speculative_tokens": 2})
+    # Under TP the draft runs whole (draft_tensor_parallel_size 1, or unset); nothing else.
+    for draft_tp in (None, 1):
+        spec = {"model": model, "num_speculative_tokens": 2, "draft_tensor_parallel_size": draft_tp}
+        assert EngineConfig(model, tensor_parallel_size=2, speculative_config=spec).speculative_config.model == model
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size = 2: not supported; method 'draft_model' "
+                                         "supports 1"):
+        EngineConfig(model, tensor_parallel_size=2, speculative_config={**spec, "draft_tensor_parallel_size": 2})
     for flag in ("-sc", "--speculative-config"):
         served = parse_config(["--model", model, flag, json.dumps(NGRAM)])
         assert served.engine.speculative_config == engine.speculative_config
@@ -448,6 +453,23 @@ def test_tensor_parallel_ranks_verify_the_drafts_the_core_proposed(plain):
     outputs, scheduler = generate(speculative_config=NGRAM, tensor_parallel_size=2)
     assert scheduler.spec_decoding.num_accepted_tokens > 0
     assert token_ids(outputs) == plain
+
+
+@pytest.mark.slow
+def test_tensor_parallel_draft_model_runs_whole_in_the_core(plain):
+    """Under TP = 2 the ranks hold the target's shards and the draft runs whole in the core's
+    process (draft_tensor_parallel_size 1): greedy output is plain TP = 1's, with a different
+    draft and a prefix-cache hit."""
+    different = {"model": str(tiny_checkpoint("qwen2", seed=1)), "num_speculative_tokens": 3,
+                 "draft_tensor_parallel_size": 1}
+    with LLM(tiny_checkpoint("qwen2"), block_size=4, tensor_parallel_size=2, speculative_config=different) as llm:
+        core = llm.engine.core
+        assert core.executor.runner is None and core.proposer.runner.model is not None
+        assert token_ids(llm.generate(PROMPTS, GREEDY)) == plain
+        again = llm.generate(PROMPTS[:1], GREEDY)[0]
+        assert again.num_cached_tokens > 0 and [again.outputs[0].token_ids] == plain[0]
+        stats = llm.engine.scheduler.spec_decoding
+        assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Head proposers (EAGLE, EAGLE-3, MTP; docs/speculative.md): tiny random heads in the layouts vLLM
 loads are lossless (greedy token-identical to plain decoding, with prefix-cache hits, under a
-forced preemption, with a json_schema request); their incremental drafts equal a fresh head's over
+forced preemption, with a json_schema request, under TP = 2 with the head on every rank); their incremental drafts equal a fresh head's over
 each whole sequence (the KV bookkeeping); their weights and KV are inside the KV budget; the
 configuration errors name what a method needs."""
 
@@ -167,8 +167,9 @@ def test_the_draft_weights_and_kv_are_inside_the_kv_budget(method):
 
 def test_head_configuration_errors_name_what_the_method_needs():
     llama, eagle = target_and_spec("eagle")
-    with pytest.raises(ValueError, match="tensor_parallel_size 1"):
-        EngineConfig(str(llama), tensor_parallel_size=2, speculative_config=eagle)
+    with pytest.raises(ValueError, match="draft_tensor_parallel_size = 1: not supported; method 'eagle' runs its "
+                                         "head on every rank, sharded as the target: unset or 2"):
+        EngineConfig(str(llama), tensor_parallel_size=2, speculative_config={**eagle, "draft_tensor_parallel_size": 1})
     with pytest.raises(ValueError, match="num_nextn_predict_layers > 0"):
         EngineConfig(str(llama), speculative_config={"method": "mtp", "num_speculative_tokens": 1})
     with pytest.raises(ValueError, match="no config.json there"):
@@ -177,3 +178,19 @@ def test_head_configuration_errors_name_what_the_method_needs():
         EngineConfig(str(llama), speculative_config={"method": "eagle3", "num_speculative_tokens": 1})
     with pytest.raises(ValueError, match="give no model"):
         EngineConfig(str(llama), speculative_config={"method": "mtp", "model": str(llama), "num_speculative_tokens": 1})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", METHODS)
+def test_tensor_parallel_heads_draft_on_every_rank(method):
+    """Under TP = 2 the head runs on every rank, sharded as the target, over the hidden states
+    each rank's runner recorded; rank 0's drafts come back (``Propose`` / ``Proposed``): greedy
+    output is plain TP = 1's, a prefix-cache hit included."""
+    model, spec = target_and_spec(method)
+    reference = plain(model)
+    with LLM(model, block_size=4, tensor_parallel_size=2, speculative_config=spec) as llm:
+        assert llm.engine.core.executor.runner is None  # the target and the head live in the ranks
+        assert token_ids(llm.generate(PROMPTS, GREEDY)) == reference
+        again = llm.generate(PROMPTS[:1], GREEDY)[0]
+        assert again.num_cached_tokens > 0 and again.outputs[0].token_ids == reference[0]
+        assert llm.engine.scheduler.spec_decoding.num_drafts > 0

@@ -52,11 +52,12 @@ class EngineCore:
             self.structured_output = StructuredOutputManager(config.model, config.vocab_size,
                                                              compile_threads=1 if on_cpu else 8)
             self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.structured_output.is_ready)
-            # Speculative decoding: drafts are made here, in the core, and travel with the step to
-            # every rank (one proposer, no rank can disagree about them).
+            # Speculative decoding: drafts are asked for here, in the core (made here, or by a head
+            # on the ranks under TP: rank 0's come back), and travel with the step to every rank
+            # (one set of drafts, no rank can disagree about them).
             self.proposer: Proposer | None = None
             if config.speculative_config is not None:
-                self.proposer = make_proposer(config, self.kv_cache_blocks, self.executor.runner)
+                self.proposer = make_proposer(config, self.kv_cache_blocks, self.executor)
         except BaseException:
             self.executor.shutdown()
             raise

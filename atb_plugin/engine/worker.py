@@ -23,6 +23,7 @@ from atb_plugin.engine.memory_profile import MiB, kv_bytes_per_block, kv_cache_b
 from atb_plugin.engine.model_runner import ModelRunner, RunnerOutput
 from atb_plugin.engine.request import Request
 from atb_plugin.engine.scheduler import SchedulerOutput, computed_advance, emitted_tokens
+from atb_plugin.engine.spec_decode.head_proposer import HeadProposer
 from atb_plugin.engine.spec_decode.loading import load_spec_model
 from atb_plugin.models import registry
 from atb_plugin.models.pooling_adapters import as_pooling_model
@@ -76,7 +77,7 @@ class Worker:
         # The rank's device (``Rank`` chose it); a lone worker takes rank 0's.
         self.device = self.platform.device(config.rank_device(0) if device_index is None else device_index)
         self.remote_media = remote_media
-        self.model = self.pooler = self.runner = self.spec_model = self.lora = None
+        self.model = self.pooler = self.runner = self.spec_model = self.proposer = self.lora = None
 
     def load(self) -> WorkerInfo:
         self.model, self.pooler = load_model(self.config, self.device)
@@ -95,10 +96,17 @@ class Worker:
         """Allocate the KV cache and the runner; returns how decode steps run (``decode_capture``)."""
         self.runner = ModelRunner(self.model, self.config, num_blocks, self.pooler, remote_media=self.remote_media,
                                   spec_model=self.spec_model, lora=self.lora)
+        spec = self.spec_model
+        if self.config.tensor_parallel_size > 1 and spec is not None and spec.hidden_states is not None:
+            # A head drafts where the target's hidden states are (at TP = 1 the core builds it).
+            self.proposer = HeadProposer(spec.module, spec.hidden_states, self.config, num_blocks)
         return self.runner.decode_capture
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(output)
+
+    def propose(self, request_ids: list[str], token_ids: list[list[int]], max_drafts: list[int]) -> list[list[int]]:
+        return self.proposer.propose(request_ids, token_ids, max_drafts)
 
     def _blocks_for_budget(self) -> int:
         """Blocks that fit the KV budget (``memory_profile.kv_cache_budget``: ``kv_cache_bytes`` on the
@@ -231,6 +239,18 @@ class Rank:
         result = self.worker.execute(output)
         self.mirror.after(output, result)
         return result
+
+    def propose(self, request_ids: list[str], num_tokens: list[int], max_drafts: list[int]) -> list[list[int]]:
+        """A head's drafts on this rank, for sequences the mirror holds (``num_tokens``: the
+        core's lengths, checked: a divergence fails loudly)."""
+        token_ids = []
+        for request_id, count in zip(request_ids, num_tokens):
+            request = self.mirror.requests[request_id]
+            if request.num_tokens != count:
+                raise RuntimeError(f"rank state diverged: request {request_id} has {request.num_tokens} tokens "
+                                   f"here, {count} in the core")
+            token_ids.append(request.all_token_ids)
+        return self.worker.propose(request_ids, token_ids, max_drafts)
 
     def close(self) -> None:
         destroy_tensor_parallel()

@@ -9,6 +9,7 @@ and what a failure means (docs/architecture.md, "Tensor parallelism"):
   its shard and reports the KV blocks its budget holds), then ``initialize`` with the smallest
   of those counts, so every rank holds the same cache;
 - **steps**: ``execute`` on every rank, rank 0's answer back (every rank runs the same step);
+  likewise ``propose`` where a speculative head drafts on the ranks (TP > 1);
 - **failure**: a rank that dies or raises ends the executor: ``fail`` records why, stops every
   rank at once (the survivors wait in a collective that never ends) and raises ``RankFailed``;
   every later call raises at once with the first cause (the latch), which the core treats as its
@@ -81,7 +82,7 @@ class Executor(ABC):
 
     def collective_rpc(self, method: str, *args, what: str, leader_only: bool = False) -> list:
         """``method(*args)`` on every rank (the methods of ``worker.Rank``: ``load``,
-        ``initialize``, ``execute``), the answers in rank order; only rank 0's when
+        ``initialize``, ``execute``, ``propose``), the answers in rank order; only rank 0's when
         ``leader_only`` (every rank computes the same). ``what``: how a rank failing in this
         call is described in ``RankFailed``."""
         if self._failure is not None:  # not the ranks this executor stopped itself: the first cause
@@ -90,6 +91,11 @@ class Executor(ABC):
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         return self.collective_rpc("execute", output, what=self.step_failure, leader_only=True)[0]
+
+    def propose(self, request_ids: list[str], num_tokens: list[int], max_drafts: list[int]) -> list[list[int]]:
+        """A head's drafts, made on every rank (``Rank.propose``), rank 0's back (TP > 1)."""
+        return self.collective_rpc("propose", request_ids, num_tokens, max_drafts, what=self.step_failure,
+                                   leader_only=True)[0]
 
     @property
     def failed(self) -> bool:
@@ -170,6 +176,15 @@ class Execute(RankMessage):
     scheduler_output: bytes  # the pickled SchedulerOutput
 
 
+class Propose(RankMessage):
+    """Core → rank: a head's drafts for these requests (the rank reads their tokens from its
+    mirror; ``num_tokens`` checks it); rank 0 answers with ``Proposed``."""
+
+    request_ids: list[str]
+    num_tokens: list[int]
+    max_drafts: list[int]
+
+
 class Stop(RankMessage):
     """Core → rank: leave the process group and exit."""
 
@@ -186,14 +201,18 @@ class Executed(RankMessage):
     runner_output: bytes  # the pickled RunnerOutput
 
 
+class Proposed(RankMessage):
+    drafts: list[list[int]]
+
+
 class Failed(RankMessage):
     """Rank → core: a start-up stage raised; the rank exits."""
 
     traceback: str
 
 
-ToRank = Union[Load, Initialize, Execute, Stop]
-FromRank = Union[Loaded, Initialized, Executed, Failed]
+ToRank = Union[Load, Initialize, Execute, Propose, Stop]
+FromRank = Union[Loaded, Initialized, Executed, Proposed, Failed]
 
 
 class MalformedRankMessage(ValueError):
@@ -208,11 +227,11 @@ def encode_message(message: RankMessage) -> bytes:
     return _encoder.encode(message)
 
 
-def decode_to_rank(data: bytes) -> Load | Initialize | Execute | Stop:
+def decode_to_rank(data: bytes) -> Load | Initialize | Execute | Propose | Stop:
     return _decode(data, "to a rank")
 
 
-def decode_from_rank(data: bytes) -> Loaded | Initialized | Executed | Failed:
+def decode_from_rank(data: bytes) -> Loaded | Initialized | Executed | Proposed | Failed:
     return _decode(data, "from a rank")
 
 

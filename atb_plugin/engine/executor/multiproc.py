@@ -2,6 +2,8 @@
 
     engine core ── Execute (the step, pickled once) ──► every rank's Unix socket pair
                 ◄── Executed (rank 0's RunnerOutput) ──
+                ── Propose (request ids; a speculative head drafts on the ranks) ──►
+                ◄── Proposed (rank 0's drafts) ──
 
 Each rank (``python -m atb_plugin.engine.executor.multiproc FD RANK``, ``run_rank``) holds its
 model shard and KV-cache shard in a ``torch.distributed`` group of the platform's backend. The
@@ -29,8 +31,8 @@ from multiprocessing.connection import Connection, wait
 from atb_plugin.engine.config import EngineConfig
 from atb_plugin.engine.executor.base import (
     DIST_TIMEOUT_S, STOP_WAIT_S, Execute, Executed, Executor, Failed, Initialize, Initialized, Load, Loaded,
-    MalformedRankMessage, RankMessage, Stop, decode_from_rank, decode_to_rank, encode_message, free_port,
-    weights_per_rank)
+    MalformedRankMessage, Propose, Proposed, RankMessage, Stop, decode_from_rank, decode_to_rank, encode_message,
+    free_port, weights_per_rank)
 from atb_plugin.engine.worker import Rank, RankPlacement
 
 logger = logging.getLogger(__name__)
@@ -39,7 +41,7 @@ __all__ = ["MultiprocExecutor", "run_rank"]
 
 _LOG_TAIL_LINES = 30
 # Each call of the driver as the message a rank receives; the answer it expects back.
-_ANSWERS = {"load": Loaded, "initialize": Initialized, "execute": Executed}
+_ANSWERS = {"load": Loaded, "initialize": Initialized, "execute": Executed, "propose": Proposed}
 
 
 class _RankProcess:
@@ -123,6 +125,8 @@ class MultiprocExecutor(Executor):
             return Load(pickle.dumps(self.config), self.init_method, DIST_TIMEOUT_S, level)
         if method == "initialize":
             return Initialize(*args)
+        if method == "propose":
+            return Propose(*args)
         return Execute(pickle.dumps(args[0], protocol=pickle.HIGHEST_PROTOCOL))
 
     def _rpc(self, method: str, args: tuple, what: str, leader_only: bool) -> list:
@@ -198,11 +202,14 @@ class MultiprocExecutor(Executor):
 
 
 def _unwrap(message: RankMessage):
-    """What an answer carries: the rank's ``WorkerInfo``, its decode mode, the step's result."""
+    """What an answer carries: the rank's ``WorkerInfo``, its decode mode, the step's result, a
+    head's drafts."""
     if isinstance(message, Loaded):
         return message.info
     if isinstance(message, Initialized):
         return message.decode_capture
+    if isinstance(message, Proposed):
+        return message.drafts
     return pickle.loads(message.runner_output)
 
 
@@ -242,8 +249,13 @@ def run_rank(fd: int, rank: int) -> None:
     if session is None:  # stopped before it started (another rank failed)
         return
     try:
-        while (step := _expect(conn, Execute)) is not None:
-            result = session.execute(pickle.loads(step.scheduler_output))
+        while (call := _expect(conn, (Execute, Propose))) is not None:
+            if isinstance(call, Propose):
+                drafts = session.propose(call.request_ids, call.num_tokens, call.max_drafts)
+                if rank == 0:
+                    conn.send_bytes(encode_message(Proposed(drafts)))
+                continue
+            result = session.execute(pickle.loads(call.scheduler_output))
             if rank == 0:
                 conn.send_bytes(encode_message(Executed(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))))
     except EOFError:
@@ -273,13 +285,14 @@ def _start(conn: Connection, rank: int) -> Rank | None:
     return session
 
 
-def _expect(conn: Connection, kind: type):
-    """The core's next message, which must be a ``kind``; None when it is ``Stop``."""
+def _expect(conn: Connection, kind: type | tuple[type, ...]):
+    """The core's next message, which must be a ``kind`` (one of them); None when it is ``Stop``."""
     message = decode_to_rank(conn.recv_bytes())
     if isinstance(message, Stop):
         return None
     if not isinstance(message, kind):
-        raise MalformedRankMessage(f"the rank expected {kind.__name__} from the core, got {type(message).__name__}")
+        names = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+        raise MalformedRankMessage(f"the rank expected {names} from the core, got {type(message).__name__}")
     return message
 
 

@@ -54,8 +54,8 @@ def import_ray():
 
 class RankActor:
     """The Ray actor hosting one rank (a Ray remote class once ``RayExecutor`` wraps it: Ray is an
-    optional import). ``start`` joins the group, ``load`` / ``initialize`` / ``execute`` are the
-    driver's calls, run in the actor's process."""
+    optional import). ``start`` joins the group, ``load`` / ``initialize`` / ``execute`` /
+    ``propose`` are the driver's calls, run in the actor's process."""
 
     def __init__(self):
         self.rank: Rank | None = None
@@ -88,6 +88,10 @@ class RankActor:
     def execute(self, output: SchedulerOutput) -> RunnerOutput | None:
         result = self.rank.execute(output)
         return result if self.rank.rank == 0 else None
+
+    def propose(self, request_ids: list[str], num_tokens: list[int], max_drafts: list[int]) -> list[list[int]] | None:
+        drafts = self.rank.propose(request_ids, num_tokens, max_drafts)
+        return drafts if self.rank.rank == 0 else None
 
     def stop(self) -> None:
         if self.rank is not None:

@@ -30,7 +30,9 @@ class SpeculativeConfig:
     n-gram lengths tried, longest first (one given: the other equals it; none: both 5).
     ``model``: the draft checkpoint of method ``draft_model`` (a text model with the target's
     tokenizer), or the head checkpoint of ``eagle`` / ``eagle3`` (``mtp`` reads its block from
-    the target's checkpoint); ``draft_tensor_parallel_size``: 1 or unset (the draft runs whole)."""
+    the target's checkpoint); ``draft_tensor_parallel_size``: ``draft_model``: 1 or unset (the
+    draft runs whole, whatever the target's TP); a head: unset or the target's TP (a head runs
+    on every rank, sharded as the target)."""
 
     method: str | None = None
     num_speculative_tokens: int | None = None
@@ -61,9 +63,10 @@ class SpeculativeConfig:
             if method == "mtp" and self.model is not None:
                 raise ValueError("speculative_config.model: method 'mtp' reads its block from the target's checkpoint "
                                  "(config.json num_nextn_predict_layers); give no model")
-            if self.draft_tensor_parallel_size not in (None, 1):
+            if method == "draft_model" and self.draft_tensor_parallel_size not in (None, 1):
                 raise ValueError(f"speculative_config.draft_tensor_parallel_size = {self.draft_tensor_parallel_size}: "
-                                 "the draft runs whole in the engine core's process (1)")
+                                 "not supported; method 'draft_model' supports 1 (or unset): the draft runs whole, "
+                                 "in the engine core's process, whatever the target's tensor_parallel_size")
             for name in ("prompt_lookup_min", "prompt_lookup_max"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"speculative_config.{name} belongs to method 'ngram'")
@@ -92,14 +95,15 @@ class SpeculativeConfig:
         set_(self, "prompt_lookup_max", high)
 
     def check_target(self, hf_config: dict, tensor_parallel_size: int) -> None:
-        """What the method needs from the engine (``EngineConfig``, at start-up): a draft or head
-        runs in the engine core's process next to the target, so TP = 1; a head checkpoint has
-        its config.json; MTP, a target checkpoint with an MTP block."""
+        """What the method needs from the engine (``EngineConfig``, at start-up): a head runs on
+        every rank, sharded as the target, so its ``draft_tensor_parallel_size`` is the target's;
+        a head checkpoint has its config.json; MTP, a target checkpoint with an MTP block."""
         if self.method == "ngram":
             return
-        if tensor_parallel_size != 1:
-            raise ValueError(f"EngineConfig.speculative_config: method {self.method!r} runs its draft in the engine "
-                             "core's process, with tensor_parallel_size 1 (use method 'ngram' under TP)")
+        if self.method != "draft_model" and self.draft_tensor_parallel_size not in (None, tensor_parallel_size):
+            raise ValueError(f"speculative_config.draft_tensor_parallel_size = {self.draft_tensor_parallel_size}: "
+                             f"not supported; method {self.method!r} runs its head on every rank, sharded as the "
+                             f"target: unset or {tensor_parallel_size} (the tensor_parallel_size)")
         if self.method in ("eagle", "eagle3") and not (Path(self.model) / "config.json").is_file():
             raise ValueError(f"speculative_config.model = {self.model!r}: no config.json there (an {self.method} "
                              "head checkpoint's directory)")

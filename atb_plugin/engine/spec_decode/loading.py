@@ -38,9 +38,13 @@ class SpecModel:
 def load_spec_model(config, model, device, load_model: Callable) -> SpecModel | None:
     """The speculative method's model for ``config`` (an ``EngineConfig``) next to the target
     ``model`` on ``device``; ``load_model(config, device) -> (model, pooler)`` loads a draft
-    checkpoint as the worker loads any. None for n-gram or no speculative decoding."""
+    checkpoint as the worker loads any. None for n-gram or no speculative decoding, and for a
+    draft model under TP: the engine core loads it whole (``proposer.make_proposer``), the ranks
+    hold the target alone."""
     spec = config.speculative_config
     if spec is None or spec.method == "ngram":
+        return None
+    if spec.method == "draft_model" and config.tensor_parallel_size > 1:
         return None
     if spec.method == "draft_model":
         return SpecModel(load_model(config.draft_config(), device)[0])

@@ -4,17 +4,19 @@ in ``make_proposer`` (a method with weights: one more in ``loading.load_spec_mod
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from atb_plugin.engine.spec_decode.draft_model import DraftModelProposer
 from atb_plugin.engine.spec_decode.head_proposer import HeadProposer
 from atb_plugin.engine.spec_decode.loading import HEAD_METHODS
 from atb_plugin.engine.spec_decode.ngram import NgramProposer
+from atb_plugin.engine.worker import load_model
+from atb_plugin.platform import platform_for
 
 if TYPE_CHECKING:
     from atb_plugin.engine.config import EngineConfig
-    from atb_plugin.engine.model_runner import ModelRunner
+    from atb_plugin.engine.executor.base import Executor
 
 
 class Proposer(Protocol):
@@ -30,18 +32,40 @@ class Proposer(Protocol):
                 max_drafts: Sequence[int]) -> list[list[int]]: ...
 
 
-def make_proposer(config: "EngineConfig", num_blocks: int, runner: "ModelRunner | None") -> Proposer:
+class RankProposer:
+    """A head's proposer under tensor parallelism: the head runs on every rank, sharded as the
+    target and next to the hidden states each rank's runner recorded (``Worker.propose``); the
+    ranks draft in lockstep (the head's collectives) and rank 0's drafts come back
+    (``executor.propose``: request ids, lengths and limits out, drafts back; the ranks read the
+    token ids from their request mirrors)."""
+
+    def __init__(self, propose: Callable[[list[str], list[int], list[int]], list[list[int]]]):
+        self._propose = propose
+
+    def propose(self, request_ids: Sequence[str], token_ids: Sequence[Sequence[int]],
+                max_drafts: Sequence[int]) -> list[list[int]]:
+        return self._propose(list(request_ids), [len(ids) for ids in token_ids], list(max_drafts))
+
+
+def make_proposer(config: "EngineConfig", num_blocks: int, executor: "Executor") -> Proposer:
     """The proposer of ``config.speculative_config``; ``num_blocks``: the target's KV blocks
-    (a draft's cache holds as many); ``runner``: the target's, in this process (TP = 1), which
-    holds what the worker loaded for the method (``ModelRunner.spec_model``)."""
+    (a draft's cache holds as many). At TP = 1 the target's runner is in this process
+    (``executor.runner``) and holds what the worker loaded for the method
+    (``ModelRunner.spec_model``); under TP a draft model is loaded here, whole, and a head
+    drafts on the ranks (``RankProposer``; docs/speculative.md, "Tensor parallelism")."""
     spec = config.speculative_config
     if spec.method == "ngram":
         return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
-    if runner is None or runner.spec_model is None:
-        raise ValueError(f"speculative method {spec.method!r} runs next to the target in the engine core's "
-                         "process (tensor_parallel_size 1)")
+    runner = executor.runner
     if spec.method == "draft_model":
-        return DraftModelProposer(config.draft_config(), num_blocks, config.vocab_size, runner.spec_model.module)
+        draft_config = config.draft_config()
+        if runner is not None:
+            draft = runner.spec_model.module
+        else:  # the ranks hold the target alone (loading.load_spec_model)
+            draft = load_model(draft_config, platform_for(config.device).device(config.rank_device(0)))[0]
+        return DraftModelProposer(draft_config, num_blocks, config.vocab_size, draft)
     if spec.method in HEAD_METHODS:
+        if runner is None:
+            return RankProposer(executor.propose)
         return HeadProposer(runner.spec_model.module, runner.spec_model.hidden_states, config, num_blocks)
     raise ValueError(f"no proposer for speculative method {spec.method!r}")
