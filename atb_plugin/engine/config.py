@@ -352,12 +352,12 @@ class EngineConfig:
             max_num_batched_tokens=self.max_num_batched_tokens,
             uniform_decode_len=1 + spec.num_speculative_tokens if spec is not None else 1,
             default_mode=platform.default_cudagraph_mode()))
-        self._check_lora()
+        self._check_lora(hf_config)
         set_(self, "scheduler_config",
              SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
                              self.max_loras if self.enable_lora else 0))
 
-    def _check_lora(self) -> None:
+    def _check_lora(self, hf_config: dict) -> None:
         _check_int("max_loras", self.max_loras, 1, 256)
         _check_int("max_lora_rank", self.max_lora_rank, 1, 512)
         if self.max_cpu_loras is None:
@@ -366,6 +366,12 @@ class EngineConfig:
         if self.enable_lora and self.runner != "generate":
             raise ValueError("EngineConfig.enable_lora: LoRA adapters serve generative models (the pooling runner "
                              "keeps its base weights)")
+        if self.enable_lora and registry.config_value(hf_config, "kv_lora_rank") is not None:
+            # The adapters' layers (lora/layers.py) are the GQA decoder's qkv / o / gate_up / down;
+            # MLA's low-rank projections and its absorbed kv_b_proj have no adapter path yet.
+            raise ValueError(f"EngineConfig.enable_lora: LoRA on multi-head latent attention ({self.architecture}: "
+                             "q_a_proj / q_b_proj / kv_a_proj_with_mqa / kv_b_proj) is not supported yet "
+                             "(docs/lora.md)")
 
     def draft_config(self) -> "EngineConfig":
         """The draft checkpoint's config (speculative method ``draft_model``): this engine's

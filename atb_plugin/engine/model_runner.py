@@ -118,6 +118,11 @@ class ModelRunner:
             self.decode_capture = f"eager (no captured decode step on {platform.name} yet)"
         elif pooler is not None:
             self.decode_capture = "off (pooling)"
+        elif platform.device_graphs() is not None and (why := getattr(
+                model.get_language_model(), "no_decode_graphs", None)) is not None:
+            # Even when asked for: capturing would bake one step's host-derived gathers into the graph.
+            logger.warning("decode graphs: %s; decode runs eager", why)
+            self.decode_capture = f"eager ({why})"
         elif platform.device_graphs() is not None:
             self.graphs, self.decode_capture = make_graph_runner(model, self.kv_caches, config, platform, self.device,
                                                                  isinstance(model, SupportsMRoPE))

@@ -320,6 +320,10 @@ class DeepseekV2ForCausalLM(ExpertWeightsMixin, DecoderForCausalLM):
         return [layer.make_kv_cache(num_blocks, block_size, dtype or weight.dtype, device or weight.device)
                 for layer in self.model.layers]
 
+    # Read by the model runner: MLA's kernels derive each step's context gathers on the host
+    # (ops/torch_kernels.py, _MlaStep), which a device graph would replay stale (docs/graph-mode.md).
+    no_decode_graphs = "multi-head latent attention is not graph-capturable yet"
+
     def capture_decode_step(self, kv_caches, max_rows: int) -> str:
         return "eager: the captured decode step runs the GQA decoder, not multi-head latent attention"
 
