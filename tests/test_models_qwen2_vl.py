@@ -305,3 +305,20 @@ def test_bad_inputs_are_refused():
         ours.get_multimodal_embeddings(torch.zeros(16, 1176), None)
     with pytest.raises(ValueError, match="multiples of spatial_merge_size"):
         ours.get_multimodal_embeddings(torch.zeros(15, 1176), (1, 3, 5))
+
+
+def test_a_text_prompt_holding_media_pad_ids_is_text():
+    """A prompt of token ids without media that holds the image and video pad ids (sent as text,
+    or sampled and then recomputed after a preemption) is positioned as text, as transformers
+    does without pixel values: greedy tokens equal transformers' (it used to fail the step)."""
+    from atb_plugin import LLM, SamplingParams
+
+    model_dir = tiny_checkpoint("qwen2_vl")
+    config = json.loads((model_dir / "config.json").read_text())
+    ids = [11, 12, config["image_token_id"], 13, config["video_token_id"], 14, 15]
+    reference = model_pair("qwen2_vl")[1]
+    with torch.no_grad():
+        expected = reference.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
+    with LLM(model_dir) as llm:
+        out = llm.generate(ids, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == expected

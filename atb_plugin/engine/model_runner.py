@@ -167,8 +167,12 @@ class ModelRunner:
             prompt = state.media.token_ids.tolist()
         elif min(prompt) < 0:
             raise MediaBlockError(f"the prompt has media handles but {type(self.model).__name__} takes no images")
-        if self.uses_mrope:
-            blocks = state.media.blocks if state.media else []
+        if self.uses_mrope and state.media is None:
+            # Text only: an image / video pad id in it (sent as text, or sampled and recomputed
+            # after a preemption) is text, as transformers positions it without pixel values.
+            state.mrope_positions, state.rope_delta = self.model.decode_positions(0, len(prompt), 0).contiguous(), 0
+        elif self.uses_mrope:
+            blocks = state.media.blocks
             state.mrope_positions, state.rope_delta = self.model.get_mrope_positions(
                 torch.tensor(prompt), [block.grid_thw for block in blocks],
                 second_per_grid_ts=[block.second_per_grid_t for block in blocks])
