@@ -88,7 +88,7 @@ STRUCTS = {"decode_linear": cpu_native.DecodeLinear, "decode_layer": cpu_native.
 
 
 def _constants() -> dict[str, int]:
-    return {"PANEL": cpu_native.PANEL, "LINEAR_F32": cpu_native.LINEAR_F32, "LINEAR_BF16": cpu_native.LINEAR_BF16,
+    return {"PANEL": cpu_native.PANEL, "DOT_SPLIT_ROWS": cpu_native.DOT_SPLIT_ROWS, "LINEAR_F32": cpu_native.LINEAR_F32, "LINEAR_BF16": cpu_native.LINEAR_BF16,
             "LINEAR_W8A16": cpu_native.LINEAR_W8A16, "LINEAR_W8A8_DYNAMIC": cpu_native.LINEAR_W8A8_DYNAMIC,
             **{f"FEATURE_{name.upper()}": 1 << i for i, name in enumerate(cpu_native.FEATURES)}}
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from atb_plugin import LLM, SamplingParams
 from atb_plugin.ops import calibration, cpu_native
-from atb_plugin.ops.packed_linear import PackedLinear, PanelLinear
+from atb_plugin.ops.packed_linear import PackedLinear, PanelLinear, dense_linear
 from atb_plugin.testing.tiny import tiny_checkpoint
 
 SHAPES = [("float32", 200, 96, True)] * 3 + [("float32", 64, 200, False)] * 2 + [("bfloat16", 130, 64, False)] * 2
@@ -129,7 +129,7 @@ def test_the_check_bound_holds_for_a_right_product_and_fails_a_wrong_one():
     generator = torch.Generator().manual_seed(1)
     for dtype in ("float32", "bfloat16"):
         assert calibration.check(calibration.CANDIDATES["dense"], (dtype, 70, 300, True), generator) is None
-    wrong = calibration.Candidate("dense", lambda w, b: calibration._dense(w * 1.01, b), lambda dtype: None)
+    wrong = calibration.Candidate("dense", lambda w, b: dense_linear(w * 1.01, b), lambda dtype: None)
     assert "beyond" in calibration.check(wrong, ("float32", 70, 300, False), generator)
     assert calibration.tolerance(torch.float32, 576) < 1e-4 < calibration.tolerance(torch.bfloat16, 576) < 1e-2
 

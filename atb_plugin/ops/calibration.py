@@ -108,9 +108,6 @@ def _weight_bytes(shape: Shape, count: int = 1) -> int:
     return count * out_features * in_features * DTYPES[dtype_name].itemsize
 
 
-_dense = packed_linear.dense_linear
-
-
 def _panels_unavailable(dtype: torch.dtype) -> str | None:
     if cpu_native.linear_library(torch.device("cpu")) is None:
         return "the native CPU kernels are not in use"
@@ -133,7 +130,7 @@ def _dot_unavailable(dtype: torch.dtype) -> str | None:
 CANDIDATES: dict[str, Candidate] = {
     "panels": Candidate("panels", PanelLinear, _panels_unavailable),
     "onednn": Candidate("onednn", PackedLinear, _onednn_unavailable),
-    "dense": Candidate("dense", _dense, lambda dtype: None),
+    "dense": Candidate("dense", packed_linear.dense_linear, lambda dtype: None),
 }
 # The panels' other kernel for bfloat16 weights: the same panels through bfloat16 dot products
 # (cpu_native.linear_bf16 with dot_rows). Checked and timed beside the forms at every bucket; the
