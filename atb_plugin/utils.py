@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 
-__all__ = ["available_cores", "cdiv", "keep_request_buffers_in_heap", "limit_compute_threads"]
+__all__ = ["available_cores", "cdiv", "json_object", "keep_request_buffers_in_heap", "limit_compute_threads"]
 
 # glibc's mallopt parameters (malloc.h) and the values keep_request_buffers_in_heap sets.
 _M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3
@@ -81,3 +82,15 @@ def lookup(registry: dict, name: str, what: str):
         return registry[name]
     except KeyError:
         raise ValueError(f"unknown {what} {name!r}; known: {', '.join(sorted(registry))}") from None
+
+
+def json_object(text: str) -> dict:
+    """``text`` parsed, or ValueError saying it "is not JSON (...)" or "must be a JSON object, got ..."
+    (callers prefix what it was)."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"is not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"must be a JSON object, got {type(value).__name__} {text[:80]!r}")
+    return value

@@ -26,9 +26,9 @@ once (docs/graph-mode.md):
 from __future__ import annotations
 
 import bisect
-import json
 from dataclasses import dataclass, fields, replace
 
+from atb_plugin.utils import json_object
 from atb_plugin.validation import check_int
 
 MODES = ("NONE", "FULL_DECODE_ONLY")
@@ -100,9 +100,9 @@ class CompilationConfig:
             return value
         if isinstance(value, str):
             try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"compilation_config: not JSON ({error}): {value!r}") from None
+                value = json_object(value)
+            except ValueError as error:
+                raise ValueError(f"compilation_config: {error}") from None
         if not isinstance(value, dict):
             raise ValueError(f"compilation_config must be a dict (vLLM's keys) or a JSON object, got {value!r}")
         known = {f.name for f in fields(cls)} - {"explicit", "uniform_decode_len"}

@@ -31,6 +31,7 @@ import torch
 
 from atb_plugin.engine.request import Request
 from atb_plugin.engine.sampling_params import StructuredOutputsParams
+from atb_plugin.utils import json_object
 
 if TYPE_CHECKING:
     import xgrammar
@@ -85,8 +86,9 @@ def to_grammar(params: StructuredOutputsParams) -> "xgrammar.Grammar":
     kind, spec = params.kinds[0], getattr(params, params.kinds[0])
     try:
         if kind == "json":
-            # strict_mode: no properties or items beyond the schema's (vLLM's default).
-            return _json_schema_grammar(_check_schema_text(spec), strict_mode=True)
+            # strict_mode: no properties or items beyond the schema's (vLLM's default). An object
+            # only: xgrammar also takes ``true``, but clients mean a schema.
+            return _json_schema_grammar(json_object(spec), strict_mode=True)
         if kind == "json_object":
             return _json_schema_grammar(json.loads(_JSON_OBJECT_SCHEMA), strict_mode=True)
         if kind == "regex":
@@ -99,17 +101,6 @@ def to_grammar(params: StructuredOutputsParams) -> "xgrammar.Grammar":
     except (RuntimeError, ValueError) as error:
         message = _XGRAMMAR_NOISE.sub("", str(error)).strip()
         raise ValueError(f"structured_outputs.{kind}: invalid {_WHAT[kind]}: {message}") from None
-
-
-def _check_schema_text(text: str) -> dict:
-    """A JSON schema must be JSON and an object (xgrammar also takes ``true``; clients mean a schema)."""
-    try:
-        schema = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"is not JSON ({error})") from None
-    if not isinstance(schema, dict):
-        raise ValueError(f"must be a JSON object, got {type(schema).__name__} {text[:80]!r}")
-    return schema
 
 
 # -- JSON strings, RFC 8259-exact ----------------------------------------------------------------

@@ -209,22 +209,7 @@ def _captured_attention(query, key_cache, value_cache, metadata, scale, params) 
             num_key_value_heads=num_kv_heads, sparse_mode=SPARSE_MODE_RIGHT_DOWN_CAUSAL, block_size=block_size,
             workspace=workspace, out=[out, lse])
 
-    stream = npu.npu.current_stream()
-    event = npu.npu.ExternalEvent()
-    event.wait(stream)
-    event.reset(stream)
-    npu.npu.graph_task_group_begin(stream)
-    launch(ends, kv_lens)
-    handle = npu.npu.graph_task_group_end(stream)
-
-    def update(step_metadata, update_stream):
-        with npu.npu.stream(update_stream):
-            npu.npu.graph_task_update_begin(update_stream, handle)
-            launch(*_graph_lengths(step_metadata))
-            npu.npu.graph_task_update_end(update_stream)
-            event.record(update_stream)
-
-    params.add_task(update)
+    _atb.launch_updatable(params, launch, (ends, kv_lens), _graph_lengths)
     return out
 
 

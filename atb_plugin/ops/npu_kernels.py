@@ -298,23 +298,31 @@ def _captured_decode(query, key_cache, value_cache, metadata, scale, out, params
             num_heads=num_heads, scale_value=float(scale), block_table=tables, context_lens=lengths, out=out,
             workspace=workspace)
 
+    launch_updatable(params, launch, (context_lens(metadata),), lambda step_metadata: (context_lens(step_metadata),))
+    return out
+
+
+def launch_updatable(params, launch, host_args: tuple, step_host_args) -> None:
+    """Capture ``launch(*host_args)`` in a task group and leave in ``params`` an update task that
+    re-launches it with ``step_host_args(metadata)`` before each replay (graph_task_update_begin/end;
+    an ExternalEvent orders the update before the kernel). Shared with ``npu_fia_kernels``."""
+    npu = torch_npu()
     stream = npu.npu.current_stream()
     event = npu.npu.ExternalEvent()
     event.wait(stream)
     event.reset(stream)
     npu.npu.graph_task_group_begin(stream)
-    launch(context_lens(metadata))
+    launch(*host_args)
     handle = npu.npu.graph_task_group_end(stream)
 
     def update(step_metadata, update_stream):
         with npu.npu.stream(update_stream):
             npu.npu.graph_task_update_begin(update_stream, handle)
-            launch(context_lens(step_metadata))
+            launch(*step_host_args(step_metadata))
             npu.npu.graph_task_update_end(update_stream)
             event.record(update_stream)
 
     params.add_task(update)
-    return out
 
 
 # --------------------------------------------------------------------------------------------
