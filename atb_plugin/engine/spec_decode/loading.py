@@ -1,7 +1,7 @@
 """What a speculative method loads besides the target (a draft model, an EAGLE / EAGLE-3 / MTP
 head), loaded by the worker right after the target and before the KV budget is set, so that its
 weights are in memory when the start-up profile measures the peak and its KV blocks are counted
-in each block's bytes (``SpecModel.kv_bytes_per_block``: its cache holds as many blocks as the
+in each block's bytes (``Worker._blocks_for_budget``: its cache holds as many blocks as the
 target's). N-gram loads nothing."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from pathlib import Path
 
 from torch import nn
 
-from atb_plugin.engine.memory_profile import kv_bytes_per_block
 from atb_plugin.engine.spec_decode.eagle import EagleHead
 from atb_plugin.engine.spec_decode.eagle3 import Eagle3Head, aux_layer_ids
 from atb_plugin.engine.spec_decode.hidden_states import TargetHiddenStates
@@ -30,9 +29,6 @@ class SpecModel:
 
     module: nn.Module
     hidden_states: TargetHiddenStates | None = None
-
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        return kv_bytes_per_block(self.module, block_size)
 
 
 def load_spec_model(config, model, device, load_model: Callable) -> SpecModel | None:
