@@ -40,10 +40,8 @@ def load_spec_model(config, model, device, load_model: Callable) -> SpecModel | 
     spec = config.speculative_config
     if spec is None or spec.method == "ngram":
         return None
-    if spec.method == "draft_model" and config.tensor_parallel_size > 1:
-        return None
     if spec.method == "draft_model":
-        return SpecModel(load_model(config.draft_config(), device)[0])
+        return SpecModel(load_model(config.draft_config(), device)[0]) if config.tensor_parallel_size == 1 else None
     target = model.get_language_model()
     dtype = next(target.parameters()).dtype
     if spec.method == "mtp":
