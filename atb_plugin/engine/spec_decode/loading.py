@@ -31,6 +31,12 @@ class SpecModel:
     hidden_states: TargetHiddenStates | None = None
 
 
+def _read_tensors(source: str, dtype, prefix: str = "") -> dict:
+    """The checkpoint's tensors at ``source`` whose names start with ``prefix``, in memory."""
+    return {name: materialize(tensor) for name, tensor in iter_weights(source, dtype, progress=False)
+            if name.startswith(prefix)}
+
+
 def load_spec_model(config, model, device, load_model: Callable) -> SpecModel | None:
     """The speculative method's model for ``config`` (an ``EngineConfig``) next to the target
     ``model`` on ``device``; ``load_model(config, device) -> (model, pooler)`` loads a draft
@@ -45,14 +51,12 @@ def load_spec_model(config, model, device, load_model: Callable) -> SpecModel | 
     target = model.get_language_model()
     dtype = next(target.parameters()).dtype
     if spec.method == "mtp":
-        prefix = mtp_prefix(target)
-        tensors = {name: materialize(tensor) for name, tensor in iter_weights(config.model, dtype, progress=False)
-                   if name.startswith(prefix)}
+        tensors = _read_tensors(config.model, dtype, mtp_prefix(target))
         head = MtpHead.from_checkpoint(tensors, f"{config.model} (MTP block)", target, dtype, device,
                                        config.pack_weights)
         return SpecModel(head, TargetHiddenStates())
     hf_config = json.loads((Path(spec.model) / "config.json").read_text())
-    tensors = {name: materialize(tensor) for name, tensor in iter_weights(spec.model, dtype, progress=False)}
+    tensors = _read_tensors(spec.model, dtype)
     if spec.method == "eagle":
         head = EagleHead.from_checkpoint(hf_config, tensors, spec.model, target, dtype, device, config.pack_weights)
         return SpecModel(head, TargetHiddenStates())
