@@ -120,7 +120,7 @@ class Worker:
             return config.kv_cache_blocks
         bytes_per_block = kv_bytes_per_block(self.model, config.block_size)
         if self.spec_model is not None:
-            bytes_per_block += self.spec_model.kv_bytes_per_block(config.block_size)
+            bytes_per_block += kv_bytes_per_block(self.spec_model.module, config.block_size)
         per_request = cdiv(config.max_model_len, config.block_size)
         needed = config.max_num_seqs * per_request
         if bytes_per_block == 0:  # an encoder keeps no KV: blocks are bookkeeping only, cost nothing

@@ -1,7 +1,7 @@
 """What a speculative method loads besides the target (a draft model, an EAGLE / EAGLE-3 / MTP
 head), loaded by the worker right after the target and before the KV budget is set, so that its
 weights are in memory when the start-up profile measures the peak and its KV blocks are counted
-in each block's bytes (``SpecModel.kv_bytes_per_block``: its cache holds as many blocks as the
+in each block's bytes (``Worker._blocks_for_budget``: its cache holds as many blocks as the
 target's). N-gram loads nothing."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from pathlib import Path
 
 from torch import nn
 
-from atb_plugin.engine.memory_profile import kv_bytes_per_block
 from atb_plugin.engine.spec_decode.eagle import EagleHead
 from atb_plugin.engine.spec_decode.eagle3 import Eagle3Head, aux_layer_ids
 from atb_plugin.engine.spec_decode.hidden_states import TargetHiddenStates
@@ -31,8 +30,11 @@ class SpecModel:
     module: nn.Module
     hidden_states: TargetHiddenStates | None = None
 
-    def kv_bytes_per_block(self, block_size: int) -> int:
-        return kv_bytes_per_block(self.module, block_size)
+
+def _read_tensors(source: str, dtype, prefix: str = "") -> dict:
+    """The checkpoint's tensors at ``source`` whose names start with ``prefix``, in memory."""
+    return {name: materialize(tensor) for name, tensor in iter_weights(source, dtype, progress=False)
+            if name.startswith(prefix)}
 
 
 def load_spec_model(config, model, device, load_model: Callable) -> SpecModel | None:
@@ -44,21 +46,17 @@ def load_spec_model(config, model, device, load_model: Callable) -> SpecModel | 
     spec = config.speculative_config
     if spec is None or spec.method == "ngram":
         return None
-    if spec.method == "draft_model" and config.tensor_parallel_size > 1:
-        return None
     if spec.method == "draft_model":
-        return SpecModel(load_model(config.draft_config(), device)[0])
+        return SpecModel(load_model(config.draft_config(), device)[0]) if config.tensor_parallel_size == 1 else None
     target = model.get_language_model()
     dtype = next(target.parameters()).dtype
     if spec.method == "mtp":
-        prefix = mtp_prefix(target)
-        tensors = {name: materialize(tensor) for name, tensor in iter_weights(config.model, dtype, progress=False)
-                   if name.startswith(prefix)}
+        tensors = _read_tensors(config.model, dtype, mtp_prefix(target))
         head = MtpHead.from_checkpoint(tensors, f"{config.model} (MTP block)", target, dtype, device,
                                        config.pack_weights)
         return SpecModel(head, TargetHiddenStates())
     hf_config = json.loads((Path(spec.model) / "config.json").read_text())
-    tensors = {name: materialize(tensor) for name, tensor in iter_weights(spec.model, dtype, progress=False)}
+    tensors = _read_tensors(spec.model, dtype)
     if spec.method == "eagle":
         head = EagleHead.from_checkpoint(hf_config, tensors, spec.model, target, dtype, device, config.pack_weights)
         return SpecModel(head, TargetHiddenStates())
