@@ -38,6 +38,7 @@ class LoRAManager:
 
     def __init__(self, model, hf_config: dict, max_loras: int, max_lora_rank: int, max_cpu_loras: int):
         self.model, self.hf_config = model, hf_config
+        self.decoder = model.get_language_model().model  # its captured decode step is set aside per step
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.state, self.layers = wrap_model(model, max_loras, max_lora_rank)
         self.device = next(iter(self.layers.values())).lora_a.device if self.layers else torch.device("cpu")
@@ -136,17 +137,16 @@ class LoRAManager:
                 else:
                     segments.append((slot, row, row + count))
             row += count
-        decoder = self.model.get_language_model().model
-        captured = getattr(decoder, "captured_decode", None)
+        captured = getattr(self.decoder, "captured_decode", None)
         self.state.segments = segments
         if segments and captured is not None:
-            decoder.captured_decode = None
+            self.decoder.captured_decode = None
         try:
             yield bool(segments)
         finally:
             self.state.segments = []
             if captured is not None:
-                decoder.captured_decode = captured
+                self.decoder.captured_decode = captured
 
 
 def attach_lora(model, hf_config: dict, max_loras: int, max_lora_rank: int, max_cpu_loras: int) -> LoRAManager:
