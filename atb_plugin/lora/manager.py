@@ -41,7 +41,6 @@ class LoRAManager:
         self.decoder = model.get_language_model().model  # its captured decode step is set aside per step
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.state, self.layers = wrap_model(model, max_loras, max_lora_rank)
-        self.device = next(iter(self.layers.values())).lora_a.device if self.layers else torch.device("cpu")
         self.slots: list[tuple[int, str] | None] = [None] * max_loras  # the adapter key in each slot
         self._slot_use = [0] * max_loras  # when each slot was last needed (the step counter)
         self._clock = 0
