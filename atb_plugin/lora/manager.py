@@ -113,12 +113,8 @@ class LoRAManager:
                 self._load_slot(slot, key, adapter)
                 where[key] = slot
             self._slot_use[where[key]] = self._clock
-        slots, failed = [], {}
-        for index, lora in enumerate(loras):
-            if lora is not None and lora.key in errors:
-                failed[index] = errors[lora.key]
-            slots.append(-1 if lora is None or lora.key in errors else where[lora.key])
-        return slots, failed
+        failed = {index: errors[lora.key] for index, lora in enumerate(loras) if lora is not None and lora.key in errors}
+        return [-1 if lora is None or index in failed else where[lora.key] for index, lora in enumerate(loras)], failed
 
     @contextlib.contextmanager
     def step(self, row_slots: Sequence[int], counts: Sequence[int]) -> Iterator[bool]:
