@@ -38,9 +38,9 @@ class LoRAManager:
 
     def __init__(self, model, hf_config: dict, max_loras: int, max_lora_rank: int, max_cpu_loras: int):
         self.model, self.hf_config = model, hf_config
+        self.decoder = model.get_language_model().model  # its captured decode step is set aside per step
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.state, self.layers = wrap_model(model, max_loras, max_lora_rank)
-        self.device = next(iter(self.layers.values())).lora_a.device if self.layers else torch.device("cpu")
         self.slots: list[tuple[int, str] | None] = [None] * max_loras  # the adapter key in each slot
         self._slot_use = [0] * max_loras  # when each slot was last needed (the step counter)
         self._clock = 0
@@ -113,12 +113,8 @@ class LoRAManager:
                 self._load_slot(slot, key, adapter)
                 where[key] = slot
             self._slot_use[where[key]] = self._clock
-        slots, failed = [], {}
-        for index, lora in enumerate(loras):
-            if lora is not None and lora.key in errors:
-                failed[index] = errors[lora.key]
-            slots.append(-1 if lora is None or lora.key in errors else where[lora.key])
-        return slots, failed
+        failed = {index: errors[lora.key] for index, lora in enumerate(loras) if lora is not None and lora.key in errors}
+        return [-1 if lora is None or index in failed else where[lora.key] for index, lora in enumerate(loras)], failed
 
     @contextlib.contextmanager
     def step(self, row_slots: Sequence[int], counts: Sequence[int]) -> Iterator[bool]:
@@ -136,17 +132,16 @@ class LoRAManager:
                 else:
                     segments.append((slot, row, row + count))
             row += count
-        decoder = self.model.get_language_model().model
-        captured = getattr(decoder, "captured_decode", None)
+        captured = getattr(self.decoder, "captured_decode", None)
         self.state.segments = segments
         if segments and captured is not None:
-            decoder.captured_decode = None
+            self.decoder.captured_decode = None
         try:
             yield bool(segments)
         finally:
             self.state.segments = []
             if captured is not None:
-                decoder.captured_decode = captured
+                self.decoder.captured_decode = captured
 
 
 def attach_lora(model, hf_config: dict, max_loras: int, max_lora_rank: int, max_cpu_loras: int) -> LoRAManager:

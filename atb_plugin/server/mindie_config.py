@@ -361,10 +361,10 @@ class _Mapper:
             raise ValueError(f"{path} must be a list of {{\"name\", \"path\"}} objects, got {_type_name(value)}")
         modules = []
         for index, entry in enumerate(value):
-            if not isinstance(entry, dict) or not entry.get("name") or not entry.get("path"):
+            if not isinstance(entry, dict):
                 raise ValueError(f"{path}[{index}] must be an object with \"name\" and \"path\", got {entry!r}")
-            modules.append(LoRAModule(_text(f"{path}[{index}].name", entry["name"]),
-                                      str(self.base_dir / _text(f"{path}[{index}].path", entry["path"])),
+            modules.append(LoRAModule(_text(f"{path}[{index}].name", entry.get("name")),
+                                      str(self.base_dir / _text(f"{path}[{index}].path", entry.get("path"))),
                                       entry.get("baseModelName")))
         if modules:
             self.out.flags["enable_lora"] = True
