@@ -175,11 +175,11 @@ class Qwen3VisionTransformer(nn.Module):
         x = x + self.position_embeddings(grid_thws, device).to(x.dtype)
         cos, sin = self.rotary_cos_sin(grid_thws, device)
         segments = frame_cu_seqlens(grid_thws).to(device)
-        deep = []
+        mergers, deep = dict(zip(self.config.deepstack_visual_indexes, self.deepstack_merger_list)), []
         for index, block in enumerate(self.blocks):
             x = block(x, cos, sin, segments)
-            if index in self.config.deepstack_visual_indexes:
-                deep.append(self.deepstack_merger_list[self.config.deepstack_visual_indexes.index(index)](x))
+            if index in mergers:
+                deep.append(mergers[index](x))
         return torch.cat([self.merger(x), *deep], dim=-1)
 
 

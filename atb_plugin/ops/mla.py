@@ -33,16 +33,11 @@ from __future__ import annotations
 import torch
 
 from atb_plugin.ops.attention import AttentionMetadata
+from atb_plugin.ops.torch_kernels import deinterleave  # a layout permutation, the same on every platform
 from atb_plugin.platform import current_platform
 
 __all__ = ["deinterleave", "mla_absorbed_attention", "mla_expanded_attention", "mla_gather_context",
            "mla_write_latent"]
-
-
-def deinterleave(x: torch.Tensor) -> torch.Tensor:
-    """``[x0, x1, x2, x3, ...]`` -> ``[x0, x2, ..., x1, x3, ...]`` on the last dimension: the
-    interleaved-pair rope layout as rotate-half rotary takes it."""
-    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
 
 
 def mla_write_latent(latent: torch.Tensor, gamma: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor,

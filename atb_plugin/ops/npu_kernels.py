@@ -494,7 +494,7 @@ def mla_write_latent(latent, gamma, eps, cos, sin, kv_c_cache, k_pe_cache, slot_
     kv_c = rms_norm(latent[:, :rank].contiguous(), gamma, eps)
     k_pe = latent[:, rank:]
     if interleaved:
-        k_pe = torch.cat((k_pe[:, 0::2], k_pe[:, 1::2]), dim=-1)
+        k_pe = torch_kernels.deinterleave(k_pe)
     k_pe = apply_rotary(k_pe.unsqueeze(1).contiguous(), cos, sin).squeeze(1)
     slots, kv_c_rows, k_pe_rows = slot_mapping, kv_c, k_pe
     if index is not None:

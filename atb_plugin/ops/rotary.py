@@ -19,11 +19,16 @@ import torch
 from atb_plugin.platform import current_platform
 
 
+def _rope_type(rope: dict) -> str:
+    """The rope parameters' type (``rope_type``, or the older ``type``)."""
+    return rope.get("rope_type", rope.get("type", "default"))
+
+
 def _inverse_frequencies(head_dim: int, rope: dict) -> torch.Tensor:
     base = float(rope.get("rope_theta", 10000.0))
     # device="cpu" explicitly: models are built under torch.device("meta"), tables must be real.
     inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    rope_type = _rope_type(rope)
     if rope_type in ("default", "mrope"):
         return inv_freq
     if rope_type == "linear":
@@ -72,7 +77,7 @@ def attention_factor(rope: dict) -> float:
     """The factor YaRN multiplies cos / sin by (1 for every other rope type): ``attention_factor``
     when given, else ``mscale(factor, mscale) / mscale(factor, mscale_all_dim)`` (1 for DeepSeek-V3,
     whose two are equal), else ``mscale(factor)``."""
-    if rope.get("rope_type", rope.get("type", "default")) != "yarn":
+    if _rope_type(rope) != "yarn":
         return 1.0
     if rope.get("attention_factor") is not None:
         return float(rope["attention_factor"])
@@ -85,7 +90,7 @@ def attention_factor(rope: dict) -> float:
 def yarn_softmax_scale(rope: dict, scale: float) -> float:
     """DeepSeek's softmax scale under YaRN: ``scale * mscale(factor, mscale_all_dim) ** 2``
     (transformers' ``yarn_apply_mscale``); ``scale`` unchanged otherwise."""
-    if rope.get("rope_type", rope.get("type", "default")) == "default" or not rope.get("mscale_all_dim"):
+    if _rope_type(rope) == "default" or not rope.get("mscale_all_dim"):
         return scale
     return scale * _yarn_mscale(float(rope["factor"]), float(rope["mscale_all_dim"])) ** 2
 

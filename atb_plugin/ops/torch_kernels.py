@@ -459,12 +459,18 @@ def w8a8_static_linear(x, weight, input_scale, input_offset, deq_scale, quant_bi
 # --------------------------------------------------------------------------------------------
 
 
+def deinterleave(x: torch.Tensor) -> torch.Tensor:
+    """``[x0, x1, x2, x3, ...]`` -> ``[x0, x2, ..., x1, x3, ...]`` on the last dimension: the
+    interleaved-pair rope layout as rotate-half rotary takes it (``ops.deinterleave``)."""
+    return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
 def mla_write_latent(latent, gamma, eps, cos, sin, kv_c_cache, k_pe_cache, slot_mapping, interleaved):
     rank = kv_c_cache.shape[-1]
     kv_c = rms_norm(latent[:, :rank], gamma, eps)
     k_pe = latent[:, rank:]
     if interleaved:
-        k_pe = torch.cat((k_pe[:, 0::2], k_pe[:, 1::2]), dim=-1)
+        k_pe = deinterleave(k_pe)
     k_pe = apply_rotary(k_pe.unsqueeze(1), cos, sin).squeeze(1)
     kv_c_rows, k_pe_rows = kv_c, k_pe
     if not _all_slots_valid(slot_mapping):
