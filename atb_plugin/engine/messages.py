@@ -23,7 +23,7 @@ from atb_plugin.lora.request import LoRARequest
 from atb_plugin.pooling.params import PoolingParams
 
 __all__ = ["LogprobsEntry", "PooledData", "EngineCoreRequest", "EngineCoreOutput", "SchedulerStats",
-           "SpecDecodingStats", "EngineCoreOutputs",
+           "SpecDecodingStats", "KVTransferStats", "EngineCoreOutputs",
            "encode", "decode_request", "decode_outputs"]
 
 
@@ -92,6 +92,9 @@ class EngineCoreRequest:
     pooling_params: PoolingParams | None = None
     token_type_start: int | None = None
     lora_request: LoRARequest | None = None  # the adapter it runs through (None: the base model)
+    # KV connectors (docs/kv-transfer.md): what the client passed (a PD proxy: where the prompt's
+    # KV lies on the producer, or that this instance produces it); None: nothing.
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self):
         if not isinstance(self.request_id, str) or not self.request_id:
@@ -125,6 +128,9 @@ class EngineCoreOutput:
     queue_time: float | None = None
     pooled: PooledData | None = None
     prompt_logprobs: list[LogprobsEntry | None] | None = None
+    # On a request's final output, what its KV connector hands back (a PD producer: where the
+    # consumer finds the prompt's KV); the server returns it as the response's kv_transfer_params.
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:
@@ -153,6 +159,23 @@ class SpecDecodingStats:
 
 
 @dataclass
+class KVTransferStats:
+    """KV connectors since the previous stats (docs/kv-transfer.md): loads into the device cache
+    (a host / disk tier hit, a PD consumer's pull) and saves out of it, in bytes and seconds;
+    requests whose load failed (recomputed or failed, by kv_load_failure_policy); and, as gauges,
+    each offload tier's bytes held now (``{"cpu": ..., "disk": ...}``)."""
+
+    num_loads: int = 0
+    num_saves: int = 0
+    bytes_loaded: int = 0
+    bytes_saved: int = 0
+    load_seconds: float = 0.0
+    save_seconds: float = 0.0
+    num_failed_loads: int = 0
+    tier_bytes: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
 class SchedulerStats:
     num_running: int = 0
     num_waiting: int = 0
@@ -161,6 +184,11 @@ class SchedulerStats:
     prefix_cache_hits: int = 0  # of those, tokens found cached
     num_preemptions: int = 0  # since the previous stats
     spec_decoding: SpecDecodingStats | None = None  # None: no drafts verified since the previous stats
+    # Tokens KV connectors were asked for / delivered since the previous stats (vLLM's
+    # external_prefix_cache_queries / _hits), and their transfers; None: no connector.
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_transfer: KVTransferStats | None = None
 
 
 @dataclass

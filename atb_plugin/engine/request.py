@@ -55,6 +55,8 @@ class Request:
     # The LoRA adapter this request runs through (None: the base model); part of its prefix-cache
     # keys, so two adapters never share KV blocks.
     lora_request: LoRARequest | None = None
+    # What the client passed for KV connectors (EngineCoreRequest.kv_transfer_params).
+    kv_transfer_params: dict | None = None
 
     def __post_init__(self):
         if not self.prompt_token_ids:
@@ -66,7 +68,8 @@ class Request:
         return cls(message.request_id, list(message.prompt_token_ids), message.sampling_params,
                    arrival_time=message.arrival_time, eos_token_ids=tuple(message.eos_token_ids),
                    shm_instances=tuple(message.shm_instances), pooling_params=message.pooling_params,
-                   token_type_start=message.token_type_start, lora_request=message.lora_request)
+                   token_type_start=message.token_type_start, lora_request=message.lora_request,
+                   kv_transfer_params=message.kv_transfer_params)
 
     @property
     def is_pooling(self) -> bool:

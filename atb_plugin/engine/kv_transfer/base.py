@@ -1,0 +1,168 @@
+"""``KVConnectorBase``: the one interface every KV connector implements (vLLM's
+``KVConnectorBase_V1``, written for this engine). docs/kv-transfer.md has the request states and
+who frees what when.
+
+A connector is built twice from one ``KVTransferConfig``: once with ``KVConnectorRole.SCHEDULER``
+in the engine core (it decides which of a request's prompt tokens come from outside and which
+blocks outlive their request), and once with ``KVConnectorRole.WORKER`` in every model runner
+(each tensor-parallel rank holds its own shard of the KV and moves its own bytes). The two halves
+talk only through the per-step ``KVConnectorMetadata`` (scheduler → workers, inside the
+``SchedulerOutput``) and ``KVConnectorOutput`` (workers → scheduler, inside the ``RunnerOutput``)::
+
+    scheduler side (engine core)                          worker side (each rank's runner)
+    ─────────────────────────────                         ────────────────────────────────
+    get_num_new_matched_tokens(request, n_local)          register_kv_caches(kv_caches)  (once)
+    update_state_after_alloc(request, block_ids, n_ext)
+    build_connector_meta(scheduler_output) ── metadata ─► bind_connector_metadata(metadata)
+                                                          start_load_kv()       before the forward
+                                                          [wait_for_layer_load(i) / save_kv_layer(i)]
+                                                          wait_for_save()       after the forward
+    update_connector_output(output) ◄── KVConnectorOutput ─ get_finished(finished_ids),
+                                                          get_block_ids_with_load_errors()
+    request_finished(request, block_ids)
+        -> (free blocks later?, kv_transfer_params for the client)
+
+Both halves live in one object class (as vLLM's do); a method of the other role is never called.
+"""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from atb_plugin.engine.kv_transfer.config import KVTransferConfig
+from atb_plugin.engine.request import Request
+
+
+class KVConnectorRole(enum.Enum):
+    SCHEDULER = "scheduler"
+    WORKER = "worker"
+
+
+@dataclass(frozen=True)
+class ConnectorContext:
+    """What a connector learns of the engine it serves. ``num_kv_blocks``: the device KV blocks
+    (null block included) each rank holds; ``tensor_parallel_rank`` is 0 on the scheduler side."""
+
+    model: str
+    block_size: int
+    num_kv_blocks: int
+    tensor_parallel_size: int = 1
+    tensor_parallel_rank: int = 0
+    data_parallel_rank: int = 0
+
+
+@dataclass
+class KVConnectorMetadata:
+    """One step's instructions from the scheduler side to the worker side (which blocks to
+    load from where, which to save). Each connector subclasses it; it is pickled inside the
+    ``SchedulerOutput`` to every rank, so it holds plain data only."""
+
+
+@dataclass
+class KVConnectorOutput:
+    """What the worker side reports after a step. ``finished_sending``: requests whose blocks the
+    connector no longer reads (their delayed free may happen now); ``finished_recving``:
+    requests whose asynchronous load completed; ``invalid_block_ids``: device blocks whose load
+    failed (their contents are garbage: the scheduler must neither use nor cache them). Under
+    tensor parallelism the executor merges every rank's output: a request is finished only once
+    every rank says so, and invalid blocks are the union."""
+
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    invalid_block_ids: set[int] = field(default_factory=set)
+
+    def is_empty(self) -> bool:
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+
+
+class KVConnectorBase(ABC):
+    """Subclass, implement the abstract methods of both roles, and register the class
+    (``factory.register_connector``). The defaults of the optional hooks do nothing."""
+
+    def __init__(self, config: KVTransferConfig, role: KVConnectorRole, context: ConnectorContext):
+        self.config = config
+        self.role = role
+        self.context = context
+        self._metadata: KVConnectorMetadata | None = None
+
+    # -- scheduler side ------------------------------------------------------------------------
+
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """How many of ``request``'s tokens after its first ``num_computed_tokens`` (those the
+        device prefix cache already holds) this connector can deliver, and whether the load is
+        asynchronous (the request waits, holding its blocks, until ``finished_recving`` names
+        it) rather than done in the step's ``start_load_kv``. ``None``: not known yet, ask again
+        next step. Never counts the request's last token: its logits must be computed here."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: Request, block_ids: list[int], num_external_tokens: int) -> None:
+        """The scheduler allocated ``block_ids`` (all the request's blocks, local hits first) and
+        will count ``num_external_tokens`` tokens after the local hits as computed: record which
+        blocks the connector must fill."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        """This step's metadata for the worker side (called once per step after scheduling);
+        resets the per-step state it was built from."""
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """The workers' report of the step (merged over ranks)."""
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """``request`` finished (any reason). Returns whether its blocks must stay allocated
+        until ``finished_sending`` names it (a producer whose consumer has not pulled yet), and
+        the ``kv_transfer_params`` to hand back with the request's final output (None: none)."""
+        return False, None
+
+    def get_stats(self) -> dict[str, float]:
+        """Counters since the previous call and gauges now, by name (bytes moved, seconds,
+        tier occupancy): ``messages.KVTransferStats`` carries them to the frontend's metrics."""
+        return {}
+
+    # -- worker side ---------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: list) -> None:
+        """This rank's KV cache tensors, one entry per layer (as the model made them: a
+        ``(key, value)`` pair of ``(num_blocks, block_size, kv_heads, head_dim)`` tensors, or
+        one latent tensor for MLA), once, before the first step."""
+
+    def bind_connector_metadata(self, metadata: KVConnectorMetadata | None) -> None:
+        self._metadata = metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._metadata = None
+
+    @property
+    def metadata(self) -> KVConnectorMetadata | None:
+        return self._metadata
+
+    @abstractmethod
+    def start_load_kv(self) -> None:
+        """Start (or, for a synchronous connector, do) the loads the bound metadata names,
+        before the step's forward reads those blocks."""
+
+    def wait_for_layer_load(self, layer_index: int) -> None:
+        """Block until layer ``layer_index``'s loads are in (a layer-wise connector)."""
+
+    def save_kv_layer(self, layer_index: int) -> None:
+        """Layer ``layer_index``'s KV of this step is written: start saving it (layer-wise)."""
+
+    @abstractmethod
+    def wait_for_save(self) -> None:
+        """After the forward: every save this step started is done (or safely in flight: its
+        blocks stay allocated until ``finished_sending``)."""
+
+    def get_finished(self, finished_request_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(finished sending, finished receiving) request ids since the previous call;
+        ``finished_request_ids`` are the requests the scheduler finished since the previous step."""
+        return set(), set()
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Device blocks whose load failed since the previous call."""
+        return set()
+
+    def shutdown(self) -> None:
+        """Release what the connector holds (threads, registered memory, files, ports)."""
