@@ -226,10 +226,10 @@ class ModelRunner:
             self.input_batch.set_tokens(request_id, self.states[request_id].request.num_tokens, drafts)
         prepared = prepare_inputs(self.input_batch, request_ids, counts, device=self.device)
         metadata = prepared.attn_metadata
-        # Adapted rows run the eager forward (neither the captured CPU step nor a device graph
-        # holds the adapters: lora/manager.py), so they keep the eager attention metadata.
+        # Adapted rows: the captured CPU step holds the adapters (models/native_decode.py), a
+        # device graph does not (those steps run eager).
         adapted = any(slot >= 0 for slot in lora_slots)
-        if verifying and not adapted and self.decode_capture == "captured" and all(
+        if verifying and self.decode_capture == "captured" and all(
                 count == 1 or request_id in verifying for request_id, count in zip(request_ids, counts)):
             metadata = _one_query_per_row(prepared)
         spans = self._spans(request_ids, counts)

@@ -38,15 +38,18 @@ from torch import nn
 
 from atb_plugin.distributed import TPShard
 from atb_plugin.models.linear import LinearMethodBase
+from atb_plugin.ops import cpu_native
 
 
 class LoRAStep:
-    """The rows -> slots map of the current step, shared by every wrapped layer of one model:
-    ``segments``, (slot, first row, end row) of each run of adapted rows (empty: no row is
-    adapted, the layers add nothing)."""
+    """The rows -> slots map of the current step, shared by every wrapped layer of one model (and
+    the captured decode step): ``segments``, (slot, first row, end row) of each run of adapted
+    rows (empty: no row is adapted, the layers add nothing), and ``row_slots``, each row's slot
+    as int32 (-1: the base model; None when no row is adapted)."""
 
     def __init__(self):
         self.segments: list[tuple[int, int, int]] = []
+        self.row_slots: torch.Tensor | None = None
 
 
 class LoRAMethod(LinearMethodBase):
@@ -85,6 +88,14 @@ class LoRALinear(nn.Module):
         # x every layer x every step): views of the buffers, which are never reallocated, so a
         # rewritten slot reads through them as it is.
         self._slot_views = [(self.lora_a[slot].T, [b[slot] for b in self.lora_b]) for slot in range(max_loras)]
+        # The slots as the native kernel reads them in place (csrc/lora_kernels.c), or why not (off
+        # the CPU): made once, the buffers never move.
+        self._native = cpu_native.lora_slots(self.lora_a, self.lora_b)
+
+    def native_lora(self) -> tuple[cpu_native.LoRASlots | str, int, LoRAStep]:
+        """What the captured decode step needs to add this layer's adapters (models/native_decode.py):
+        its slots for the native kernel (or why they cannot be), their rank, and the step's rows."""
+        return self._native, self.max_rank, self.step
 
     @property
     def lora_b(self) -> list[torch.Tensor]:
@@ -119,9 +130,14 @@ class LoRALinear(nn.Module):
         flat = x.reshape(-1, self.in_features).to(torch.float32)
         # Added in place into a float32 output (the base output is this call's own tensor); a
         # lower-precision one gets a float32 delta and one rounding of the sum.
-        in_place = out.dtype == torch.float32 and out.dim() == 2
+        in_place = out.dtype == torch.float32 and out.dim() == 2 and out.stride(1) == 1
         target = out if in_place else torch.zeros(flat.shape[0], sum(self.out_slices), dtype=torch.float32,
                                                   device=out.device)
+        library = None if isinstance(self._native, str) else cpu_native.linear_library(flat.device)
+        if library is not None:  # every row with its own slot in one call (faster at every size measured)
+            cpu_native.lora_apply(library, self._native, self.max_rank, flat.contiguous(), self.step.row_slots,
+                                  target)
+            segments = ()
         rank = self.max_rank
         for slot, start, end in segments:
             a_t, bs = self._slot_views[slot]  # A^T (in, slices * R), each slice's B (R, out_j)

@@ -38,7 +38,6 @@ class LoRAManager:
 
     def __init__(self, model, hf_config: dict, max_loras: int, max_lora_rank: int, max_cpu_loras: int):
         self.model, self.hf_config = model, hf_config
-        self.decoder = model.get_language_model().model  # its captured decode step is set aside per step
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.state, self.layers = wrap_model(model, max_loras, max_lora_rank)
         self.slots: list[tuple[int, str] | None] = [None] * max_loras  # the adapter key in each slot
@@ -120,8 +119,8 @@ class LoRAManager:
     def step(self, row_slots: Sequence[int], counts: Sequence[int]) -> Iterator[bool]:
         """The forward's context: every wrapped layer adds each run of adapted rows' adapter
         (requests in the step's order with their slots and token counts; the runner orders
-        them by slot, so each adapter is one run). A step with adapted rows runs the eager
-        forward (the captured decode step holds the base weights only); yields whether any
+        them by slot, so each adapter is one run), the eager layers and the captured decode
+        step alike (models/native_decode.py reads the same ``LoRAStep``); yields whether any
         row is adapted."""
         segments: list[tuple[int, int, int]] = []
         row = 0
@@ -132,16 +131,14 @@ class LoRAManager:
                 else:
                     segments.append((slot, row, row + count))
             row += count
-        captured = getattr(self.decoder, "captured_decode", None)
         self.state.segments = segments
-        if segments and captured is not None:
-            self.decoder.captured_decode = None
+        if segments:
+            self.state.row_slots = torch.tensor([slot for slot, count in zip(row_slots, counts) for _ in range(count)],
+                                                dtype=torch.int32)
         try:
             yield bool(segments)
         finally:
-            self.state.segments = []
-            if captured is not None:
-                self.decoder.captured_decode = captured
+            self.state.segments, self.state.row_slots = [], None
 
 
 def attach_lora(model, hf_config: dict, max_loras: int, max_lora_rank: int, max_cpu_loras: int) -> LoRAManager:

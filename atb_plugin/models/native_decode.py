@@ -30,6 +30,8 @@ captured; prefill and mixed steps take the eager forward. ``EngineConfig.enforce
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from atb_plugin.ops import AttentionMetadata, cpu_native
@@ -43,7 +45,8 @@ class NativeDecodeStep:
     requests. ``applies(kv_caches, metadata)`` says whether a step can run captured;
     ``__call__(embeds, cos, sin, metadata)`` runs it and returns the final hidden states."""
 
-    def __init__(self, library, model, kv_caches, max_rows: int, linears: list[list[cpu_native.LinearOperands]]):
+    def __init__(self, library, model, kv_caches, max_rows: int, linears: list[list[cpu_native.LinearOperands]],
+                 lora=None):
         config = model.config
         self.library, self.kv_caches, self.max_rows = library, kv_caches, max_rows
         self.hidden, self.head_dim = config.hidden_size, config.head_dim
@@ -64,6 +67,24 @@ class NativeDecodeStep:
             scale=model.layers[0].self_attn.scale, layers=self._layers,
             final_norm=self._address(model.norm.weight.to(torch.float32).contiguous()))
         self.scratch = cpu_native.decode_scratch(library, self.plan, max_rows)
+        self._lora(lora)
+
+    def _lora(self, lora) -> None:
+        """The LoRA adapters (``_lora_operands``): None (no wrapped layer), or the step's rows
+        (``LoRAStep``) with every wrapped layer's slots (or why they cannot be held). Steps with
+        adapted rows set ``plan.lora`` to them (each row's slot copied into the plan's buffer);
+        the others leave it NULL, the base step unchanged."""
+        self.lora_rows = None if lora is None else lora[0]
+        self._lora_plan = None
+        if lora is None or isinstance(lora[1], str):
+            return
+        rank, slots = lora[1]
+        self._lora_linears = (cpu_native.LoRASlots * len(slots))(*slots)
+        self._lora_slots = torch.full((self.max_rows,), -1, dtype=torch.int32)
+        scratch = torch.empty(self.max_rows * cpu_native.LORA_MAX_SLICES * rank, dtype=torch.float32)
+        self._keep += [self._lora_slots, scratch]
+        self._lora_plan = ctypes.pointer(cpu_native.DecodeLoRA(rank, self._lora_slots.data_ptr(), scratch.data_ptr(),
+                                                               self._lora_linears))
 
     def _address(self, tensor: torch.Tensor | None) -> int | None:
         if tensor is None:
@@ -78,7 +99,11 @@ class NativeDecodeStep:
     def applies(self, kv_caches, metadata: AttentionMetadata) -> bool:
         """A decode-only step (one new token per request) of at most ``max_rows`` requests over
         the captured caches, with the native kernels still chosen (``ATB_PLUGIN_CPU_KERNELS`` is
-        read every step, as the eager ops read it)."""
+        read every step, as the eager ops read it); a step with LoRA-adapted rows where the plan
+        holds the adapters, one row per request."""
+        adapted = self.lora_rows.row_slots if self.lora_rows is not None else None
+        if adapted is not None and (self._lora_plan is None or adapted.numel() != metadata.num_reqs):
+            return False  # adapters the plan cannot hold: the eager layers add them
         return (metadata.is_decode_only and metadata.num_reqs <= self.max_rows
                 and int(metadata.query_start_loc_cpu[-1]) == metadata.num_reqs
                 and kv_caches is self.kv_caches
@@ -102,6 +127,10 @@ class NativeDecodeStep:
             raise IndexError(f"captured decode step: a block or slot past the cache's {self.num_blocks} blocks")
         if int(seq_lens.min()) < 1 or int(seq_lens.max()) > tables.shape[1] * self.block_size:
             raise IndexError("captured decode step: a sequence longer than its block table")
+        adapted = self.lora_rows.row_slots if self.lora_rows is not None else None
+        if adapted is not None:
+            self._lora_slots[:rows].copy_(adapted)
+        self.plan.lora = None if adapted is None else self._lora_plan
         f32 = [t.to(torch.float32).contiguous() for t in (embeds, cos, sin)]
         out = cpu_native.decode_step(self.library, self.plan, *f32, slots.contiguous(), tables.contiguous(),
                                      seq_lens.contiguous(), self.scratch)
@@ -117,6 +146,22 @@ def _operands(layer) -> list[cpu_native.LinearOperands] | str:
             return f"a linear layer cannot be captured: {operands}"
         found.append(operands)
     return found
+
+
+def _lora_operands(layers):
+    """The LoRA side of the plan: None where no linear layer is LoRA-wrapped, else (the step's
+    rows, ``LoRAStep``; (rank, the four wrapped layers' slots per decoder layer) or why the plan
+    cannot hold them). A wrapped layer names them itself (lora/layers.py, ``native_lora``)."""
+    found = [getattr(linear, "native_lora", None) for layer in layers for linear in (
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+    described = [native_lora() for native_lora in found if native_lora is not None]
+    if not described:
+        return None
+    steps, ranks = {id(step) for _, _, step in described}, {rank for _, rank, _ in described}
+    why = next((slots for slots, _, _ in described if isinstance(slots, str)), None)
+    if why is None and (len(described) != len(found) or len(steps) != 1 or len(ranks) != 1):
+        why = "only some linear layers LoRA-wrapped, or of different steps or ranks"
+    return described[0][2], why or (ranks.pop(), [slots for slots, _, _ in described])
 
 
 def capture(model, kv_caches, max_rows: int) -> tuple[NativeDecodeStep | None, str]:
@@ -148,4 +193,4 @@ def capture(model, kv_caches, max_rows: int) -> tuple[NativeDecodeStep | None, s
     if split and min(split) <= 1:
         return None, "the linear layers' forms for one row are not the panels"
     max_rows = min([max_rows, *(rows - 1 for rows in split)])
-    return NativeDecodeStep(library, model, kv_caches, max_rows, linears), "captured"
+    return NativeDecodeStep(library, model, kv_caches, max_rows, linears, _lora_operands(model.layers)), "captured"

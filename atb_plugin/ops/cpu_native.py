@@ -98,7 +98,7 @@ _AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 # isa_*.c files hold the variants of the dispatch table (csrc/dispatch.c), each compiled for its own
 # set whatever the probe says, so one library holds them all and the table picks what executes.
 # Elsewhere only the base files and isa_portable.c are built, all with -march=native.
-UNITS = {"cpu_kernels.c": None, "int8_driver.c": None, "dispatch.c": None, "isa_portable.c": (),
+UNITS = {"cpu_kernels.c": None, "int8_driver.c": None, "dispatch.c": None, "lora_kernels.c": None, "isa_portable.c": (),
          "isa_avx2.c": _AVX2, "isa_avx512.c": _AVX512, "isa_avx_vnni.c": (*_AVX2, "-mavxvnni"),
          "isa_avx512_vnni.c": (*_AVX512, "-mavx512vnni"), "isa_avx512_bf16.c": (*_AVX512, "-mavx512bf16"),
          "isa_amx.c": ()}
@@ -221,6 +221,7 @@ _SIGNATURES = {  # name: (restype, argtypes), as in csrc/ (cpu_kernels.c, int8_d
     "w8a16_linear_f32": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _INT]),
     "quantize_rows_s8": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR]),
     "w8a8_dynamic_linear_f32": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT]),
+    "lora_apply_f32": (_INT, [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _INT]),
 }
 
 
@@ -715,12 +716,66 @@ class DecodeLayer(ctypes.Structure):
                 ("key_cache", _PTR), ("value_cache", _PTR)]
 
 
+# Output slices of one LoRA-wrapped layer at most (q / k / v), as LORA_MAX_SLICES in csrc/cpu_kernels.h.
+LORA_MAX_SLICES = 3
+
+
+class LoRASlots(ctypes.Structure):
+    """One LoRA-wrapped linear layer's adapter slots, as ``lora_linear`` in csrc/cpu_kernels.h
+    (csrc/lora_kernels.c: the layouts): ``a`` (slots, slices * rank, in), per slice ``b`` (slots,
+    rank, width) and its width. Made by ``lora_slots``."""
+    _fields_ = [("a", _PTR), ("b", _PTR * LORA_MAX_SLICES), ("widths", _I64 * LORA_MAX_SLICES), ("slices", _I64)]
+
+
+class DecodeLoRA(ctypes.Structure):
+    """A captured decode step's adapters, as ``decode_lora`` in csrc/cpu_kernels.h: the slots'
+    rank, each row's slot (int32, -1: the base model), the shrink's scratch, and 4 ``LoRASlots``
+    per decoder layer."""
+    _fields_ = [("rank", _I64), ("row_slots", _PTR), ("h", _PTR), ("linears", ctypes.POINTER(LoRASlots))]
+
+
 class DecodeModel(ctypes.Structure):
     """The decoder's sizes and its layers, as ``decode_model`` in csrc/cpu_kernels.h (``kv_bf16``:
-    the KV caches hold bfloat16, else float32)."""
+    the KV caches hold bfloat16, else float32; ``lora``: NULL, or the step's adapters)."""
     _fields_ = [("num_layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
                 ("intermediate", _I64), ("block_size", _I64), ("kv_bf16", _I64), ("eps", _F32), ("scale", _F32),
-                ("layers", ctypes.POINTER(DecodeLayer)), ("final_norm", _PTR)]
+                ("layers", ctypes.POINTER(DecodeLayer)), ("final_norm", _PTR), ("lora", ctypes.POINTER(DecodeLoRA))]
+
+
+def lora_slots(a: torch.Tensor, b: list[torch.Tensor]) -> LoRASlots | str:
+    """``a`` (slots, slices * rank, in) and each slice's ``b`` (slots, rank, width) as
+    ``lora_apply`` and the captured step read them (their addresses: the tensors must stay alive
+    and unmoved), or why they cannot be: float32 contiguous CPU tensors of matching sizes."""
+    slots, rows, _ = a.shape
+    rank = rows // max(len(b), 1)
+    if not 1 <= len(b) <= LORA_MAX_SLICES or rows != rank * len(b):
+        return f"{len(b)} output slices of A's {rows} rows (at most {LORA_MAX_SLICES})"
+    for t in (a, *b):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+            return f"adapter slots {t.dtype} on {t.device} (contiguous={t.is_contiguous()}), not float32 CPU"
+    if any(t.dim() != 3 or t.shape[:2] != (slots, rank) for t in b):
+        return f"B slots {[tuple(t.shape) for t in b]} for A {tuple(a.shape)}"
+    return LoRASlots(a.data_ptr(), (_PTR * LORA_MAX_SLICES)(*(t.data_ptr() for t in b)),
+                     (_I64 * LORA_MAX_SLICES)(*(t.shape[2] for t in b)), len(b))
+
+
+def lora_apply(library, slots: LoRASlots, rank: int, x: torch.Tensor, row_slots: torch.Tensor,
+               out: torch.Tensor) -> None:
+    """``out`` (rows, sum of the slices' widths) float32 += each row's adapter applied to ``x``
+    (rows, in) float32 (csrc/lora_kernels.c), for ``row_slots`` (rows,) int32 (-1: nothing added;
+    every other value a slot of ``slots``, which the caller guarantees: the kernel trusts it)."""
+    rows, in_features = x.shape
+    width = sum(slots.widths[:slots.slices])
+    if (x.dtype != torch.float32 or out.dtype != torch.float32 or out.shape != (rows, width) or out.stride(1) != 1
+            or x.stride(1) != 1 or row_slots.dtype != torch.int32 or row_slots.shape != (rows,)
+            or not row_slots.is_contiguous()):
+        raise ValueError(f"lora_apply: x {tuple(x.shape)} {x.dtype}, out {tuple(out.shape)} {out.dtype}, "
+                         f"row_slots {tuple(row_slots.shape)} {row_slots.dtype} for outputs of {width}")
+    h = torch.empty(rows * slots.slices * rank, dtype=torch.float32)
+    if library.lora_apply_f32(ctypes.addressof(slots), rank, x.data_ptr(), rows, in_features, x.stride(0),
+                              row_slots.data_ptr(), h.data_ptr(), out.data_ptr(), out.stride(0),
+                              torch.get_num_threads()):
+        raise MemoryError("the LoRA kernel could not allocate its tile list")
 
 
 def decode_scratch(library, model: DecodeModel, rows: int) -> torch.Tensor:

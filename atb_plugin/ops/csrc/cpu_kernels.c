@@ -157,6 +157,10 @@ int linear_bf16w(const void *x, int x_bf16, int64_t M, int64_t K, int64_t x_stri
  *               x = rms_norm(residual)            residual += down(silu_and_mul(gate_up(x)))
  *   out = rms_norm(residual)
  *
+ * With LoRA adapters (m->lora set for a step with adapted rows), each of the four linear layers'
+ * outputs gets each adapted row's adapter added right after the layer, as the eager LoRALinear
+ * adds it (lora_kernels.c). A step without adapted rows has m->lora NULL: the base step as it was.
+ *
  * Activations are float32 whatever the weights: a float32 model's step is bit-identical to its
  * eager path; so is one whose linear layers are int8 (the eager layers call the same kernels).
  * A bfloat16 model keeps its weights (bfloat16 panels) and its KV cache (rows rounded to nearest
@@ -188,6 +192,16 @@ static int decode_linear_rows(const decode_linear *L, const float *x, int64_t ro
     }
 }
 
+/* y (rows, N) += each adapted row's adapter for linear `which` (0 qkv, 1 o, 2 gate_up, 3 down) of
+ * layer l, when the step has adapted rows (lora_kernels.c). Returns 0, or 1 when scratch failed. */
+static int decode_lora_rows(const decode_model *m, int64_t l, int which, const float *x, int64_t rows, int64_t K,
+                            float *y, int64_t N, int num_threads) {
+    const decode_lora *lora = m->lora;
+    if (!lora) return 0;
+    return lora_apply_f32(lora->linears + 4 * l + which, lora->rank, x, rows, K, K, lora->row_slots, lora->h, y, N,
+                          num_threads);
+}
+
 static void add_rows(float *residual, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) residual[i] += x[i];
 }
@@ -217,7 +231,8 @@ int decode_step_f32(const decode_model *m, const float *embeds, float *out, int6
     for (int64_t l = 0; l < m->num_layers; l++) {
         const decode_layer *L = m->layers + l;
         cpu_kernels.rms_norm(stream, H, L->input_norm, x, rows, H, m->eps, num_threads);
-        if (decode_linear_rows(&L->qkv, x, rows, H, qkv, qkv_n, num_threads)) return 1;
+        if (decode_linear_rows(&L->qkv, x, rows, H, qkv, qkv_n, num_threads) ||
+            decode_lora_rows(m, l, 0, x, rows, H, qkv, qkv_n, num_threads)) return 1;
         cpu_kernels.rotary(qkv, qkv_n, D, cos, sin, q, rows, m->heads, D, num_threads);
         cpu_kernels.rotary(qkv + q_size, qkv_n, D, cos, sin, k, rows, m->kv_heads, D, num_threads);
         for (int64_t r = 0; r < rows; r++) {
@@ -228,12 +243,15 @@ int decode_step_f32(const decode_model *m, const float *embeds, float *out, int6
         if (cpu_kernels.paged_decode(q, L->key_cache, L->value_cache, (int)m->kv_bf16, block_tables, table_stride,
                                      seq_lens, a, rows, m->heads, m->kv_heads, D, m->block_size, m->scale, num_threads))
             return 1;
-        if (decode_linear_rows(&L->o, a, rows, q_size, proj, H, num_threads)) return 1;
+        if (decode_linear_rows(&L->o, a, rows, q_size, proj, H, num_threads) ||
+            decode_lora_rows(m, l, 1, a, rows, q_size, proj, H, num_threads)) return 1;
         add_rows(stream, proj, rows * H);
         cpu_kernels.rms_norm(stream, H, L->post_norm, x, rows, H, m->eps, num_threads);
-        if (decode_linear_rows(&L->gate_up, x, rows, H, gate_up, 2 * I, num_threads)) return 1;
+        if (decode_linear_rows(&L->gate_up, x, rows, H, gate_up, 2 * I, num_threads) ||
+            decode_lora_rows(m, l, 2, x, rows, H, gate_up, 2 * I, num_threads)) return 1;
         cpu_kernels.silu_and_mul(gate_up, 2 * I, act, rows, I, num_threads);
-        if (decode_linear_rows(&L->down, act, rows, I, proj, H, num_threads)) return 1;
+        if (decode_linear_rows(&L->down, act, rows, I, proj, H, num_threads) ||
+            decode_lora_rows(m, l, 3, act, rows, I, proj, H, num_threads)) return 1;
         add_rows(stream, proj, rows * H);
     }
     cpu_kernels.rms_norm(stream, H, m->final_norm, out, rows, H, m->eps, num_threads);

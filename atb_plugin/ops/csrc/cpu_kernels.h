@@ -7,6 +7,7 @@
  * Where each kernel lives:
  *   cpu_kernels.c   the functions Python calls (ctypes), each a thin call through the table, and
  *                   the captured decode step
+ *   lora_kernels.c  the adapters' grouped shrink / expand (multi-LoRA rows, bgmv)
  *   int8_driver.c   the one int8 linear driver (W8A16 and W8A8): blocks of weight rows, threads,
  *                   scratch, scales; its inner kernel comes from the table
  *   dispatch.c      the table and the variants, best first
@@ -92,11 +93,32 @@ typedef struct {
     void *key_cache, *value_cache;       /* (num_blocks, block_size, kv_heads, head_dim) */
 } decode_layer;
 
+/* One LoRA-wrapped linear layer's adapter slots as atb_plugin/lora/layers.py holds them, read in
+ * place (lora_kernels.c: layouts and what is computed; cpu_native.LoRASlots). */
+#define LORA_MAX_SLICES 3
+typedef struct {
+    const float *a;                  /* (slots, slices * rank, in) */
+    const float *b[LORA_MAX_SLICES]; /* slice j: (slots, rank, widths[j]), scale * B^T */
+    int64_t widths[LORA_MAX_SLICES];
+    int64_t slices;
+} lora_linear;
+
+/* The adapters of a captured decode step (cpu_native.DecodeLoRA): 4 lora_linear per decoder
+ * layer (qkv, o, gate_up, down), each row's slot (written every step), the shrink's scratch
+ * (rows * LORA_MAX_SLICES * rank floats). */
+typedef struct {
+    int64_t rank;
+    const int32_t *row_slots;
+    float *h;
+    const lora_linear *linears;
+} decode_lora;
+
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, kv_bf16;
     float eps, scale;
     const decode_layer *layers;
     const float *final_norm;
+    const decode_lora *lora; /* NULL: no row of this step is adapted */
 } decode_model;
 
 /* ---- the dispatch table ----------------------------------------------------------------------
@@ -172,6 +194,8 @@ int linear_bf16w(const void *x, int x_bf16, int64_t M, int64_t K, int64_t x_stri
                  int num_threads);
 void linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const float *panels, int64_t N,
                 const float *bias, float *y, int64_t y_stride, int num_threads);
+int lora_apply_f32(const lora_linear *L, int64_t rank, const float *x, int64_t rows, int64_t K, int64_t x_stride,
+                   const int32_t *row_slots, float *h, float *y, int64_t y_stride, int num_threads);
 
 /* Per-token symmetric int8 (what quantize_rows computes; each variant vectorises a prefix of the
  * row and leaves the rest to these): s[m] = max|x[m]| / 127 (0 for a row of zeros, whose q are
