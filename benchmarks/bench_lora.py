@@ -3,10 +3,14 @@ adapter at a time. SmolLM2-135M-Instruct fp32, one torch thread, 32 prompts x 12
 (greedy, ignore_eos), through one ``LLM(enable_lora=True, max_loras=4, max_lora_rank=16)``:
 
   base         no adapter (decode steps run the captured native step: docs/architecture.md)
-  base-eager   the same, with the captured step switched off: what a step with adapted rows
-               loses besides the adapters' own work (such steps run the eager forward)
+  base-eager   the same, with the captured step switched off
   1-adapter    every prompt through one rank-16 adapter on every linear layer
-  4-mixed      prompt i through adapter i % 4: every step mixes the four
+  4-mixed      prompt i through adapter i % 4: every step mixes the four (decode steps captured,
+               the adapters inside them: csrc/lora_kernels.c)
+  4-mixed-eager   4-mixed with the captured step switched off: the eager layers, each adding the
+               adapters through the same native kernel
+  4-mixed-torch   the same through the torch ops (per adapter one shrink, in-place expands: the
+               eager form before the kernel, and the form off the CPU)
 
 Runs alternate (order rotated each run); medians. With ``--peft-python PY`` (a Python whose
 environment has PEFT: it is not a dependency of this project) the same work through PEFT:
@@ -33,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 from bench_engine import chats  # noqa: E402
 
-SIDES = ("base", "base-eager", "1-adapter", "4-mixed")
+SIDES = ("base", "base-eager", "1-adapter", "4-mixed", "4-mixed-eager", "4-mixed-torch")
 ADAPTERS = 4
 
 
@@ -61,22 +65,34 @@ def ours(args, adapters, prompts) -> dict:
     llm = LLM(default_model_dir(), max_num_seqs=args.batch, max_num_batched_tokens=2048, num_threads=1,
               enable_lora=True, max_loras=ADAPTERS, max_lora_rank=16)
     requests = [LoRARequest(f"adapter{i}", i + 1, str(path)) for i, path in enumerate(adapters)]
-    loras = {"base": None, "base-eager": None, "1-adapter": requests[0],
-             "4-mixed": [requests[i % ADAPTERS] for i in range(len(prompts))]}
+    mixed = [requests[i % ADAPTERS] for i in range(len(prompts))]
+    loras = {"base": None, "base-eager": None, "1-adapter": requests[0], "4-mixed": mixed, "4-mixed-eager": mixed,
+             "4-mixed-torch": mixed}
     decoder = llm.engine.runner.model.get_language_model().model
     captured = decoder.captured_decode
+    wrapped = list(llm.engine.runner.lora.layers.values())
+    native = [layer._native for layer in wrapped]  # the kernel's view of each layer's slots
     print(f"decode step: {llm.engine.runner.decode_capture}", flush=True)
     _run(llm, prompts[:4], 4, [requests[i] for i in range(4)])  # warm-up: every adapter in its slot
-    results = {side: [] for side in SIDES}
+    results, tokens = {side: [] for side in SIDES}, {}
     for run in range(args.runs):
         order = SIDES[run % len(SIDES):] + SIDES[:run % len(SIDES)]
         for side in order:
-            decoder.captured_decode = None if side == "base-eager" else captured
-            speed, _ = _run(llm, prompts, args.tokens, loras[side])
+            decoder.captured_decode = None if side in ("base-eager", "4-mixed-eager", "4-mixed-torch") else captured
+            for layer, slots in zip(wrapped, native):  # a str: the layer takes the torch ops
+                layer._native = "torch ops (bench)" if side == "4-mixed-torch" else slots
+            speed, tokens[side] = _run(llm, prompts, args.tokens, loras[side])
             results[side].append(speed)
             print(f"run {run} {side:>10}: {speed:.1f} tok/s", flush=True)
     decoder.captured_decode = captured
+    for layer, slots in zip(wrapped, native):
+        layer._native = slots
     llm.close()
+    # Captured, eager and torch-op forms of one mix: the same greedy tokens, rows where float32's
+    # different sum orders let a near tie flip aside.
+    for side in ("4-mixed-eager", "4-mixed-torch"):
+        same = sum(a == b for a, b in zip(tokens["4-mixed"], tokens[side]))
+        print(f"{side}: {same} of {len(prompts)} rows the same tokens as 4-mixed", flush=True)
     return {side: statistics.median(v) for side, v in results.items()}
 
 
@@ -138,7 +154,8 @@ def main() -> None:
     for side in SIDES:
         print(f"{side:>10}: {med[side]:.1f} tok/s ({med[side] / med['base']:.2f}x base)")
     ratios = {"4-mixed/base": med["4-mixed"] / med["base"], "1-adapter/base": med["1-adapter"] / med["base"],
-              "4-mixed/base-eager": med["4-mixed"] / med["base-eager"]}
+              "4-mixed/base-eager": med["4-mixed"] / med["base-eager"],
+              "4-mixed-eager/4-mixed-torch": med["4-mixed-eager"] / med["4-mixed-torch"]}
     if peft is not None:
         print(f"      peft: {peft:.1f} tok/s (4-mixed {med['4-mixed'] / peft:.2f}x PEFT)")
         ratios["4-mixed/peft"] = med["4-mixed"] / peft

@@ -93,6 +93,18 @@ def test_kernel_refuses_what_it_cannot_read(library):
                               torch.zeros(3, 16))
 
 
+def test_the_structs_match_the_c_header(library, tmp_path, monkeypatch):
+    """``LoRASlots`` / ``DecodeLoRA`` against ``lora_linear`` / ``decode_lora`` (the same check
+    tests/test_cpu_kernel_map.py makes of the plan's other structs; ``decode_model``'s new field is
+    in its list)."""
+    from tests import test_cpu_kernel_map as kernel_map
+
+    monkeypatch.setattr(kernel_map, "STRUCTS", {"lora_linear": cpu_native.LoRASlots,
+                                                "decode_lora": cpu_native.DecodeLoRA})
+    monkeypatch.setattr(kernel_map, "_constants", lambda: {"LORA_MAX_SLICES": cpu_native.LORA_MAX_SLICES})
+    kernel_map.test_the_ctypes_structs_and_constants_match_the_c_header(library, tmp_path)
+
+
 # -- the engine ---------------------------------------------------------------------------------
 
 
@@ -196,3 +208,13 @@ def test_captured_equals_the_eager_adapted_step(setup, adapted_calls, monkeypatc
     outcome, torch_eager = _generate(base, adapters, names)
     assert outcome == "captured" and len(adapted_calls) == calls  # adapted steps could not run captured
     _assert_close(captured, torch_eager, LOGPROB_TOL)
+
+
+def test_w8a8_base_with_adapted_rows_captured_equals_eager(setup, adapted_calls):
+    """A quantized base (dynamic W8A8: int8 rows in the plan) with float adapters after it."""
+    base, adapters, _ = setup
+    names = MIXES["four mixed and base rows"]
+    _, captured = _generate(base, adapters, names, quantization="w8a8")
+    assert any(adapted for _, adapted in adapted_calls)
+    _, eager = _generate(base, adapters, names, quantization="w8a8", enforce_eager=True)
+    _assert_close(captured, eager, 0.0)  # the int8 layers' captured step is bit-identical, the adapters' too
