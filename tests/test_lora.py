@@ -48,13 +48,19 @@ def setup(request, tmp_path_factory):
     base = tiny_checkpoint(request.param)
     root = tmp_path_factory.mktemp(f"lora-{request.param}")
     adapters = _adapters(base, root)
+    return base, adapters, merged_references(base, adapters, root, lambda llm: _tokens(llm.generate(PROMPTS, GREEDY)))
+
+
+def merged_references(base, adapters, root, outputs):
+    """``outputs(llm)`` of each adapter's merged checkpoint (written under ``root``), and of the
+    base model under None."""
     references = {}
     for name, adapter in adapters.items():
         with LLM(merge_adapter(root / f"merged-{name}", base, adapter), block_size=4) as llm:
-            references[name] = _tokens(llm.generate(PROMPTS, GREEDY))
+            references[name] = outputs(llm)
     with LLM(base, block_size=4) as llm:
-        references[None] = _tokens(llm.generate(PROMPTS, GREEDY))
-    return base, adapters, references
+        references[None] = outputs(llm)
+    return references
 
 
 def _request(adapters, name, int_ids={"a": 1, "b": 2, "c": 3}):

@@ -13,8 +13,9 @@ from atb_plugin import LLM, LoRARequest, SamplingParams
 from atb_plugin.lora import layers as lora_layers
 from atb_plugin.models import native_decode
 from atb_plugin.ops import cpu_native
-from atb_plugin.testing.lora_adapters import make_adapter, merge_adapter
+from atb_plugin.testing.lora_adapters import make_adapter
 from atb_plugin.testing.tiny import tiny_checkpoint
+from tests.test_lora import _adapters, merged_references
 
 PROMPTS = ["hello world", "the quick brown fox jumps over the lazy dog", "a b c d e f g h i j", "one two three",
            "x y z", "sphinx of black quartz judge my vow"]
@@ -114,21 +115,9 @@ def setup(tmp_path_factory):
     one on the MLP alone with an odd rank) and each one's merged checkpoint's greedy outputs."""
     base = tiny_checkpoint("llama")
     root = tmp_path_factory.mktemp("lora-native")
-    adapters = {
-        "a": make_adapter(root / "a", base, r=8, lora_alpha=16, seed=1),
-        "b": make_adapter(root / "b", base, r=4, lora_alpha=8, seed=2, rank_pattern={"q_proj": 2, "down_proj": 6},
-                          alpha_pattern={"o_proj": 3.0}),
-        "c": make_adapter(root / "c", base, r=16, lora_alpha=4, seed=3, use_rslora=True,
-                          target_modules=("q_proj", "v_proj", "o_proj")),
-        "d": make_adapter(root / "d", base, r=3, lora_alpha=5, seed=4, target_modules=("gate_proj", "up_proj",
-                                                                                        "down_proj")),
-    }
-    references = {}
-    for name, adapter in adapters.items():
-        with LLM(merge_adapter(root / f"merged-{name}", base, adapter), block_size=4) as llm:
-            references[name] = _outputs(llm.generate(PROMPTS, PARAMS))
-    with LLM(base, block_size=4) as llm:
-        references[None] = _outputs(llm.generate(PROMPTS, PARAMS))
+    adapters = {**_adapters(base, root), "d": make_adapter(root / "d", base, r=3, lora_alpha=5, seed=4, target_modules=(
+        "gate_proj", "up_proj", "down_proj"))}
+    references = merged_references(base, adapters, root, lambda llm: _outputs(llm.generate(PROMPTS, PARAMS)))
     return base, adapters, references
 
 
