@@ -57,9 +57,9 @@ def _reference(a, bs, rank, x, row_slots, y):
 
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("in_features, widths, rank, rows", [
-    (64, [64, 32, 32], 16, 11),   # qkv-like: 3 slices, runs of 1 to 5 rows
-    (100, [37], 5, 9),            # K, width and rank that are no multiples of the vector width
-    (48, [70, 130], 3, 17),       # gate_up-like: 2 slices
+    (64, [64, 32, 32], 16, 20),   # qkv-like: 3 slices
+    (100, [37], 5, 16),           # K, width and rank that are no multiples of the vector width
+    (48, [70, 130], 3, 40),       # gate_up-like: 2 slices
 ])
 def test_kernel_equals_a_float64_reference(library, threads, in_features, widths, rank, rows):
     generator = torch.Generator().manual_seed(rows)
@@ -68,9 +68,10 @@ def test_kernel_equals_a_float64_reference(library, threads, in_features, widths
     bs = [torch.randn(slots, rank, width, generator=generator) for width in widths]
     x = torch.randn(rows, in_features, generator=generator)
     y = torch.randn(rows, sum(widths), generator=generator)
-    # Runs of one slot (sorted, as the runner orders them) and a few out of order, base rows between.
-    row_slots = torch.tensor(sorted(torch.randint(-1, slots, (rows - 3,), generator=generator).tolist()) + [2, -1, 0],
-                             dtype=torch.int32)
+    # Runs of one slot (sorted, as the runner orders them: tiles of 1 to 8 rows), then a run of 9
+    # (two tiles) and a few out of order, base rows between.
+    row_slots = torch.tensor(sorted(torch.randint(-1, slots, (rows - 12,), generator=generator).tolist())
+                             + [1] * 9 + [2, -1, 0], dtype=torch.int32)
     want, scale = _reference(a, bs, rank, x, row_slots, y)
     got = y.clone()
     before = torch.get_num_threads()
