@@ -12,7 +12,8 @@ adapter at a time. SmolLM2-135M-Instruct fp32, one torch thread, 32 prompts x 12
   4-mixed-torch   the same through the torch ops (per adapter one shrink, in-place expands: the
                eager form before the kernel, and the form off the CPU)
 
-Runs alternate (order rotated each run); medians. With ``--peft-python PY`` (a Python whose
+Runs alternate (order rotated each run); medians, and the median of each run's ratio to the
+same run's base (steadier on a shared machine). With ``--peft-python PY`` (a Python whose
 environment has PEFT: it is not a dependency of this project) the same work through PEFT:
 transformers' ``generate`` per adapter (``set_adapter``, its 8 prompts as one left-padded batch),
 run once. Goals (issue 47): 4-mixed >= 0.8x base; >= 5x PEFT.
@@ -96,7 +97,10 @@ def ours(args, adapters, prompts) -> dict:
         if side in tokens and other in tokens:
             same = sum(a == b for a, b in zip(tokens[other], tokens[side]))
             print(f"{side}: {same} of {len(prompts)} rows the same tokens as {other}", flush=True)
-    return {side: statistics.median(v) for side, v in results.items()}
+    # Each run's ratio to the same run's base, the median of those: on a shared machine the load
+    # changes between runs more than between two sides of one run.
+    paired = {side: statistics.median(s / b for s, b in zip(v, results["base"])) for side, v in results.items()}
+    return {side: statistics.median(v) for side, v in results.items()}, paired
 
 
 def peft_side(args, adapters) -> None:
@@ -149,7 +153,7 @@ def main() -> None:
         adapters = _adapters(Path(tmp), default_model_dir())
         with LLM(default_model_dir(), num_threads=1) as plain:  # the same chat prompts bench_engine uses
             prompts = [plain.router.input_builder.make_context(0, chat) for chat in chats(args.batch)]
-        med = ours(args, adapters, prompts)
+        med, paired = ours(args, adapters, prompts)
         peft = None
         if args.peft_python:
             out = subprocess.run([args.peft_python, __file__, "--peft-side", "--tokens", str(args.tokens), "--batch",
@@ -158,14 +162,16 @@ def main() -> None:
             peft = json.loads(out.stdout.strip().splitlines()[-1])["peft_tok_s"]
     print(f"SmolLM2-135M-Instruct fp32, 1 torch thread, {args.batch} x {args.tokens}, medians of {args.runs} runs")
     for side in med:
-        print(f"{side:>10}: {med[side]:.1f} tok/s ({med[side] / med['base']:.2f}x base)")
+        print(f"{side:>10}: {med[side]:.1f} tok/s ({med[side] / med['base']:.2f}x base; run by run "
+              f"{paired[side]:.2f}x)")
     pairs = (("4-mixed", "base"), ("1-adapter", "base"), ("4-mixed", "base-eager"), ("4-mixed-eager", "4-mixed-torch"))
     ratios = {f"{a}/{b}": med[a] / med[b] for a, b in pairs if a in med and b in med}
     if peft is not None and "4-mixed" in med:
         print(f"      peft: {peft:.1f} tok/s (4-mixed {med['4-mixed'] / peft:.2f}x PEFT)")
         ratios["4-mixed/peft"] = med["4-mixed"] / peft
     print(json.dumps({"medians": {k: round(v, 2) for k, v in med.items()}, "peft_tok_s": peft and round(peft, 2),
-                      "ratios": {k: round(v, 3) for k, v in ratios.items()}}))
+                      "ratios": {k: round(v, 3) for k, v in ratios.items()},
+                      "paired_vs_base": {k: round(v, 3) for k, v in paired.items()}}))
 
 
 if __name__ == "__main__":
