@@ -23,7 +23,10 @@ One shrink and one in-place expand per slice for each adapter the step holds (at
 Python loop per request; each row does its own adapter's work only. Measured against one dense
 product over all of a step's slots with a one-hot mask, and against rows gathered per slot with
 ``bmm`` and ``index_add_``: benchmarks/RESULTS.md, bench_lora.py. The same ops run on the NPU
-(aten matmul / addmm: no torch_npu op needed, so none in the schema fixture).
+(aten matmul / addmm: no torch_npu op needed, so none in the schema fixture). On the CPU the
+native kernel (csrc/lora_kernels.c) does the same per row with the row's slot (``row_slots``),
+in one call, faster at every size measured; the captured decode step calls it too
+(``native_lora``; docs/lora.md).
 
 Tensor parallelism: a column-parallel layer (qkv, gate_up) holds A whole and B's rows of its own
 output (like its base weight); a row-parallel one (o, down) holds A's columns of its own input and

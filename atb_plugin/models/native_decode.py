@@ -21,6 +21,11 @@ to float32 (docs/quantization.md, "Quality"). Without it a bfloat16 or int8 mode
 its per-op host time cancelled most of what the smaller weights saved (benchmarks/RESULTS.md,
 "Low precision").
 
+LoRA (docs/lora.md): where the linear layers are LoRA-wrapped, the plan also holds their adapter
+slots (read in place) and the step's rows (``LoRAStep``); a step with adapted rows sets
+``decode_model.lora`` and the native LoRA kernel adds each row's adapter after each linear layer.
+Without adapted rows ``lora`` stays NULL and the step is the base step.
+
 Unlike a CUDA graph, the batch size is an argument, not part of the capture: no buckets, no
 padded rows. What is captured are pointers, so the weights and caches must not move after
 ``capture``: they are made once per engine and never reallocated. Only decode-only steps run
