@@ -419,9 +419,11 @@ def test_llm_greedy_equals_transformers_generate(variant, checkpoints):
 
 
 def test_decode_stays_eager_and_says_why(checkpoints):
+    # float32 experts now run in the captured step (tests/test_native_decode_moe.py); bfloat16
+    # experts still decode eagerly.
     from atb_plugin import LLM
 
-    with LLM(checkpoints["e8_k2_norm_dense1"], block_size=4) as llm:
+    with LLM(checkpoints["e8_k2_norm_dense1"], block_size=4, dtype="bfloat16") as llm:
         outcome = llm.engine.core.runner.decode_capture
     assert "mixture-of-experts" in outcome
 
