@@ -21,6 +21,12 @@ to float32 (docs/quantization.md, "Quality"). Without it a bfloat16 or int8 mode
 its per-op host time cancelled most of what the smaller weights saved (benchmarks/RESULTS.md,
 "Low precision").
 
+Qwen3's per-head q / k norms run in the plan with the eager kernel (a dense Qwen3 step stays
+bit-identical); a sparse MoE layer (Qwen3-MoE, Qwen2-MoE's shared expert) runs its router and the
+native grouped experts (csrc/moe_kernels.c) over the model's own stacked float32 experts, equal to
+the eager ``ops.fused_moe`` within float32 rounding (docs/moe-decode.md). bfloat16 experts and a
+rank holding only some experts stay eager, and say why.
+
 Unlike a CUDA graph, the batch size is an argument, not part of the capture: no buckets, no
 padded rows. What is captured are pointers, so the weights and caches must not move after
 ``capture``: they are made once per engine and never reallocated. Only decode-only steps run

@@ -7,6 +7,7 @@
  * Where each kernel lives:
  *   cpu_kernels.c   the functions Python calls (ctypes), each a thin call through the table, and
  *                   the captured decode step
+ *   moe_kernels.c   the captured step's sparse MoE layer: routing and the grouped expert GEMMs
  *   int8_driver.c   the one int8 linear driver (W8A16 and W8A8): blocks of weight rows, threads,
  *                   scratch, scales; its inner kernel comes from the table
  *   dispatch.c      the table and the variants, best first
