@@ -25,7 +25,7 @@ from atb_plugin.models import native_decode
 from atb_plugin.models.moe import MoeConfig, SparseMoeBlock
 from atb_plugin.ops import cpu_native
 from atb_plugin.testing.tiny import tiny_checkpoint
-from tests.test_moe import random_moe, reference_moe
+from tests.test_moe import assert_greedy_equals_transformers, random_moe, reference_moe
 from tests import test_native_decode
 from tests.test_native_decode import PROMPTS, _assert_same, _generate
 
@@ -35,12 +35,9 @@ captured_calls, native_kernels = test_native_decode.captured_calls, test_native_
 MOE_LOGPROB_ATOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def library():
-    library = cpu_native.linear_library(torch.device("cpu"))
-    if library is None:
-        pytest.fail("the native CPU kernels should build on this machine (gcc is installed)")
-    return library
+@pytest.fixture
+def library(native_kernels):
+    return cpu_native.linear_library(torch.device("cpu"))
 
 
 # -- the grouped expert kernel ------------------------------------------------------------------
@@ -124,12 +121,8 @@ def test_captured_qwen3_moe_greedy_equals_transformers(captured_calls):
         outputs = llm.generate(PROMPTS[:2], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))
         prompt_ids = [llm.router.tokenize(p) for p in PROMPTS[:2]]
     assert captured_calls
-    reference = transformers.Qwen3MoeForCausalLM.from_pretrained(path).eval()
-    for ids, output in zip(prompt_ids, outputs):
-        ids = torch.tensor([ids])
-        expected = reference.generate(ids, max_new_tokens=10, min_new_tokens=10, do_sample=False,
-                                      repetition_penalty=1.0, pad_token_id=0)[0, ids.shape[1]:]
-        assert list(output.outputs[0].token_ids) == expected.tolist()
+    assert_greedy_equals_transformers(transformers.Qwen3MoeForCausalLM.from_pretrained(path).eval(), prompt_ids,
+                                      outputs, 10)
 
 
 def test_sparse_layers_the_plan_cannot_hold_say_why():
