@@ -9,10 +9,10 @@
  * (E, I, H), each expert one row-major (K, N) matrix, so the plan adds no second copy of the
  * largest weights of the model. Sums are float32, added over k in order.
  *
- * Why not torch._grouped_mm's MKL call per expert: at decode an expert gets a few rows (32
- * requests x top-8 over 64 experts: ~4), where a GEMM call's setup and packing are a large share
- * of each call; here one tile per column block streams the expert's weights once
- * (benchmarks/RESULTS.md, "bench_moe.py: MoE in the captured decode step").
+ * Why not what the eager op runs (torch._grouped_mm, one MKL GEMM per expert, with a sort, gather
+ * and index_add around it): the plan is C and cannot call it, and at decode sizes, where an expert
+ * gets a few rows (32 requests x top-8 over 64 experts: ~4), this is faster anyway: 4.5x at one
+ * row, 2.2x at 32 (benchmarks/RESULTS.md, "bench_moe.py: MoE in the captured decode step").
  *
  * This file is a base unit (cpu_native.UNITS: compiled for what the probe found), not a dispatch
  * slot: its one kernel is written in GCC vector types sized from the flags it is compiled with. */
