@@ -83,7 +83,7 @@ def _expected(found: dict[str, bool]) -> dict[str, str]:
 
 # -- what Python and C share --------------------------------------------------------------------
 
-STRUCTS = {"decode_linear": cpu_native.DecodeLinear, "decode_layer": cpu_native.DecodeLayer,
+STRUCTS = {"decode_linear": cpu_native.DecodeLinear, "decode_moe": cpu_native.DecodeMoe, "decode_layer": cpu_native.DecodeLayer,
            "decode_model": cpu_native.DecodeModel}
 
 

@@ -226,6 +226,18 @@ def test_moe_experts_are_refused(tmp_path):
     inspect_adapter(attention, json.loads((base / "config.json").read_text()), 16)
 
 
+def test_attention_adapter_on_a_moe_model_captured_equals_eager(tmp_path):
+    # The captured CPU step holds sparse MoE layers and LoRA rows; an MoE layer's experts are not
+    # adapted, so such a model's adapted steps must still run (eager) and agree with enforce_eager.
+    base = tiny_checkpoint("qwen3_moe")
+    adapter = make_adapter(tmp_path / "attn", base, r=4, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"))
+    outputs = []
+    for eager in (False, True):
+        with LLM(base, block_size=4, enable_lora=True, max_loras=1, max_lora_rank=8, enforce_eager=eager) as llm:
+            outputs.append(_tokens(llm.generate(PROMPTS[:2], GREEDY, lora_request=LoRARequest("attn", 1, str(adapter)))))
+    assert outputs[0] == outputs[1]
+
+
 def test_lora_off_and_config_knobs():
     base = tiny_checkpoint("llama")
     with LLM(base, block_size=4) as llm:

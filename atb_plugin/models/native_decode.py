@@ -26,6 +26,12 @@ slots (read in place) and the step's rows (``LoRAStep``); a step with adapted ro
 ``decode_model.lora`` and the native LoRA kernel adds each row's adapter after each linear layer.
 Without adapted rows ``lora`` stays NULL and the step is the base step.
 
+Qwen3's per-head q / k norms run in the plan with the eager kernel (a dense Qwen3 step stays
+bit-identical); a sparse MoE layer (Qwen3-MoE, Qwen2-MoE's shared expert) runs its router and the
+native grouped experts (csrc/moe_kernels.c) over the model's own stacked float32 experts, equal to
+the eager ``ops.fused_moe`` within float32 rounding (docs/moe-decode.md). bfloat16 experts and a
+rank holding only some experts stay eager, and say why.
+
 Unlike a CUDA graph, the batch size is an argument, not part of the capture: no buckets, no
 padded rows. What is captured are pointers, so the weights and caches must not move after
 ``capture``: they are made once per engine and never reallocated. Only decode-only steps run
@@ -39,6 +45,7 @@ import ctypes
 
 import torch
 
+from atb_plugin.models.moe import SparseMoeBlock
 from atb_plugin.ops import AttentionMetadata, cpu_native
 
 # The KV cache dtypes the plan reads and writes (csrc/cpu_kernels.h, decode_model.kv_bf16).
@@ -59,11 +66,13 @@ class NativeDecodeStep:
         self._layers = (cpu_native.DecodeLayer * len(model.layers))()
         # Every tensor whose address the plan holds, kept alive (and unmoved) with it.
         self._keep: list[torch.Tensor] = []
+        self._sparse: list[cpu_native.DecodeMoe] = []  # the sparse layers' structs, kept alive with the plan
         for entry, layer, operands, (key_cache, value_cache) in zip(self._layers, model.layers, linears, kv_caches):
             entry.input_norm = self._address(layer.input_layernorm.weight.to(torch.float32).contiguous())
             entry.post_norm = self._address(layer.post_attention_layernorm.weight.to(torch.float32).contiguous())
-            entry.qkv, entry.o, entry.gate_up, entry.down = (self._linear(o) for o in operands)
+            entry.qkv, entry.o, entry.gate_up, entry.down = (self._linear(o) for o in operands[:4])
             entry.key_cache, entry.value_cache = self._address(key_cache), self._address(value_cache)
+            self._qwen3_parts(entry, layer, operands[4:])
         self.plan = cpu_native.DecodeModel(
             num_layers=len(model.layers), hidden=config.hidden_size, heads=config.num_attention_heads,
             kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
@@ -97,9 +106,33 @@ class NativeDecodeStep:
         self._keep.append(tensor)
         return tensor.data_ptr()
 
-    def _linear(self, operands: cpu_native.LinearOperands) -> cpu_native.DecodeLinear:
+    def _linear(self, operands: cpu_native.LinearOperands | None) -> cpu_native.DecodeLinear:
+        if operands is None:  # a sparse layer's dense MLP slots, or no shared expert
+            return cpu_native.DecodeLinear()
         return cpu_native.DecodeLinear(operands.format, *(self._address(t) for t in (
             operands.weight, operands.bias, operands.scale, operands.offset)), operands.dot_rows)
+
+    def _qwen3_parts(self, entry: cpu_native.DecodeLayer, layer, sparse_linears: list) -> None:
+        """Qwen3's per-head q / k norms and a Qwen3-MoE / Qwen2-MoE sparse MLP (checked at
+        ``capture``: ``_sparse_reason``); ``sparse_linears``: its router's operands, then its
+        shared expert's gate_up, down and gate, if it has one."""
+        attention = layer.self_attn
+        if attention.q_norm is not None:
+            entry.q_norm, entry.k_norm = (self._address(norm.weight.to(torch.float32).contiguous())
+                                          for norm in (attention.q_norm, attention.k_norm))
+        mlp = layer.mlp
+        if not isinstance(mlp, SparseMoeBlock):
+            return
+        experts, (router, *shared) = mlp.experts, sparse_linears
+        shared_gate_up, shared_down, shared_gate = (self._linear(o) for o in shared or (None,) * 3)
+        sparse = cpu_native.DecodeMoe(
+            num_experts=experts.num_experts, top_k=mlp.top_k, intermediate=experts.intermediate_size,
+            renormalize=int(mlp.renormalize), router=self._linear(router),
+            w13=self._address(experts.w13.detach()), w2=self._address(experts.w2.detach()),
+            shared_intermediate=mlp.shared_expert.intermediate_size if shared else 0,
+            shared_gate_up=shared_gate_up, shared_down=shared_down, shared_gate=shared_gate)
+        self._sparse.append(sparse)
+        entry.moe = ctypes.pointer(sparse)
 
     def applies(self, kv_caches, metadata: AttentionMetadata) -> bool:
         """A decode-only step (one new token per request) of at most ``max_rows`` requests over
@@ -142,11 +175,52 @@ class NativeDecodeStep:
         return out.to(embeds.dtype)
 
 
-def _operands(layer) -> list[cpu_native.LinearOperands] | str:
-    """The layer's four linear layers as the plan takes them, or why one cannot be captured."""
+def _sparse_reason(mlp: SparseMoeBlock) -> str | None:
+    """Why a sparse MLP cannot enter the plan (its grouped experts: csrc/moe_kernels.c), or None."""
+    experts = mlp.experts
+    if experts.first_expert or experts.num_local_experts != experts.num_experts:
+        return "expert parallelism: this rank holds only some experts"
+    if any(w.dtype != torch.float32 or w.device.type != "cpu" or not w.is_contiguous()
+           for w in (experts.w13, experts.w2)):
+        # bfloat16 experts would need a bfloat16 grouped kernel; they stay eager (torch._grouped_mm).
+        return (f"mixture-of-experts layers with {experts.w13.dtype} experts: the plan's grouped expert kernel "
+                "reads float32 experts only")
+    return None
+
+
+def _native_form(linear) -> cpu_native.LinearOperands | str:
+    """A linear layer's operands for the plan: a model linear through its method; a router or
+    shared-expert gate (a plain module the packing pass turned into panels) as its panels."""
+    if hasattr(linear, "quant_method"):
+        return linear.quant_method.native_operands(linear)
+    if hasattr(linear, "native_operands"):
+        return linear.native_operands()
+    return f"{type(linear).__name__} has no native form (pack_weights off, or a format the plan lacks)"
+
+
+def _mlp_linears(layer) -> tuple:
+    """The MLP linear layers the plan holds: a dense MLP's gate_up / down, or for a sparse layer
+    none in those slots, then its router, and its shared expert's gate_up, down and gate, if any."""
+    mlp = layer.mlp
+    if not isinstance(mlp, SparseMoeBlock):
+        return mlp.gate_up_proj, mlp.down_proj
+    shared = mlp.shared_expert
+    return (None, None, mlp.gate) + (() if shared is None else (
+        shared.gate_up_proj, shared.down_proj, mlp.shared_expert_gate))
+
+
+def _operands(layer) -> list[cpu_native.LinearOperands | None] | str:
+    """The layer's linear layers as the plan takes them (qkv, o, gate_up, down, then a sparse
+    layer's router and shared expert linears; None: a slot a sparse layer leaves empty), or why one
+    cannot be captured."""
+    if isinstance(layer.mlp, SparseMoeBlock) and (why := _sparse_reason(layer.mlp)):
+        return why
     found = []
-    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-        operands = linear.quant_method.native_operands(linear)
+    for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, *_mlp_linears(layer)):
+        if linear is None:
+            found.append(None)
+            continue
+        operands = _native_form(linear)
         if isinstance(operands, str):
             return f"a linear layer cannot be captured: {operands}"
         found.append(operands)
@@ -157,8 +231,11 @@ def _lora_operands(layers):
     """The LoRA side of the plan: None where no linear layer is LoRA-wrapped, else (the step's
     rows, ``LoRAStep``; (rank, the four wrapped layers' slots per decoder layer) or why the plan
     cannot hold them). A wrapped layer names them itself (lora/layers.py, ``native_lora``)."""
+    # A sparse MoE layer has no gate_up / down of its own (its experts are not adapted): None
+    # there makes such a model's adapted steps run eager ("only some linear layers").
     found = [getattr(linear, "native_lora", None) for layer in layers for linear in (
-        layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        layer.self_attn.qkv_proj, layer.self_attn.o_proj, getattr(layer.mlp, "gate_up_proj", None),
+        getattr(layer.mlp, "down_proj", None))]
     described = [native_lora() for native_lora in found if native_lora is not None]
     if not described:
         return None
@@ -177,8 +254,6 @@ def capture(model, kv_caches, max_rows: int) -> tuple[NativeDecodeStep | None, s
     library = cpu_native.linear_library(weight.device)  # None off the CPU or with the torch ops chosen
     if library is None:
         return None, f"the native CPU kernels are not in use ({weight.device}, {cpu_native.KERNELS_ENV}={cpu_native.choice()})"
-    if model.config.qk_norm or model.config.moe is not None:  # not in the native plan (csrc/cpu_kernels.c, decode_step_f32)
-        return None, "per-head q/k norms or mixture-of-experts layers (Qwen3 / Qwen3-MoE) are not in the native plan"
     if model.config.head_dim % cpu_native.DECODE_HEAD_DIM_MULTIPLE:
         return None, f"head_dim {model.config.head_dim} is not a multiple of {cpu_native.DECODE_HEAD_DIM_MULTIPLE}"
     if len(kv_caches) != len(model.layers) or max_rows < 1:
@@ -194,7 +269,7 @@ def capture(model, kv_caches, max_rows: int) -> tuple[NativeDecodeStep | None, s
             return None, operands
         linears.append(operands)
     # A layer whose batches take another form (packed_linear.SplitLinear): larger steps run eager.
-    split = [o.batch_rows for layer in linears for o in layer if o.batch_rows]
+    split = [o.batch_rows for layer in linears for o in layer if o is not None and o.batch_rows]
     if split and min(split) <= 1:
         return None, "the linear layers' forms for one row are not the panels"
     max_rows = min([max_rows, *(rows - 1 for rows in split)])

@@ -98,7 +98,7 @@ _AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 # isa_*.c files hold the variants of the dispatch table (csrc/dispatch.c), each compiled for its own
 # set whatever the probe says, so one library holds them all and the table picks what executes.
 # Elsewhere only the base files and isa_portable.c are built, all with -march=native.
-UNITS = {"cpu_kernels.c": None, "int8_driver.c": None, "dispatch.c": None, "lora_kernels.c": None, "isa_portable.c": (),
+UNITS = {"cpu_kernels.c": None, "int8_driver.c": None, "dispatch.c": None, "lora_kernels.c": None, "moe_kernels.c": None, "isa_portable.c": (),
          "isa_avx2.c": _AVX2, "isa_avx512.c": _AVX512, "isa_avx_vnni.c": (*_AVX2, "-mavxvnni"),
          "isa_avx512_vnni.c": (*_AVX512, "-mavx512vnni"), "isa_avx512_bf16.c": (*_AVX512, "-mavx512bf16"),
          "isa_amx.c": ()}
@@ -213,6 +213,8 @@ _SIGNATURES = {  # name: (restype, argtypes), as in csrc/ (cpu_kernels.c, int8_d
     "linear_f32": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _INT]),
     "decode_scratch_floats": (_I64, [_PTR, _I64]),
     "decode_step_f32": (_INT, [_PTR, _PTR, _PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, _PTR, _INT]),
+    "moe_scratch_floats": (_I64, [_I64, _I64, _I64, _I64, _I64]),
+    "moe_experts_f32": (None, [_PTR, _PTR, _I64, _I64, _I64, _I64, _INT, _PTR, _PTR, _I64, _PTR, _PTR, _INT]),
     "linear_bf16w": (_INT, [_PTR, _INT, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _INT, _I64, _I64, _INT]),
     "cpu_set_features": (_INT, [_INT]),
     "cpu_kernel_slot": (ctypes.c_char_p, [_INT]),
@@ -709,11 +711,22 @@ class LinearOperands:
                 raise ValueError(f"linear {name} {tuple(tensor.shape)} {tensor.dtype} for {rows} float32 outputs")
 
 
+class DecodeMoe(ctypes.Structure):
+    """A sparse MLP of the plan, as ``decode_moe`` in csrc/cpu_kernels.h: sizes, the router, the
+    stacked float32 experts ``w13`` / ``w2`` read in place (``models/moe.py``'s ``FusedExperts``),
+    and the shared expert with its gate (``shared_intermediate`` 0: none)."""
+    _fields_ = [("num_experts", _I64), ("top_k", _I64), ("intermediate", _I64), ("renormalize", _I64),
+                ("router", DecodeLinear), ("w13", _PTR), ("w2", _PTR), ("shared_intermediate", _I64),
+                *((name, DecodeLinear) for name in ("shared_gate_up", "shared_down", "shared_gate"))]
+
+
 class DecodeLayer(ctypes.Structure):
-    """One decoder layer's addresses, as ``decode_layer`` in csrc/cpu_kernels.h."""
+    """One decoder layer's addresses, as ``decode_layer`` in csrc/cpu_kernels.h (``q_norm`` /
+    ``k_norm``: Qwen3's per-head norms, NULL: none; ``moe``: a sparse MLP, NULL: dense)."""
     _fields_ = [("input_norm", _PTR), ("post_norm", _PTR),
                 *((name, DecodeLinear) for name in ("qkv", "o", "gate_up", "down")),
-                ("key_cache", _PTR), ("value_cache", _PTR)]
+                ("key_cache", _PTR), ("value_cache", _PTR), ("q_norm", _PTR), ("k_norm", _PTR),
+                ("moe", ctypes.POINTER(DecodeMoe))]
 
 
 # Output slices of one LoRA-wrapped layer at most (q / k / v), as LORA_MAX_SLICES in csrc/cpu_kernels.h.
@@ -796,4 +809,24 @@ def decode_step(library, model: DecodeModel, embeds: torch.Tensor, cos: torch.Te
                                      torch.get_num_threads())
     if failed:
         raise MemoryError("the CPU decode kernel could not allocate its scratch buffer")
+    return out
+
+
+def moe_experts(library, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                top_k: int, renormalize: bool) -> torch.Tensor:
+    """``ops.fused_moe(x, router_logits, w13, w2, top_k, renormalize)`` for float32 tensors on one
+    rank, by the captured step's native grouped experts (csrc/moe_kernels.c): for the tests and
+    benchmarks/bench_moe.py (the model runs it only inside the captured decode step)."""
+    rows, hidden = x.shape
+    experts, _, width = w13.shape
+    tensors = [t.contiguous() for t in (x, router_logits, w13, w2)]
+    if any(t.dtype != torch.float32 for t in tensors) or router_logits.shape != (rows, experts) or \
+            w2.shape != (experts, width // 2, hidden) or w13.shape[1] != hidden or not 1 <= top_k <= experts:
+        raise ValueError(f"moe_experts: x {tuple(x.shape)}, logits {tuple(router_logits.shape)}, w13 "
+                         f"{tuple(w13.shape)}, w2 {tuple(w2.shape)} (float32), top_k {top_k}")
+    scratch = torch.empty(library.moe_scratch_floats(rows, hidden, experts, top_k, width // 2), dtype=torch.float32)
+    out = torch.empty_like(tensors[0])
+    library.moe_experts_f32(*(t.data_ptr() for t in tensors[:2]), rows, hidden, experts, top_k, int(renormalize),
+                            tensors[2].data_ptr(), tensors[3].data_ptr(), width // 2, out.data_ptr(),
+                            scratch.data_ptr(), torch.get_num_threads())
     return out

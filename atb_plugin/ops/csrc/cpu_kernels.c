@@ -161,6 +161,11 @@ int linear_bf16w(const void *x, int x_bf16, int64_t M, int64_t K, int64_t x_stri
  * outputs gets each adapted row's adapter added right after the layer, as the eager LoRALinear
  * adds it (lora_kernels.c). A step without adapted rows has m->lora NULL: the base step as it was.
  *
+ * Qwen3 adds an RMSNorm over each query and key head before rotary (q_norm / k_norm); a sparse
+ * layer (Qwen3-MoE) replaces gate_up / down by its router and grouped experts (decode_moe_rows,
+ * moe_kernels.c), whose GEMMs are not the eager path's (torch._grouped_mm): that layer's output
+ * agrees with eager to float32 rounding, not bit for bit (tests/test_native_decode_moe.py).
+ *
  * Activations are float32 whatever the weights: a float32 model's step is bit-identical to its
  * eager path; so is one whose linear layers are int8 (the eager layers call the same kernels).
  * A bfloat16 model keeps its weights (bfloat16 panels) and its KV cache (rows rounded to nearest
@@ -168,12 +173,25 @@ int linear_bf16w(const void *x, int x_bf16, int64_t M, int64_t K, int64_t x_stri
  * op's output to bfloat16, this step does not (closer to float32, not bit-identical to eager).
  *
  * Scratch (floats), rows * each of: hidden (x), qkv_n (qkv), q_size (q), kv_size (k), q_size (a),
- * hidden (proj), 2 * intermediate (gate_up), intermediate (act), hidden (the residual stream):
- * decode_scratch_floats. The structs are in cpu_kernels.h. */
+ * hidden (proj), 2 * intermediate (gate_up), intermediate (act), hidden (the residual stream),
+ * then the largest sparse layer's moe_layer_floats: decode_scratch_floats. The structs are in cpu_kernels.h. */
+
+/* A sparse layer's floats past the dense ones: its router logits, the grouped experts' scratch
+ * (moe_kernels.c), and the shared expert's gate_up, activation and output. */
+static int64_t moe_layer_floats(const decode_moe *e, int64_t rows, int64_t hidden) {
+    return rows * e->num_experts + moe_scratch_floats(rows, hidden, e->num_experts, e->top_k, e->intermediate) +
+           rows * (3 * e->shared_intermediate + hidden + 1);
+}
 
 int64_t decode_scratch_floats(const decode_model *m, int64_t rows) {
     const int64_t q_size = m->heads * m->head_dim, kv_size = m->kv_heads * m->head_dim;
-    return rows * (3 * m->hidden + (q_size + 2 * kv_size) + 2 * q_size + kv_size + 3 * m->intermediate);
+    int64_t moe = 0;
+    for (int64_t l = 0; l < m->num_layers; l++)
+        if (m->layers[l].moe) {
+            const int64_t need = moe_layer_floats(m->layers[l].moe, rows, m->hidden);
+            moe = need > moe ? need : moe;
+        }
+    return rows * (3 * m->hidden + (q_size + 2 * kv_size) + 2 * q_size + kv_size + 3 * m->intermediate) + moe;
 }
 
 /* y (rows, N) = x (rows, K) through L, both contiguous. Returns 0, or 1 when scratch failed. */
@@ -206,6 +224,39 @@ static void add_rows(float *residual, const float *x, int64_t n) {
     for (int64_t i = 0; i < n; i++) residual[i] += x[i];
 }
 
+/* Qwen3's per-head RMSNorm of the query and key heads, in place in the fused QKV rows (before
+ * rotary, as the eager Attention.forward): `heads` heads of D from `offset` in each row. */
+static void head_norms(float *qkv, int64_t rows, int64_t qkv_n, int64_t offset, int64_t heads, int64_t D,
+                       const float *weight, float eps) {
+    for (int64_t r = 0; r < rows; r++) {
+        float *h = qkv + r * qkv_n + offset;
+        cpu_kernels.rms_norm(h, D, weight, h, heads, D, eps, 1);
+    }
+}
+
+/* proj (rows, H) = the sparse MLP of x (rows, H): the routed experts' weighted sum, plus
+ * sigmoid(shared_gate(x)) times the shared expert where there is one, as models/moe.py's
+ * SparseMoeBlock adds them. `extra`: moe_layer_floats. */
+static int decode_moe_rows(const decode_moe *e, const float *x, int64_t rows, int64_t H, float *proj, float *extra,
+                           int num_threads) {
+    const int64_t E = e->num_experts, SI = e->shared_intermediate;
+    float *logits = extra, *shared_gate_up = logits + rows * E, *shared_act = shared_gate_up + rows * 2 * SI;
+    float *shared_out = shared_act + rows * SI, *shared_scale = shared_out + rows * H, *experts = shared_scale + rows;
+    if (decode_linear_rows(&e->router, x, rows, H, logits, E, num_threads)) return 1;
+    moe_experts_f32(x, logits, rows, H, E, e->top_k, (int)e->renormalize, e->w13, e->w2, e->intermediate, proj,
+                    experts, num_threads);
+    if (!SI) return 0;
+    if (decode_linear_rows(&e->shared_gate_up, x, rows, H, shared_gate_up, 2 * SI, num_threads)) return 1;
+    cpu_kernels.silu_and_mul(shared_gate_up, 2 * SI, shared_act, rows, SI, num_threads);
+    if (decode_linear_rows(&e->shared_down, shared_act, rows, SI, shared_out, H, num_threads)) return 1;
+    if (decode_linear_rows(&e->shared_gate, x, rows, H, shared_scale, 1, num_threads)) return 1;
+    for (int64_t r = 0; r < rows; r++) {
+        const float scale = 1.f / (1.f + expf(-shared_scale[r]));
+        for (int64_t i = 0; i < H; i++) proj[r * H + i] += scale * shared_out[r * H + i];
+    }
+    return 0;
+}
+
 /* A cache row of n values from float32 `v`: copied, or rounded to bfloat16. */
 static void write_kv(void *cache, int64_t index, const float *v, int64_t n, int bf16) {
     if (!bf16) {
@@ -233,6 +284,10 @@ int decode_step_f32(const decode_model *m, const float *embeds, float *out, int6
         cpu_kernels.rms_norm(stream, H, L->input_norm, x, rows, H, m->eps, num_threads);
         if (decode_linear_rows(&L->qkv, x, rows, H, qkv, qkv_n, num_threads) ||
             decode_lora_rows(m, l, 0, x, rows, H, qkv, qkv_n, num_threads)) return 1;
+        if (L->q_norm) {
+            head_norms(qkv, rows, qkv_n, 0, m->heads, D, L->q_norm, m->eps);
+            head_norms(qkv, rows, qkv_n, q_size, m->kv_heads, D, L->k_norm, m->eps);
+        }
         cpu_kernels.rotary(qkv, qkv_n, D, cos, sin, q, rows, m->heads, D, num_threads);
         cpu_kernels.rotary(qkv + q_size, qkv_n, D, cos, sin, k, rows, m->kv_heads, D, num_threads);
         for (int64_t r = 0; r < rows; r++) {
@@ -247,11 +302,15 @@ int decode_step_f32(const decode_model *m, const float *embeds, float *out, int6
             decode_lora_rows(m, l, 1, a, rows, q_size, proj, H, num_threads)) return 1;
         add_rows(stream, proj, rows * H);
         cpu_kernels.rms_norm(stream, H, L->post_norm, x, rows, H, m->eps, num_threads);
-        if (decode_linear_rows(&L->gate_up, x, rows, H, gate_up, 2 * I, num_threads) ||
-            decode_lora_rows(m, l, 2, x, rows, H, gate_up, 2 * I, num_threads)) return 1;
-        cpu_kernels.silu_and_mul(gate_up, 2 * I, act, rows, I, num_threads);
-        if (decode_linear_rows(&L->down, act, rows, I, proj, H, num_threads) ||
-            decode_lora_rows(m, l, 3, act, rows, I, proj, H, num_threads)) return 1;
+        if (L->moe) {
+            if (decode_moe_rows(L->moe, x, rows, H, proj, stream + rows * H, num_threads)) return 1;
+        } else {
+            if (decode_linear_rows(&L->gate_up, x, rows, H, gate_up, 2 * I, num_threads) ||
+                decode_lora_rows(m, l, 2, x, rows, H, gate_up, 2 * I, num_threads)) return 1;
+            cpu_kernels.silu_and_mul(gate_up, 2 * I, act, rows, I, num_threads);
+            if (decode_linear_rows(&L->down, act, rows, I, proj, H, num_threads) ||
+                decode_lora_rows(m, l, 3, act, rows, I, proj, H, num_threads)) return 1;
+        }
         add_rows(stream, proj, rows * H);
     }
     cpu_kernels.rms_norm(stream, H, m->final_norm, out, rows, H, m->eps, num_threads);

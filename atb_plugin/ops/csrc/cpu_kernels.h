@@ -8,6 +8,7 @@
  *   cpu_kernels.c   the functions Python calls (ctypes), each a thin call through the table, and
  *                   the captured decode step
  *   lora_kernels.c  the adapters' grouped shrink / expand (multi-LoRA rows, bgmv)
+ *   moe_kernels.c   the captured step's sparse MoE layer: routing and the grouped expert GEMMs
  *   int8_driver.c   the one int8 linear driver (W8A16 and W8A8): blocks of weight rows, threads,
  *                   scratch, scales; its inner kernel comes from the table
  *   dispatch.c      the table and the variants, best first
@@ -87,10 +88,23 @@ typedef struct {
     int64_t dot_rows;    /* bfloat16 panels: from this many rows on, the dot-product kernel (0: never) */
 } decode_linear;
 
+/* A sparse mixture-of-experts MLP (Qwen3-MoE; Qwen2-MoE adds the shared expert): what
+ * moe_kernels.c runs in place of a dense layer's gate_up / down. */
+typedef struct {
+    int64_t num_experts, top_k, intermediate, renormalize;
+    decode_linear router;               /* hidden -> num_experts logits */
+    const float *w13, *w2;              /* (E, H, 2I), (E, I, H) float32, models/moe.py's layout */
+    int64_t shared_intermediate;        /* the shared expert's features; 0: none (and no linears below) */
+    decode_linear shared_gate_up, shared_down;
+    decode_linear shared_gate;          /* hidden -> 1: sigmoid of it scales the shared expert */
+} decode_moe;
+
 typedef struct {
     const float *input_norm, *post_norm; /* (hidden), float32 */
     decode_linear qkv, o, gate_up, down;
     void *key_cache, *value_cache;       /* (num_blocks, block_size, kv_heads, head_dim) */
+    const float *q_norm, *k_norm;        /* (head_dim) RMSNorm weights over each query / key head (Qwen3); NULL: none */
+    const decode_moe *moe;               /* the sparse MLP in place of gate_up / down; NULL: dense */
 } decode_layer;
 
 /* One LoRA-wrapped linear layer's adapter slots as atb_plugin/lora/layers.py holds them, read in
@@ -196,6 +210,13 @@ void linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const fl
                 const float *bias, float *y, int64_t y_stride, int num_threads);
 int lora_apply_f32(const lora_linear *L, int64_t rank, const float *x, int64_t rows, int64_t K, int64_t x_stride,
                    const int32_t *row_slots, float *h, float *y, int64_t y_stride, int num_threads);
+/* moe_kernels.c: the grouped experts of a sparse layer, and the plain (K, N) GEMM they run per expert. */
+int64_t moe_scratch_floats(int64_t rows, int64_t hidden, int64_t num_experts, int64_t top_k, int64_t intermediate);
+void moe_experts_f32(const float *x, const float *logits, int64_t rows, int64_t H, int64_t E, int64_t k,
+                     int renormalize, const float *w13, const float *w2, int64_t I, float *out, float *scratch,
+                     int num_threads);
+void expert_matmul_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const float *w, int64_t N,
+                       float *y, int64_t y_stride);
 
 /* Per-token symmetric int8 (what quantize_rows computes; each variant vectorises a prefix of the
  * row and leaves the rest to these): s[m] = max|x[m]| / 127 (0 for a row of zeros, whose q are
