@@ -27,7 +27,8 @@ Where the time goes, and why the code looks the way it does: the resize is Pillo
 reproduces their output bit for bit (one uint8 step off is 1/255/std ~ 0.015, far beyond 1e-5).
 At photo sizes it is a large share of the reference's time and most of the float32 path's
 (benchmarks/RESULTS.md, bench_preprocess), which is why the uint8 wire (nothing after the resize
-but a copy) is the default. Everything else, which the reference does as a chain
+but the segment write, which Pillow packs straight into the segment: ``RgbImagePayload``) is the
+default. Everything else, which the reference does as a chain
 of full-size copies (RGB convert, HWC->CHW, back to PIL, float64 rescale, float32 normalise,
 strided float layout), is one vectorised pass here: layout gathers on uint8, then uint8 ->
 float32 with a per-channel ``x * scale + offset`` (``PixelNormalization``, folded once per
@@ -329,7 +330,7 @@ class Qwen2VLPreprocessor(ImagePreprocessor):
         if self.wire_dtype != "uint8":
             return super().shm_payload(image)
         # The uint8 wire is the resized image alone: Pillow packs it into the segment itself
-        # (benchmarks/RESULTS.md, bench_qwen3_vl: the frontend's second round).
+        # (benchmarks/RESULTS.md, bench_qwen3_vl.py's second round).
         resized, grid = self._resized(self._checked(image))
         return RgbImagePayload(resized), grid
 
