@@ -49,6 +49,14 @@ def test_payload_segment_equals_the_array_segment(store, size):
     assert segment_bytes(from_payload) == segment_bytes(from_array) == image.tobytes()
 
 
+def test_payload_writes_whole_again_when_retried(store):
+    """A store out of room evicts and writes the payload again (shm.store): each write starts over."""
+    image = noise(1283, 401, seed=1)
+    payload = RgbImagePayload(image)
+    first, second = store.put(payload, request_id="a"), store.put(payload, request_id="b")
+    assert first.name != second.name and segment_bytes(first) == segment_bytes(second) == image.tobytes()
+
+
 def test_payload_reuses_a_key_like_an_array(store):
     image = noise(32, 16)
     first = store.put(np.asarray(image), key="k", request_id="a")
