@@ -255,8 +255,11 @@ def _decode(data: bytes, source: str, config: MediaConfig, hint: str = "",
         # reader: the whole encoded file). What is returned, and kept in the decoded-image cache,
         # must be the pixels alone: when nothing above made a new image, a plain image over the
         # file image's own pixels (what copy() returns, without copying them: the file image is
-        # dropped here, so nothing else holds or changes them).
-        return finished._new(finished.im) if finished is image else finished
+        # dropped here, so nothing else holds or changes them; a read-only one, pixels mapped
+        # from a file, is copied as before).
+        if finished is not image:
+            return finished
+        return image.copy() if image.readonly else image._new(image.im)
 
 
 def _finish(image: Image.Image, source: str, config: MediaConfig, *, owned: bool,
