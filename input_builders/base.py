@@ -360,10 +360,10 @@ class InputBuilder:
         grid = self.grid_thw(image)
         handle = store.get(key, request_id=request_id)
         if handle is None:
-            processed = self.preprocessor(image.image)
-            if processed.grid_thw is not None and tuple(processed.grid_thw) != grid:
-                raise AssertionError(f"grid {processed.grid_thw} differs from the predicted {grid}")
-            handle = store.put(processed.pixel_values, key=key, request_id=request_id)
+            payload, grid_thw = self.preprocessor.shm_payload(image.image)
+            if grid_thw is not None and tuple(grid_thw) != grid:
+                raise AssertionError(f"grid {grid_thw} differs from the predicted {grid}")
+            handle = store.put(payload, key=key, request_id=request_id)
         return PreparedImage(handle, self.num_media_tokens(image), grid)
 
     @contextmanager

@@ -253,8 +253,13 @@ def _decode(data: bytes, source: str, config: MediaConfig, hint: str = "",
         finished = _finish(image, source, config, owned=True, budget=budget)  # Image.open read the header only
         # A file image keeps its source for as long as it lives (a PNG its BytesIO and chunk
         # reader: the whole encoded file). What is returned, and kept in the decoded-image cache,
-        # must be the pixels alone: a plain copy when nothing above made a new image.
-        return finished.copy() if finished is image else finished
+        # must be the pixels alone: when nothing above made a new image, a plain image over the
+        # file image's own pixels (what copy() returns, without copying them: the file image is
+        # dropped here, so nothing else holds or changes them; a read-only one, pixels mapped
+        # from a file, is copied as before).
+        if finished is not image:
+            return finished
+        return image.copy() if image.readonly else image._new(image.im)
 
 
 def _finish(image: Image.Image, source: str, config: MediaConfig, *, owned: bool,

@@ -27,7 +27,8 @@ Where the time goes, and why the code looks the way it does: the resize is Pillo
 reproduces their output bit for bit (one uint8 step off is 1/255/std ~ 0.015, far beyond 1e-5).
 At photo sizes it is a large share of the reference's time and most of the float32 path's
 (benchmarks/RESULTS.md, bench_preprocess), which is why the uint8 wire (nothing after the resize
-but a copy) is the default. Everything else, which the reference does as a chain
+but the segment write, which Pillow packs straight into the segment: ``RgbImagePayload``) is the
+default. Everything else, which the reference does as a chain
 of full-size copies (RGB convert, HWC->CHW, back to PIL, float64 rescale, float32 normalise,
 strided float layout), is one vectorised pass here: layout gathers on uint8, then uint8 ->
 float32 with a per-channel ``x * scale + offset`` (``PixelNormalization``, folded once per
@@ -56,6 +57,7 @@ from atb_plugin.multimodal.wire import (
     PixelNormalization,
     check_wire_dtype,
 )
+from shm.segment import SegmentPayload, pwrite_all
 
 if TYPE_CHECKING:  # annotations are strings at runtime; typing.Self needs 3.11
     from typing_extensions import Self
@@ -69,6 +71,7 @@ __all__ = [
     "PreprocessedImage",
     "Qwen2VLPreprocessor",
     "QwenVLPreprocessor",
+    "RgbImagePayload",
     "smart_resize",
 ]
 
@@ -157,6 +160,18 @@ class ImagePreprocessor(ABC):
         object.__setattr__(self, "_normalization", norm)
 
     def __call__(self, image: Image.Image) -> PreprocessedImage:
+        return self._preprocess(self._checked(image))
+
+    def shm_payload(self, image: Image.Image) -> tuple[np.ndarray | SegmentPayload, tuple[int, int, int] | None]:
+        """What crosses shared memory for ``image`` (for ``ShmStore.put``) and its ``grid_thw``:
+        ``self(image)``'s pixel values and grid. A family whose uint8 wire form is the resized
+        image as it is overrides this to hand that image over unpacked (``RgbImagePayload``), the
+        segment's bytes the same."""
+        processed = self(image)
+        return processed.pixel_values, processed.grid_thw
+
+    def _checked(self, image: Image.Image) -> Image.Image:
+        """``image`` if it is what every preprocessor takes (the class docstring's contract)."""
         if not isinstance(image, Image.Image):
             raise TypeError(f"expected a PIL.Image.Image, got {_describe(image)}")
         if image.mode != "RGB":
@@ -167,7 +182,7 @@ class ImagePreprocessor(ABC):
         width, height = image.size
         if width < 1 or height < 1:
             raise ValueError(f"image has no pixels: {width}x{height}")
-        return self._preprocess(image)
+        return image
 
     @abstractmethod
     def _preprocess(self, image: Image.Image) -> PreprocessedImage:
@@ -304,12 +319,25 @@ class Qwen2VLPreprocessor(ImagePreprocessor):
         t, h, w = grid_thw
         return t * h * w // self.merge_size**2
 
-    def _preprocess(self, image: Image.Image) -> PreprocessedImage:
+    def _resized(self, image: Image.Image) -> tuple[Image.Image, tuple[int, int, int]]:
+        """The image resized by ``smart_resize``, and its ``grid_thw``."""
         width, height = image.size
         resized_height, resized_width = self.smart_resize(height, width)
-        hwc = np.asarray(_resize_bicubic(image, resized_width, resized_height))
+        grid = (1, resized_height // self.patch_size, resized_width // self.patch_size)
+        return _resize_bicubic(image, resized_width, resized_height), grid
+
+    def shm_payload(self, image: Image.Image) -> tuple[np.ndarray | SegmentPayload, tuple[int, int, int] | None]:
+        if self.wire_dtype != "uint8":
+            return super().shm_payload(image)
+        # The uint8 wire is the resized image alone: Pillow packs it into the segment itself
+        # (benchmarks/RESULTS.md, bench_qwen3_vl.py's second round).
+        resized, grid = self._resized(self._checked(image))
+        return RgbImagePayload(resized), grid
+
+    def _preprocess(self, image: Image.Image) -> PreprocessedImage:
+        resized, (_, grid_h, grid_w) = self._resized(image)
+        hwc = np.asarray(resized)
         p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
-        grid_h, grid_w = resized_height // p, resized_width // p
         if self.wire_dtype == "uint8":  # the device patchifies (atb_plugin.multimodal.pixels)
             return PreprocessedImage(np.ascontiguousarray(hwc), grid_thw=(1, grid_h, grid_w))
         num_patches = grid_h * grid_w
@@ -491,6 +519,41 @@ def smart_resize(
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
+
+
+class RgbImagePayload(SegmentPayload):
+    """An RGB ``PIL.Image`` as a uint8 ``[H, W, 3]`` segment payload: Pillow's raw encoder packs
+    the rows (its pixels are 4 bytes wide inside) a block at a time, each block written to the
+    segment at once, so the bytes ``np.asarray(image)`` would hold reach the segment without that
+    image-sized array, its join and its copy."""
+
+    dtype = np.dtype(np.uint8)
+
+    def __init__(self, image: Image.Image):
+        if image.mode != "RGB":
+            raise ValueError(f"RgbImagePayload takes an RGB image, got mode {image.mode!r}")
+        self.image = image
+        self.shape = (image.height, image.width, 3)
+
+    def write_to(self, fd: int, offset: int) -> int:
+        self.image.load()
+        # What Image.tobytes() does, block by block (its encoder, its block floor of 4 bytes per
+        # pixel of a row: RawEncode.c packs whole rows only).
+        encoder = Image._getencoder("RGB", "raw", "RGB")
+        start = offset
+        try:
+            encoder.setimage(self.image.im, (0, 0, *self.image.size))
+            while True:
+                _, status, block = encoder.encode(max(_BLOCK_BYTES, self.image.width * 4))
+                pwrite_all(fd, block, offset)
+                offset += len(block)
+                if status:
+                    break
+        finally:
+            encoder.cleanup()
+        if status < 0:
+            raise RuntimeError(f"Pillow's raw encoder failed (error {status}) packing a {self.image.size} image")
+        return offset - start
 
 
 # Helpers ------------------------------------------------------------------------------------

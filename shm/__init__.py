@@ -25,7 +25,7 @@ from shm.codec import (
 )
 from shm.errors import ShmHandleError, ShmStoreFullError
 from shm.reaper import reap_orphans
-from shm.segment import ShmReader, list_segment_names, read_array
+from shm.segment import SegmentPayload, ShmReader, list_segment_names, read_array
 from shm.store import ShmHandle, ShmStore, ShmStoreConfig
 
 __all__ = [
@@ -33,6 +33,7 @@ __all__ = [
     "AdoptedSegments",
     "MAX_NAME_CHARS",
     "SHAPE_WIDTHS",
+    "SegmentPayload",
     "ShmHandle",
     "ShmHandleError",
     "ShmReader",

@@ -40,6 +40,7 @@ import struct
 import threading
 import time
 import zlib
+from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Collection
 from dataclasses import dataclass
@@ -254,20 +255,42 @@ def dtype_code_of(dtype: np.dtype) -> int:
     return code
 
 
-def _pwrite_all(fd: int, data, offset: int) -> None:
+def pwrite_all(fd: int, data, offset: int) -> None:
+    """All of ``data`` (any buffer) at ``offset`` of ``fd``, however many ``pwrite`` calls it takes."""
     view = memoryview(data).cast("B")
     while view:
         written = os.pwrite(fd, view, offset)
         view, offset = view[written:], offset + written
 
 
-def write_segment(name: str, array: np.ndarray | None, instance_id: str, owner: ProcessIdentity) -> int:
+class SegmentPayload(ABC):
+    """A payload that writes its own bytes into the segment's file: for a producer that can pack
+    them there directly (an image encoder, ``input_builders.preprocess.RgbImagePayload``) instead
+    of first building a numpy array for ``pwrite`` to copy. ``ShmStore.put`` and ``write_segment``
+    take one wherever they take an array; the segment and its header are the same as for the array
+    of ``shape`` and ``dtype`` holding those bytes in C order."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    @abstractmethod
+    def write_to(self, fd: int, offset: int) -> int:
+        """Write the payload's ``nbytes`` bytes at ``offset`` of ``fd``; return how many were written
+        (the segment is refused, unlinked, unless that is all of them)."""
+
+
+def write_segment(name: str, array: np.ndarray | SegmentPayload | None, instance_id: str,
+                  owner: ProcessIdentity) -> int:
     """Create segment ``name`` holding ``array`` (None: a header-only instance marker).
 
     Never overwrites: ``FileExistsError`` if the name is taken. The payload goes first and the
     magic last, so a reader never sees a half-written segment as valid. Returns the size in bytes.
     """
-    if array is not None and not array.flags.c_contiguous:
+    if isinstance(array, np.ndarray) and not array.flags.c_contiguous:
         raise ValueError("write_segment needs a C-contiguous array")
     header = SegmentHeader(
         dtype_code=0 if array is None else dtype_code_of(array.dtype),
@@ -282,10 +305,14 @@ def write_segment(name: str, array: np.ndarray | None, instance_id: str, owner: 
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         os.ftruncate(fd, total)
-        if array is not None and array.nbytes:
-            _pwrite_all(fd, array, HEADER_SIZE)
-        _pwrite_all(fd, header[len(MAGIC):], len(MAGIC))
-        _pwrite_all(fd, header[: len(MAGIC)], 0)
+        if isinstance(array, SegmentPayload):
+            written = array.write_to(fd, HEADER_SIZE)
+            if written != array.nbytes:
+                raise ValueError(f"{type(array).__name__} wrote {written} of its {array.nbytes} bytes")
+        elif array is not None and array.nbytes:
+            pwrite_all(fd, array, HEADER_SIZE)
+        pwrite_all(fd, header[len(MAGIC):], len(MAGIC))
+        pwrite_all(fd, header[: len(MAGIC)], 0)
     except BaseException as error:
         os.unlink(path)
         if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.ENOMEM, errno.EFBIG):
@@ -313,7 +340,7 @@ def take_over_marker(instance_id: str, owner: ProcessIdentity) -> bool:
     aside = os.path.join(SHM_DIR, f".{marker}.{os.getpid()}.{threading.get_ident()}")
     fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
-        _pwrite_all(fd, header, 0)
+        pwrite_all(fd, header, 0)
     finally:
         os.close(fd)
     os.rename(aside, path)

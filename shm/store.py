@@ -40,6 +40,7 @@ from shm.reaper import reap_orphans
 from shm.segment import (
     HEADER_SIZE,
     MAX_SEGMENT_SEQUENCE,
+    SegmentPayload,
     dtype_code_of,
     marker_name,
     random_instance_id,
@@ -181,16 +182,19 @@ class ShmStore:
 
     # -- public --------------------------------------------------------------------------------
 
-    def put(self, array: np.ndarray, key=None, *, request_id: str | None = None) -> ShmHandle:
+    def put(self, array: np.ndarray | SegmentPayload, key=None, *, request_id: str | None = None) -> ShmHandle:
         """Store ``array`` (or reuse the segment already holding ``key``) and return its handle.
+        ``array`` may be a ``SegmentPayload``: the bytes of an array that writes itself.
 
         With ``request_id`` the segment is leased to that request until :meth:`release`;
         without, it is only cached and may be evicted at any time.
         """
-        array = np.asarray(array)
+        if not isinstance(array, SegmentPayload):
+            array = np.asarray(array)
         dtype_code_of(array.dtype)
         shape_value = encode_shape_to_int64(array.shape)  # refuses 0-d, > 5-d and oversized dims
-        array = np.ascontiguousarray(array)
+        if not isinstance(array, SegmentPayload):
+            array = np.ascontiguousarray(array)
         if array.nbytes > self.config.max_segment_bytes:
             raise ValueError(
                 f"array of shape {array.shape} and dtype {array.dtype} is {array.nbytes} bytes; "
@@ -299,7 +303,7 @@ class ShmStore:
         if self._closed:
             raise RuntimeError(f"ShmStore {self.instance_id} is closed")
 
-    def _write(self, array: np.ndarray) -> str:
+    def _write(self, array: np.ndarray | SegmentPayload) -> str:
         # Sequence numbers wrap after 27**7; a name still in use is skipped, never overwritten.
         for _ in range(_MAX_NAME_ATTEMPTS):
             with self._lock:
@@ -312,7 +316,7 @@ class ShmStore:
             return name
         raise ShmStoreFullError(f"{_MAX_NAME_ATTEMPTS} consecutive segment names are in use")
 
-    def _write_making_room(self, array: np.ndarray, size: int) -> str:
+    def _write_making_room(self, array: np.ndarray | SegmentPayload, size: int) -> str:
         """Write a new segment; on ENOSPC evict cached segments (LRU first) and retry.
 
         ``size`` bytes are already reserved in ``_owned_bytes`` by the caller.
@@ -369,7 +373,7 @@ class ShmStore:
             f"{shm_dir} if it needs one (in Docker: --shm-size, e.g. --shm-size=2g)"
         )
 
-    def _reuse_locked(self, name: str, array: np.ndarray, request_id: str | None) -> ShmHandle:
+    def _reuse_locked(self, name: str, array: np.ndarray | SegmentPayload, request_id: str | None) -> ShmHandle:
         handle = self._segments[name].handle
         if handle.shape != array.shape or handle.dtype != array.dtype:
             raise ValueError(

@@ -332,7 +332,7 @@ def test_image_token_typed_by_the_user_is_refused(store, images, tmp_path):
 def test_a_failure_after_the_first_image_releases_its_lease(store, images, tmp_path, monkeypatch):
     builder = router_for("qwen2_vl", store, tmp_path).input_builder
     calls = []
-    original = type(builder.preprocessor).__call__
+    original = type(builder.preprocessor).shm_payload  # what the builder preprocesses an image with
 
     def fail_on_second(self, image):
         calls.append(image)
@@ -340,7 +340,7 @@ def test_a_failure_after_the_first_image_releases_its_lease(store, images, tmp_p
             raise RuntimeError("preprocessing blew up")
         return original(self, image)
 
-    monkeypatch.setattr(type(builder.preprocessor), "__call__", fail_on_second)
+    monkeypatch.setattr(type(builder.preprocessor), "shm_payload", fail_on_second)
     with pytest.raises(RuntimeError, match="blew up"):
         builder.make_context(0, mindie_chat(images), request_id="r")
     stats = store.stats()
