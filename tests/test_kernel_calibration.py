@@ -300,6 +300,36 @@ def test_the_decision_rule_over_every_bucket():
     assert why.startswith("1 / 32 rows: panels 1000.00 / 3000.00 ms, onednn 1500.00 / 2500.00 ms; 4 / 128 rows: ")
 
 
+# Each form over PREFILL_MARGIN at some batch bucket (a first start under load): the panels at 128 rows,
+# oneDNN at 32, dense at both. decide() once raised "min() arg is an empty sequence" here.
+EVERY_FORM_OUT = {"panels": {1: 1.0, 4: 1.1, 32: 2.0, 128: 30.0}, "onednn": {1: 1.5, 4: 1.6, 32: 9.0, 128: 8.0},
+                  "dense": {1: 3.0, 4: 3.1, 32: 9.0, 128: 30.0}}
+
+
+def test_the_decision_rule_answers_when_every_form_is_over_the_margin():
+    chosen, why = calibration.decide(EVERY_FORM_OUT)
+    assert chosen == "panels"  # the fastest at one row (and the captured form)
+    assert why.endswith("every form over the margin at some bucket: the fastest at 1 row")
+    assert "onednn over 1.5x the best at 32 rows" in why and "panels over 1.5x the best at 128 rows" in why
+    # the panels' CAPTURE_MARGIN still holds among them all; without the panels, the fastest at one row
+    slower_panels = {**EVERY_FORM_OUT, "panels": {**EVERY_FORM_OUT["panels"], 1: 1.7}}
+    assert calibration.decide(slower_panels)[0] == "onednn"
+    assert calibration.decide({n: t for n, t in EVERY_FORM_OUT.items() if n != "panels"})[0] == "onednn"
+
+
+@needs_native
+def test_calibration_picks_a_form_when_the_timings_put_every_form_out(monkeypatch):
+    def injected(dtype_name, shapes, candidates, budget_s, generator):
+        panels = EVERY_FORM_OUT["panels"]
+        return {c.name: dict(EVERY_FORM_OUT.get(c.name, panels)) for c in candidates}
+
+    monkeypatch.setattr(calibration, "measure", injected)
+    choices = calibration.calibrate(SHAPES)
+    assert set(choices) == {"float32", "bfloat16"}
+    for choice in choices.values():
+        assert choice.form in choice.timings and "every form over the margin" in choice.reason
+
+
 @needs_dot
 def test_every_bucket_is_checked_and_timed_and_the_dot_kernel_beside_the_panels():
     choice = calibration.calibrate(SHAPES)["bfloat16"]

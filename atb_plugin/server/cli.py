@@ -155,8 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--port", type=int, default=1025, help="port (MindIE's default)")
     add("--device", default="auto", choices=DEVICES, help="auto: NPU if torch_npu finds one, else CUDA, else CPU")
     add("--dtype", default="auto", choices=DTYPES,
-        help="auto: the platform's choice (CPU float32; CUDA bfloat16 where supported, else float16; NPU "
-             "bfloat16 on Atlas A2/A3, float16 on chips without bfloat16; float32 is refused on NPU)")
+        help="auto: the platform's choice (CPU float32, or bfloat16 where measured faster, logged at start-up; "
+             "CUDA bfloat16 where supported, else float16; NPU bfloat16 on Atlas A2/A3, float16 on chips without "
+             "bfloat16; float32 is refused on NPU)")
     add("--quantization", choices=QUANTIZATION_METHODS, default=None,
         help="int8 linear layers (docs/quantization.md): w8a16 (int8 weights) or w8a8 (int8 weights and "
              "activations), applied on the fly to a float checkpoint; an msModelSlim checkpoint "
