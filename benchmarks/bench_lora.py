@@ -64,8 +64,10 @@ def ours(args, adapters, prompts) -> dict:
     from atb_plugin import LLM, LoRARequest
     from atb_plugin.default_model import default_model_dir
 
+    # An explicit dtype: "auto" on the CPU may pick bfloat16 where this machine measured it faster,
+    # and the sides must be compared at the precision the results name.
     llm = LLM(default_model_dir(), max_num_seqs=args.batch, max_num_batched_tokens=2048, num_threads=1,
-              enable_lora=True, max_loras=ADAPTERS, max_lora_rank=16)
+              enable_lora=True, max_loras=ADAPTERS, max_lora_rank=16, dtype=args.dtype)
     requests = [LoRARequest(f"adapter{i}", i + 1, str(path)) for i, path in enumerate(adapters)]
     mixed = [requests[i % ADAPTERS] for i in range(len(prompts))]
     loras = {"base": None, "base-eager": None, "1-adapter": requests[0], "4-mixed": mixed, "4-mixed-eager": mixed,
@@ -74,7 +76,7 @@ def ours(args, adapters, prompts) -> dict:
     captured = decoder.captured_decode
     wrapped = list(llm.engine.runner.lora.layers.values())
     native = [layer._native for layer in wrapped]  # the kernel's view of each layer's slots
-    print(f"decode step: {llm.engine.runner.decode_capture}", flush=True)
+    print(f"dtype: {llm.engine.config.dtype}, decode step: {llm.engine.runner.decode_capture}", flush=True)
     _run(llm, prompts[:4], 4, [requests[i] for i in range(4)])  # warm-up: every adapter in its slot
     sides = args.sides
     results, tokens = {side: [] for side in sides}, {}
@@ -134,6 +136,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--dtype", default="float32", help="the engine's dtype (float32, bfloat16 or auto)")
     parser.add_argument("--peft-python", help="a Python with PEFT installed (its own environment)")
     parser.add_argument("--sides", type=lambda v: tuple(v.split(",")), default=SIDES,
                         help=f"comma-separated, of {','.join(SIDES)} (base first); e.g. base,4-mixed with more runs "
