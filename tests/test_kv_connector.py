@@ -6,6 +6,9 @@ connector sent them, nothing leaks; configuration errors are clear."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 
 from atb_plugin.engine.config import EngineConfig
@@ -30,6 +33,15 @@ def _config(**kv) -> EngineConfig:
     return EngineConfig(tiny_checkpoint("qwen2"), block_size=BLOCK, kv_cache_blocks=24, kv_transfer_config=transfer)
 
 
+@contextlib.contextmanager
+def _core(config: EngineConfig) -> Iterator[EngineCore]:
+    core = EngineCore(config)
+    try:
+        yield core
+    finally:
+        core.shutdown()
+
+
 def _run(core: EngineCore, requests: dict[str, list[int]], params=GREEDY, max_steps: int = 200):
     for request_id, prompt in requests.items():
         core.add_request(EngineCoreRequest(request_id, prompt, params))
@@ -48,16 +60,13 @@ def _run(core: EngineCore, requests: dict[str, list[int]], params=GREEDY, max_st
 @pytest.fixture(scope="module")
 def reference():
     """Greedy tokens of PROMPT computed in full, and its blocks captured into store "ref"."""
-    core = EngineCore(_config(none=True))
-    try:
+    with _core(_config(none=True)) as core:
         tokens, _ = _run(core, {"r": PROMPT})
         hashes = request_block_hashes(Request("r", PROMPT, GREEDY), BLOCK, len(PROMPT) - 1)
         pool = core.kv_cache_manager.block_pool
         block_ids = [pool.get_cached_block(h).block_id for h in hashes]
         kv_dict_connector.capture("ref", core.runner.kv_caches, block_ids, hashes)
         return tokens["r"]
-    finally:
-        core.shutdown()
 
 
 def _assert_clean(core: EngineCore) -> None:
@@ -68,8 +77,7 @@ def _assert_clean(core: EngineCore) -> None:
 
 
 def test_external_tokens_are_loaded_counted_and_give_the_reference_tokens(reference):
-    core = EngineCore(_config(extra={"store": "ref"}))
-    try:
+    with _core(_config(extra={"store": "ref"})) as core:
         tokens, finals = _run(core, {"a": PROMPT})
         assert tokens["a"] == reference
         assert finals["a"].num_cached_tokens == 20  # vLLM's: local hits + external tokens
@@ -85,24 +93,18 @@ def test_external_tokens_are_loaded_counted_and_give_the_reference_tokens(refere
         assert stats.prefix_cache_hits == 20 and stats.external_prefix_cache_hits == 0
         assert stats.external_prefix_cache_queries == 1
         _assert_clean(core)
-    finally:
-        core.shutdown()
 
 
 def test_a_connector_that_does_not_know_yet_keeps_the_request_waiting(reference):
-    core = EngineCore(_config(extra={"store": "ref", "not_ready_steps": 2}))
-    try:
+    with _core(_config(extra={"store": "ref", "not_ready_steps": 2})) as core:
         tokens, _ = _run(core, {"a": PROMPT, "b": [3, 4, 5]})
         assert tokens["a"] == reference and len(tokens["b"]) == GREEDY.max_tokens
         _assert_clean(core)
-    finally:
-        core.shutdown()
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 def test_a_failed_load_is_recomputed_or_fails_the_request(reference, policy):
-    core = EngineCore(_config(extra={"store": "ref", "fail_loads": True}, kv_load_failure_policy=policy))
-    try:
+    with _core(_config(extra={"store": "ref", "fail_loads": True}, kv_load_failure_policy=policy)) as core:
         tokens, finals = _run(core, {"a": PROMPT, "b": [3, 4, 5]})
         stats = core.make_stats()
         assert stats.kv_transfer.num_failed_loads == 1
@@ -119,13 +121,10 @@ def test_a_failed_load_is_recomputed_or_fails_the_request(reference, policy):
         if policy == "fail":
             assert all(pool.get_cached_block(h) is None for h in hashes)
         _assert_clean(core)
-    finally:
-        core.shutdown()
 
 
 def test_a_delayed_free_keeps_the_blocks_until_sent_and_returns_the_params(reference):
-    core = EngineCore(_config(extra={"store": "ref", "delay_free_steps": 3}))
-    try:
+    with _core(_config(extra={"store": "ref", "delay_free_steps": 3})) as core:
         for request_id in ("a", "b"):
             core.add_request(EngineCoreRequest(request_id, PROMPT, GREEDY))
         finals = {}
@@ -147,8 +146,6 @@ def test_a_delayed_free_keeps_the_blocks_until_sent_and_returns_the_params(refer
         while core.has_pending_kv_transfers():
             core.step()
         _assert_clean(core)
-    finally:
-        core.shutdown()
 
 
 @pytest.mark.parametrize("kwargs, words", [
