@@ -14,7 +14,11 @@ its first token comes out of a step (the engine's part of a server's TTFT).
 Runs alternate between the engine without and with the tier (``--runs`` of each, a fresh engine
 per run); per run the mean TTFT over the turns after the first (the first turn of a chat has no
 history to reuse); reported: the median of the runs' means, their ratio, the tier's hits, and
-whether every turn's tokens were the same (asserted).
+whether every turn's tokens were the same (asserted). float32 by default: in bfloat16 the run
+without the tier recomputes each history in one prefill, whose rounding differs from the
+history's first computation (its answers were decoded token by token), so a few greedy tokens
+differ from the tier's run, which reuses the first computation exactly (as an unbounded device
+prefix cache does: same tokens).
 
 The last line is one JSON object.
 
@@ -63,7 +67,7 @@ def play(model: Path, args, tier_gib: float | None) -> tuple[list[float], list[l
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model)
-    core = EngineCore(EngineConfig(str(model), num_threads=args.threads, block_size=16,
+    core = EngineCore(EngineConfig(str(model), dtype=args.dtype, num_threads=args.threads, block_size=16,
                                    kv_cache_blocks=args.device_blocks + 1, max_model_len=args.max_model_len,
                                    max_num_seqs=1, kv_offloading_size=tier_gib))
     params = SamplingParams(temperature=0, max_tokens=args.answer_tokens, ignore_eos=True)
@@ -98,6 +102,10 @@ def play(model: Path, args, tier_gib: float | None) -> tuple[list[float], list[l
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--dtype", default="float32",
+                        help="float32 (default): a recomputed history rounds as the first computation did, so "
+                             "the runs without the tier give the same tokens too; in bfloat16 a history "
+                             "recomputed by one prefill rounds differently from its decode-computed KV")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--chats", type=int, default=6)
     parser.add_argument("--turns", type=int, default=4)
@@ -124,7 +132,7 @@ def main() -> None:
     print(f"median mean TTFT: without the tier {off * 1e3:.1f} ms, with it {on * 1e3:.1f} ms: {on / off:.2f}x")
     print(json.dumps({"ttft_off_ms": round(off * 1e3, 2), "ttft_on_ms": round(on * 1e3, 2),
                       "ratio": round(on / off, 3), "same_tokens": True, "runs": args.runs, "chats": args.chats,
-                      "turns": args.turns, "device_blocks": args.device_blocks, "threads": args.threads,
+                      "turns": args.turns, "device_blocks": args.device_blocks, "threads": args.threads, "dtype": args.dtype,
                       "tier_hit_tokens_per_run": stats["on"]["external_hit_tokens"],
                       "longest_history_tokens": stats["on"]["longest_history_tokens"]}))
 
