@@ -15,7 +15,7 @@ from atb_plugin.engine.config import EngineConfig
 from atb_plugin.engine.core import EngineCore
 from atb_plugin.engine.kv_cache_manager import request_block_hashes
 from atb_plugin.engine.messages import EngineCoreRequest
-from atb_plugin.engine.request import Request
+from atb_plugin.engine.request import Request, RequestStatus
 from atb_plugin.engine.sampling_params import SamplingParams
 from atb_plugin.testing.tiny import tiny_checkpoint
 from tests import kv_dict_connector
@@ -116,10 +116,8 @@ def test_a_failed_load_is_recomputed_or_fails_the_request(reference, policy):
             assert "DictConnector" in finals["a"].error and "KV load failed" in finals["a"].error
         assert len(tokens["b"]) == GREEDY.max_tokens  # the other request is untouched
         # The garbage blocks left the prefix cache: nothing hits them.
-        hashes = request_block_hashes(Request("x", PROMPT, GREEDY), BLOCK, len(PROMPT) - 1)
-        pool = core.kv_cache_manager.block_pool
         if policy == "fail":
-            assert all(pool.get_cached_block(h) is None for h in hashes)
+            assert all(_pool(core).get_cached_block(h) is None for h in _hashes(PROMPT))
         _assert_clean(core)
 
 
@@ -209,3 +207,58 @@ def test_metrics_export_the_external_prefix_cache_and_transfer_series():
     assert 'atb_plugin:kv_bytes_loaded_total{engine="0",model_name="m"} 4096.0' in text
     assert 'atb_plugin:kv_failed_loads_total{engine="0",model_name="m"} 1.0' in text
     assert 'atb_plugin:kv_offload_tier_bytes{engine="0",model_name="m",tier="cpu"} 8192.0' in text
+
+
+def test_an_asynchronous_load_waits_for_remote_kv_then_runs(reference):
+    with _core(_config(extra={"store": "ref", "load_async_steps": 3})) as core:
+        core.add_request(EngineCoreRequest("a", PROMPT, GREEDY))
+        core.add_request(EngineCoreRequest("b", [3, 4, 5], GREEDY))
+        tokens = {"a": [], "b": []}
+        _collect(core.step(), tokens)
+        a = core.scheduler.requests["a"]
+        assert a.status is RequestStatus.WAITING_FOR_REMOTE_KVS and a.num_computed_tokens == 20
+        assert [r.request_id for r in core.scheduler.running] == ["b"]  # the others go on meanwhile
+        # Its blocks are held, but nobody may hit them before the KV arrived.
+        assert all(_pool(core).get_cached_block(h) is None for h in _hashes(PROMPT))
+        while core.has_unfinished_requests():
+            _collect(core.step(), tokens)
+        assert tokens["a"] == reference and len(tokens["b"]) == GREEDY.max_tokens
+        assert core.make_stats().external_prefix_cache_hits == 20
+        _assert_clean(core)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_a_failed_asynchronous_load_is_recomputed_or_fails(reference, policy):
+    with _core(_config(extra={"store": "ref", "load_async_steps": 2, "fail_loads": True},
+                       kv_load_failure_policy=policy)) as core:
+        tokens, finals = _run(core, {"a": PROMPT})
+        assert core.make_stats().kv_transfer.num_failed_loads == 1
+        if policy == "recompute":
+            assert tokens["a"] == reference and finals["a"].num_cached_tokens == 0
+        else:
+            assert finals["a"].finish_reason == "error" and "KV load failed" in finals["a"].error
+        _assert_clean(core)
+
+
+def test_an_abort_while_receiving_keeps_the_blocks_until_the_load_ended(reference):
+    with _core(_config(extra={"store": "ref", "load_async_steps": 3})) as core:
+        core.add_request(EngineCoreRequest("a", PROMPT, GREEDY))
+        core.step()
+        core.abort(["a"])
+        assert core.has_pending_kv_transfers() and core.kv_cache_manager.req_to_blocks  # still written into
+        while core.has_pending_kv_transfers():
+            assert core.step() == []
+        _assert_clean(core)
+
+
+def _collect(outputs, tokens: dict) -> None:
+    for out in outputs:
+        tokens[out.request_id] += out.new_token_ids
+
+
+def _pool(core: EngineCore):
+    return core.kv_cache_manager.block_pool
+
+
+def _hashes(prompt: list[int]) -> list[bytes]:
+    return request_block_hashes(Request("x", prompt, GREEDY), BLOCK, len(prompt) - 1)

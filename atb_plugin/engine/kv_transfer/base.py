@@ -37,6 +37,12 @@ from atb_plugin.engine.messages import KVTransferStats
 from atb_plugin.engine.request import Request
 
 
+# A step that runs no model row while KV transfers are in flight (a request waiting for its
+# asynchronous load, blocks a producer still sends) waits this long before the next poll of the
+# workers, rather than spinning.
+KV_TRANSFER_POLL_S = 0.005
+
+
 class KVConnectorRole(enum.Enum):
     SCHEDULER = "scheduler"
     WORKER = "worker"
