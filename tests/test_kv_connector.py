@@ -184,14 +184,16 @@ def test_tensor_parallel_ranks_outputs_merge_finishes_across_steps():
     from atb_plugin.engine.messages import KVTransferStats
 
     aggregator = KVOutputAggregator(2)
-    step1 = aggregator.aggregate([KVConnectorOutput({"a", "b"}, {"x"}, {3}, KVTransferStats(num_loads=1,
-                                                                                            tier_bytes={"cpu": 10})),
-                                  KVConnectorOutput({"a"}, set(), {4}, KVTransferStats(num_loads=1,
-                                                                                       tier_bytes={"cpu": 12}))])
+    step1 = aggregator.aggregate([
+        KVConnectorOutput({"a", "b"}, {"x"}, {3}, {b"h1", b"h2"}, stats=KVTransferStats(num_loads=1,
+                                                                                     tier_bytes={"cpu": 10})),
+        KVConnectorOutput({"a"}, set(), {4}, {b"h1"}, stats=KVTransferStats(num_loads=1, tier_bytes={"cpu": 12}))])
     assert step1.finished_sending == {"a"} and not step1.finished_recving and step1.invalid_block_ids == {3, 4}
+    assert step1.stored_block_hashes == {b"h1"}
     assert step1.stats.num_loads == 2 and step1.stats.tier_bytes == {"cpu": 22}  # each rank's shard
-    step2 = aggregator.aggregate([KVConnectorOutput(), KVConnectorOutput({"b"}, {"x"})])
+    step2 = aggregator.aggregate([KVConnectorOutput(), KVConnectorOutput({"b"}, {"x"}, stored_block_hashes={b"h2"})])
     assert step2.finished_sending == {"b"} and step2.finished_recving == {"x"} and step2.stats is None
+    assert step2.stored_block_hashes == {b"h2"}
 
 
 def test_metrics_export_the_external_prefix_cache_and_transfer_series():
