@@ -20,6 +20,7 @@ from atb_plugin.engine.kv_cache_manager import request_block_hashes
 from atb_plugin.engine.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput, KVConnectorRole
 from atb_plugin.engine.kv_transfer.config import KVTransferConfig
 from atb_plugin.engine.kv_transfer.offloading.index import HostIndex, LRUIndex, compatibility_directory, scan
+from atb_plugin.engine.kv_transfer.offloading.store import DiskStore, HostStore
 from atb_plugin.engine.messages import KVTransferStats
 from atb_plugin.engine.request import Request
 from atb_plugin.utils import cdiv
@@ -242,8 +243,6 @@ class OffloadingConnector(KVConnectorBase):
     # -- worker side ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: list) -> None:
-        from atb_plugin.engine.kv_transfer.offloading.store import DiskStore, HostStore  # torch: worker side only
-
         self.host = HostStore(kv_caches, self.num_slots)
         if self.directory is not None:
             self.disk = DiskStore(self.directory, self.context.tensor_parallel_rank, kv_caches)
