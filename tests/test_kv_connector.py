@@ -130,6 +130,8 @@ def test_a_delayed_free_keeps_the_blocks_until_sent_and_returns_the_params(refer
             finals.update({o.request_id: o for o in core.step() if o.finished})
         assert finals["a"].kv_transfer_params["store"] == "ref"
         assert core.has_pending_kv_transfers() and core.kv_cache_manager.req_to_blocks
+        with pytest.raises(ValueError, match="still in use"):  # its blocks are still under that id
+            core.add_request(EngineCoreRequest("a", PROMPT, GREEDY))
         steps = 0
         while core.has_pending_kv_transfers():
             assert core.step() == []  # empty steps: no model rows, the workers polled

@@ -122,6 +122,9 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
+        if request.request_id in self.pending_frees:
+            raise ValueError(f"request id {request.request_id!r} is still in use: a KV connector still reads the "
+                             "blocks of the finished request of that id")
         if request.is_pooling:
             if request.num_prompt_tokens > self.config.max_model_len:
                 raise ValueError(f"the prompt has {request.num_prompt_tokens} tokens; max_model_len is "
