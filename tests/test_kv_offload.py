@@ -129,6 +129,19 @@ def test_the_disk_tier_survives_a_restart_and_a_corrupt_file_is_recomputed(refer
         _assert_clean(core)
 
 
+def test_the_disk_tier_keeps_its_size_and_a_bad_directory_is_refused(reference, tmp_path):
+    with _engine(**SMALL, kv_transfer_config=_offload(4 * 2048, disk_path=str(tmp_path),
+                                                     disk_bytes_to_use=12 * 2048)) as core:
+        assert _round(core, ROUNDS[0]) == reference[0]
+        assert core.make_stats().kv_transfer.tier_bytes["disk"] == 12 * 2048
+    assert len(_disk_files(tmp_path)) == 12  # the least recently used files were removed
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="disk_path.*not a writable directory"), \
+            _engine(**SMALL, kv_transfer_config=_offload(disk_path=str(blocker / "kv"))):
+        pass
+
+
 def _block_hash(prefix: list[int], index: int) -> bytes:
     from atb_plugin.engine.kv_cache_manager import request_block_hashes
     from atb_plugin.engine.request import Request

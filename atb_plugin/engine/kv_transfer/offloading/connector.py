@@ -87,8 +87,12 @@ class OffloadingConnector(KVConnectorBase):
         self.block_bytes = block_bytes
         self.directory = None
         if "disk_path" in extra:
-            self.directory = compatibility_directory(extra["disk_path"], context.model, context.kv_block_layout,
-                                                     context.block_size, tp)
+            try:
+                self.directory = compatibility_directory(extra["disk_path"], context.model, context.kv_block_layout,
+                                                         context.block_size, tp)
+            except OSError as error:
+                raise ValueError(f"OffloadingConnector: kv_connector_extra_config.disk_path = "
+                                 f"{extra['disk_path']!r}: not a writable directory ({error})") from None
         if role is KVConnectorRole.SCHEDULER:
             self._init_scheduler(extra)
         else:
