@@ -118,7 +118,10 @@ def _loop(core, inbox, outbox, parent: int) -> None:
     poller.register(inbox, zmq.POLLIN)
     trimmer = HeapTrimmer()
     while True:
-        timeout = 0 if core.has_unfinished_requests() else _IDLE_POLL_MS
+        # Finished requests whose blocks a KV connector still sends keep the loop stepping (an
+        # empty step polls the workers; EngineCore.step paces such steps).
+        busy = core.has_unfinished_requests() or core.has_pending_kv_transfers()
+        timeout = 0 if busy else _IDLE_POLL_MS
         refused: list[EngineCoreOutput] = []
         received = False
         while poller.poll(timeout):
@@ -138,7 +141,8 @@ def _loop(core, inbox, outbox, parent: int) -> None:
         if os.getppid() != parent:
             logger.error("the API process is gone; the engine core exits")
             return
-        outputs = refused + (core.step() if core.has_unfinished_requests() else [])
+        busy = core.has_unfinished_requests() or core.has_pending_kv_transfers()  # (new requests may have come)
+        outputs = refused + (core.step() if busy else [])
         # Stats go out with every step, and after an abort too, so the gauges never go stale.
         if outputs or received:
             outbox.send_multipart([OUT, encode(EngineCoreOutputs(outputs, core.make_stats()))])

@@ -29,10 +29,18 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import dataclass, field
 
 from atb_plugin.engine.kv_transfer.config import KVTransferConfig
+from atb_plugin.engine.messages import KVTransferStats
 from atb_plugin.engine.request import Request
+
+
+# A step that runs no model row while KV transfers are in flight (a request waiting for its
+# asynchronous load, blocks a producer still sends) waits this long before the next poll of the
+# workers, rather than spinning.
+KV_TRANSFER_POLL_S = 0.005
 
 
 class KVConnectorRole(enum.Enum):
@@ -43,7 +51,9 @@ class KVConnectorRole(enum.Enum):
 @dataclass(frozen=True)
 class ConnectorContext:
     """What a connector learns of the engine it serves. ``num_kv_blocks``: the device KV blocks
-    (null block included) each rank holds; ``tensor_parallel_rank`` is 0 on the scheduler side."""
+    (null block included) each rank holds; ``tensor_parallel_rank`` is 0 on the scheduler side;
+    ``kv_block_bytes`` / ``kv_block_layout``: one block of one rank's shard, its bytes and its
+    layout (``kv_block_layout``: what makes two engines' blocks interchangeable)."""
 
     model: str
     block_size: int
@@ -51,6 +61,20 @@ class ConnectorContext:
     tensor_parallel_size: int = 1
     tensor_parallel_rank: int = 0
     data_parallel_rank: int = 0
+    kv_block_bytes: int = 0
+    kv_block_layout: str = ""
+
+
+def kv_block_layout(kv_caches: list) -> tuple[int, str]:
+    """``(bytes, layout)`` of one block of these KV caches (``register_kv_caches``' form: per
+    layer a tuple of tensors, or one tensor, block id first): the layout names every layer's
+    tensors' dtype and per-block shape."""
+    nbytes, parts = 0, []
+    for layer in kv_caches:
+        for tensor in layer if isinstance(layer, (tuple, list)) else (layer,):
+            nbytes += tensor[0].numel() * tensor.element_size()
+            parts.append(f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape[1:])}")
+    return nbytes, ";".join(parts)
 
 
 @dataclass
@@ -65,23 +89,77 @@ class KVConnectorOutput:
     """What the worker side reports after a step. ``finished_sending``: requests whose blocks the
     connector no longer reads (their delayed free may happen now); ``finished_recving``:
     requests whose asynchronous load completed; ``invalid_block_ids``: device blocks whose load
-    failed (their contents are garbage: the scheduler must neither use nor cache them). Under
-    tensor parallelism the executor merges every rank's output: a request is finished only once
-    every rank says so, and invalid blocks are the union."""
+    failed (their contents are garbage: the scheduler must neither use nor cache them);
+    ``stored_block_hashes``: blocks (by prefix-cache hash) whose asynchronous save completed (a
+    tier may offer them from now on). Under tensor parallelism the executor merges every rank's
+    output: a request is finished, a block stored, only once every rank says so, and invalid
+    blocks are the union."""
 
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
+    stored_block_hashes: set[bytes] = field(default_factory=set)
+    # The worker side's transfers since its previous report (``get_stats`` of the worker role):
+    # counters, and its tiers' bytes now; summed over ranks (each rank holds its own shard).
+    stats: KVTransferStats | None = None
 
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids
+                    or self.stored_block_hashes)
+
+
+class KVOutputAggregator:
+    """Merges the ranks' ``KVConnectorOutput`` of each step into one (tensor parallelism). Ranks
+    may finish a transfer in different steps, so finishes are counted across steps: a request is
+    reported finished (sending / receiving), a block stored, in the step its last rank reports
+    it. Invalid blocks are the union of the step's (one rank's garbage is the request's garbage);
+    stats are summed."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._sending: Counter[str] = Counter()
+        self._recving: Counter[str] = Counter()
+        self._stored: Counter[bytes] = Counter()
+
+    def aggregate(self, outputs: list[KVConnectorOutput | None]) -> KVConnectorOutput:
+        merged = KVConnectorOutput()
+        for output in outputs:
+            if output is None:
+                continue
+            merged.invalid_block_ids |= output.invalid_block_ids
+            self._sending.update(output.finished_sending)
+            self._recving.update(output.finished_recving)
+            self._stored.update(output.stored_block_hashes)
+            if output.stats is not None:
+                merged.stats = output.stats if merged.stats is None else merged.stats.merged(output.stats, sum_gauges=True)
+        for counts, done in ((self._sending, merged.finished_sending), (self._recving, merged.finished_recving),
+                             (self._stored, merged.stored_block_hashes)):
+            for request_id in [r for r, n in counts.items() if n >= self.world_size]:
+                done.add(request_id)
+                del counts[request_id]
+        return merged
 
 
 class KVConnectorBase(ABC):
     """Subclass, implement the abstract methods of both roles, and register the class
     (``factory.register_connector``). The defaults of the optional hooks do nothing."""
 
+    # The device prefix cache must be on (a connector that names blocks by their prefix hash).
+    requires_prefix_caching = False
+
+    @classmethod
+    def needs_prefix_caching(cls, config: KVTransferConfig) -> bool:
+        """Whether this config needs the device prefix cache (``requires_prefix_caching``; a
+        connector stacking others asks them)."""
+        return cls.requires_prefix_caching
+
+    @classmethod
+    def check_config(cls, config: KVTransferConfig) -> None:
+        """Validate ``config.kv_connector_extra_config`` (and the role) at start-up, before any
+        model loads: ``ValueError`` naming the bad key. Also called when the connector is built."""
+
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, context: ConnectorContext):
+        self.check_config(config)
         self.config = config
         self.role = role
         self.context = context
@@ -117,12 +195,18 @@ class KVConnectorBase(ABC):
         the ``kv_transfer_params`` to hand back with the request's final output (None: none)."""
         return False, None
 
-    def get_stats(self) -> dict[str, float]:
-        """Counters since the previous call and gauges now, by name (bytes moved, seconds,
-        tier occupancy): ``messages.KVTransferStats`` carries them to the frontend's metrics."""
-        return {}
+    def get_stats(self) -> KVTransferStats | dict | None:
+        """Counters since the previous call and gauges now (bytes moved, seconds, tier
+        occupancy) as a ``KVTransferStats`` or a dict of its fields, or None: nothing to report.
+        Both roles: the worker side's ride in ``KVConnectorOutput.stats`` (the runner asks after
+        each step), the scheduler side's are added to them in the scheduler's stats."""
+        return None
 
     # -- worker side ---------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.config.kv_connector
 
     def register_kv_caches(self, kv_caches: list) -> None:
         """This rank's KV cache tensors, one entry per layer (as the model made them: a
@@ -162,6 +246,12 @@ class KVConnectorBase(ABC):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Device blocks whose load failed since the previous call."""
+        return set()
+
+    def get_stored_block_hashes(self) -> set[bytes]:
+        """Blocks (prefix-cache hashes) whose asynchronous save completed since the previous
+        call (a disk tier's background writes): reported so the scheduler side offers a block
+        only once every rank holds it."""
         return set()
 
     def shutdown(self) -> None:
