@@ -25,6 +25,18 @@ def run_python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
     )
 
 
+def netns_prefix() -> list[str] | None:
+    """``unshare`` into a new network namespace (as root; else with a user namespace mapping us
+    to root), or None where this machine does not allow it. What runs there must raise ``lo``
+    (``ip link set lo up``) and can reach nothing but 127.0.0.1: for services that bind every
+    interface whatever they are told (Ray, the Mooncake Transfer Engine)."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return None
+    prefix = ["unshare", "-n"] if os.geteuid() == 0 else ["unshare", "-rn"]
+    probe = subprocess.run([*prefix, "ip", "link", "set", "lo", "up"], capture_output=True)
+    return prefix if probe.returncode == 0 else None
+
+
 def shm_path(name: str) -> str:
     return os.path.join("/dev/shm", name)
 

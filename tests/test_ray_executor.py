@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,19 +30,10 @@ import shm
 from atb_plugin.engine.config import EngineConfig, check_executor_backend
 from atb_plugin.multimodal.shipped import media_handles, read_shared_memory, ship, shipped_reader
 from atb_plugin.testing.tiny import tiny_checkpoint
+from tests.helpers import netns_prefix as _unshare_prefix
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_TIMEOUT_S = 900
-
-
-def _unshare_prefix() -> list[str] | None:
-    """``unshare`` into a new network namespace (as root; else with a user namespace mapping us
-    to root), or None where this machine does not allow it."""
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return None
-    prefix = ["unshare", "-n"] if os.geteuid() == 0 else ["unshare", "-rn"]
-    probe = subprocess.run([*prefix, "ip", "link", "set", "lo", "up"], capture_output=True)
-    return prefix if probe.returncode == 0 else None
 
 
 @pytest.fixture(scope="module")

@@ -43,3 +43,4 @@ def create_connector(config: KVTransferConfig, role: KVConnectorRole, context: C
 # The connectors this package ships (each one file, or one folder for a transport's several).
 # Filled in as they land: register_connector("OffloadingConnector", ...), ("MooncakeConnector", ...),
 # ("MultiConnector", ...).
+register_connector("MooncakeConnector", "atb_plugin.engine.kv_transfer.mooncake.connector", "MooncakeConnector")

@@ -1,0 +1,112 @@
+"""The Mooncake wrapper and the MooncakeConnector's two sides against a real Transfer Engine in
+another process (tests/kv_mooncake_netns_checks.py, inside a network namespace: the engine's
+listeners bind every interface), plus the config checks that need no transfer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from atb_plugin.engine.kv_transfer.base import ConnectorContext, KVConnectorRole
+from atb_plugin.engine.kv_transfer.config import KVTransferConfig
+from atb_plugin.engine.kv_transfer.factory import connector_class
+from atb_plugin.engine.kv_transfer.mooncake.connector import MooncakeConnector, _coalesce
+from atb_plugin.engine.kv_transfer.mooncake.side_channel import KVLayout
+from tests.helpers import REPO_ROOT, netns_prefix
+
+
+def _layout(**changes) -> KVLayout:
+    fields = dict(engine_id="e", session="127.0.0.1:1", tp_rank=0, tp_size=1, dtype="torch.float32", block_size=4,
+                  num_blocks=12, block_bytes=256, tensor_shapes=[[12, 4, 2, 8]] * 4, base_addresses=[0, 1, 2, 3])
+    return KVLayout(**{**fields, **changes})
+
+
+def test_registered_by_name():
+    assert connector_class(KVTransferConfig("MooncakeConnector")) is MooncakeConnector
+
+
+def test_extra_config_is_checked():
+    context = ConnectorContext("m", 16, 8)
+    with pytest.raises(ValueError, match="unknown kv_connector_extra_config keys"):
+        MooncakeConnector(KVTransferConfig("MooncakeConnector", "kv_consumer", {"bogus": 1}),
+                          KVConnectorRole.SCHEDULER, context)
+    with pytest.raises(ValueError, match="transfer_timeout_s must be a number > 0"):
+        MooncakeConnector(KVTransferConfig("MooncakeConnector", "kv_consumer", {"transfer_timeout_s": 0}),
+                          KVConnectorRole.SCHEDULER, context)
+
+
+def test_layout_mismatch_names_the_field():
+    assert _layout().mismatch(_layout(num_blocks=99, base_addresses=[9, 9, 9, 9])) is None
+    assert "tp_size" in _layout().mismatch(_layout(tp_size=2))
+    assert "dtype" in _layout().mismatch(_layout(dtype="torch.bfloat16"))
+    assert "shapes" in _layout().mismatch(_layout(tensor_shapes=[[12, 4, 2, 8]] * 2))
+
+
+def test_runs_coalesce_consecutive_blocks():
+    assert _coalesce([2, 3, 4, 9], [5, 6, 7, 8]) == [(2, 5, 3), (9, 8, 1)]
+
+
+@pytest.fixture(scope="module")
+def netns_run():
+    pytest.importorskip("mooncake.engine", reason="pip install 'atb-plugin[kv]' (mooncake-transfer-engine-non-cuda)")
+    prefix = netns_prefix()
+    if prefix is None:
+        pytest.skip("this machine does not allow a network namespace (unshare -n): the Mooncake Transfer Engine "
+                    "binds every interface and must not run on the host's network")
+    with tempfile.TemporaryDirectory(prefix="atb-mooncake-test-") as scratch:
+        out = Path(scratch) / "out.json"
+        command = [*prefix, "sh", "-c", 'ip link set lo up && exec "$0" -m tests.kv_mooncake_netns_checks "$1"',
+                   sys.executable, str(out)]
+        run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), TMPDIR=scratch))
+        if not out.exists():
+            pytest.fail(f"the Mooncake checks wrote nothing (exit {run.returncode}):\n{run.stderr[-6000:]}")
+        return json.loads(out.read_text())
+
+
+def _section(results: dict, name: str) -> dict:
+    section = results[name]
+    assert "error" not in section, section.get("error")
+    return section
+
+
+def test_wrapper_reads_byte_exact_between_processes(netns_run):
+    assert _section(netns_run, "wrapper")["byte_exact"]
+
+
+def test_wrapper_turns_every_sharp_edge_into_an_error(netns_run):
+    wrapper = _section(netns_run, "wrapper")
+    # Mooncake itself accepts an unregistered local buffer over TCP: the wrapper refuses it.
+    assert "not in registered memory" in wrapper["unregistered_local"] and wrapper["stray_untouched"]
+    assert "batch_transfer_sync_read" in wrapper["remote_out_of_range"]
+    assert "batch_transfer_sync_read" in wrapper["dead_peer"] and wrapper["dead_peer_seconds"] < 5
+
+
+def test_producer_hands_out_its_blocks_and_frees_them_on_ack(netns_run):
+    connector = _section(netns_run, "connector")
+    assert connector["delay_free"]
+    params = connector["params"]
+    assert params["do_remote_prefill"] and not params["do_remote_decode"]
+    assert params["remote_block_ids"] == [5, 6, 9] and params["remote_engine_id"] == "producer-engine"
+    assert params["remote_tp_size"] == 1 and params["num_prompt_tokens"] == 10
+    assert connector["producer_finished"] == ["r1"]
+
+
+def test_consumer_pulls_exactly_the_blocks_of_all_prompt_tokens_but_the_last(netns_run):
+    connector = _section(netns_run, "connector")
+    assert connector["matched"] == [9, False]
+    assert connector["params_after_alloc"] is False  # pulled once: a recompute never reads again
+    assert connector["load_errors"] == [] and connector["blocks_exact"]
+    assert connector["stats"]["num_loads"] == 1 and connector["stats"]["bytes_loaded"] == 3 * 4 * 256
+
+
+def test_consumer_reports_load_errors_never_garbage(netns_run):
+    connector = _section(netns_run, "connector")
+    assert connector["mismatch_errors"] == [1, 2, 3]
+    assert connector["dead_producer_errors"] == [4, 5, 6] and connector["dead_producer_seconds"] < 5
