@@ -255,6 +255,13 @@ class BlockPool:
             block.block_hash = block_hash
             self.cached_block_hash_to_block[block_hash] = block
 
+    def uncache_blocks(self, block_ids: Iterable[int]) -> None:
+        """Take these blocks out of the prefix-cache map (their contents are not what their hash
+        says: a KV connector's load into them failed). Holders keep them; freed, they are plain
+        free blocks."""
+        for block_id in block_ids:
+            self._evict_cached_block(self.blocks[block_id])
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash. Only allowed while no request holds a block (their hashes
         would otherwise be inconsistent with the map); returns whether it happened."""

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 
 from atb_plugin.distributed import divide, kv_heads_per_rank
 from atb_plugin.engine.compilation_config import CompilationConfig
+from atb_plugin.engine.kv_transfer.config import KVTransferConfig, resolve_kv_transfer_config
+from atb_plugin.engine.kv_transfer.factory import connector_class
 from atb_plugin.engine.memory_profile import DEFAULT_KV_CACHE_BYTES
 from atb_plugin.engine.scheduler import SchedulerConfig
 from atb_plugin.engine.spec_decode.config import SpeculativeConfig
@@ -219,6 +221,11 @@ class EngineConfig:
     max_loras: int = 1
     max_lora_rank: int = 16
     max_cpu_loras: int | None = None
+    # KV connectors (docs/kv-transfer.md; vLLM's keys): a KVTransferConfig, a dict or a JSON
+    # string (--kv-transfer-config); kv_offloading_size (GiB, --kv-offloading-size) is the
+    # shortcut for the OffloadingConnector's host tier (resolved into kv_transfer_config).
+    kv_transfer_config: KVTransferConfig | None = None
+    kv_offloading_size: float | None = None
     # Resolved from config.json in __post_init__:
     architecture: str = field(init=False)
     tasks: tuple[str, ...] = field(init=False)  # what the model serves: ("generate",) or pooling tasks
@@ -353,9 +360,28 @@ class EngineConfig:
             uniform_decode_len=1 + spec.num_speculative_tokens if spec is not None else 1,
             default_mode=platform.default_cudagraph_mode()))
         self._check_lora(hf_config)
+        self._check_kv_transfer()
         set_(self, "scheduler_config",
              SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs, self.max_model_len,
                              self.max_loras if self.enable_lora else 0))
+
+    def _check_kv_transfer(self) -> None:
+        """Resolve the KV connector's config (the offloading shortcut included: afterwards only
+        ``kv_transfer_config`` says it, so ``replace`` validates again cleanly), check the
+        connector's own keys, and refuse what cannot work with a connector."""
+        kv = resolve_kv_transfer_config(self.kv_transfer_config, self.kv_offloading_size)
+        object.__setattr__(self, "kv_transfer_config", kv)
+        object.__setattr__(self, "kv_offloading_size", None)
+        if kv is None:
+            return
+        cls = connector_class(kv)
+        cls.check_config(kv)
+        if self.runner == "pooling":
+            raise ValueError(f"kv_transfer_config ({kv.kv_connector}): KV connectors serve generative models; a "
+                             "pooling model keeps no KV between requests")
+        if cls.requires_prefix_caching and not self.enable_prefix_caching:
+            raise ValueError(f"kv_transfer_config ({kv.kv_connector}) names KV blocks by their prefix hash: it needs "
+                             "enable_prefix_caching=True (drop --no-enable-prefix-caching)")
 
     def _check_lora(self, hf_config: dict) -> None:
         _check_int("max_loras", self.max_loras, 1, 256)

@@ -24,6 +24,8 @@ import logging
 from atb_plugin.engine.config import EngineConfig
 from atb_plugin.engine.executor import make_executor
 from atb_plugin.engine.kv_cache_manager import KVCacheManager
+from atb_plugin.engine.kv_transfer.base import ConnectorContext, KVConnectorBase, KVConnectorRole
+from atb_plugin.engine.kv_transfer.factory import create_connector
 from atb_plugin.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from atb_plugin.engine.request import Request, RequestStatus
 from atb_plugin.engine.scheduler import Scheduler, emitted_tokens
@@ -51,7 +53,16 @@ class EngineCore:
             on_cpu = platform_for(config.device).name == "cpu"
             self.structured_output = StructuredOutputManager(config.model, config.vocab_size,
                                                              compile_threads=1 if on_cpu else 8)
-            self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.structured_output.is_ready)
+            # The scheduler side of the KV connector (docs/kv-transfer.md); its worker side lives
+            # in each rank's model runner.
+            self.kv_connector: KVConnectorBase | None = None
+            if config.kv_transfer_config is not None:
+                self.kv_connector = create_connector(config.kv_transfer_config, KVConnectorRole.SCHEDULER,
+                                                     ConnectorContext(config.model, config.block_size,
+                                                                      self.kv_cache_blocks, config.tensor_parallel_size,
+                                                                      0, config.data_parallel_rank))
+            self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.structured_output.is_ready,
+                                       connector=self.kv_connector)
             # Speculative decoding: drafts are asked for here, in the core (made here, or by a head
             # on the ranks under TP: rank 0's come back), and travel with the step to every rank
             # (one set of drafts, no rank can disagree about them).
@@ -71,8 +82,12 @@ class EngineCore:
         return self.executor.runner
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel ranks (nothing to do at TP = 1)."""
-        self.executor.shutdown()
+        """Stop the tensor-parallel ranks (at TP = 1: release the runner's KV connector)."""
+        try:
+            if getattr(self, "kv_connector", None) is not None:
+                self.kv_connector.shutdown()
+        finally:
+            self.executor.shutdown()
 
     @property
     def max_tokens_per_request(self) -> int:
@@ -109,6 +124,11 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def has_pending_kv_transfers(self) -> bool:
+        """Finished requests whose KV blocks a connector still reads: keep stepping (empty steps
+        run no model, only the workers' connector polls) until they are freed."""
+        return self.scheduler.has_pending_kv_transfers()
+
     # -- the loop --------------------------------------------------------------------------------
 
     def step(self) -> list[EngineCoreOutput]:
@@ -118,9 +138,13 @@ class EngineCore:
         scheduled.grammar_bitmask = self.structured_output.grammar_bitmask(
             [self.scheduler.requests[r] for r in scheduled.num_scheduled_tokens], scheduled.scheduled_spec_tokens)
         result = self.executor.execute(scheduled)
+        # A failed KV load voids its requests' step before anything reads their tokens.
+        kv_outputs, voided = self.scheduler.update_from_kv_connector_output(result.kv_connector_output)
+        for request_id in voided:
+            result.drop(request_id)
         self._advance_grammars(result)
         result.failed.update(self.structured_output.pop_compile_errors())
-        outputs = self.scheduler.update_from_output(scheduled, result.sampled, result.logprobs, result.failed,
+        outputs = kv_outputs + self.scheduler.update_from_output(scheduled, result.sampled, result.logprobs, result.failed,
                                                     result.pooled, prompt_logprobs=result.prompt_logprobs,
                                                     spec_sampled=result.spec_sampled,
                                                     spec_logprobs=result.spec_logprobs)

@@ -15,6 +15,14 @@ def _extra_keys(request: Request):
     return salt if lora is None else (salt, "lora", *lora.key)
 
 
+def request_block_hashes(request: Request, block_size: int, num_tokens: int | None = None) -> list[BlockHash]:
+    """The prefix-cache hashes of ``request``'s full blocks (of its first ``num_tokens`` tokens):
+    the names the KV cache manager caches them under, for a KV connector that keeps blocks by
+    the same names (sha256 over pickled ids: the same in every process and run)."""
+    tokens = request.all_token_ids if num_tokens is None else request.all_token_ids[:num_tokens]
+    return hash_request_tokens(tokens, block_size, extra_keys=_extra_keys(request))
+
+
 class KVCacheManager:
     """Maps requests to block lists over a ``BlockPool``. Contract:
 
@@ -180,6 +188,10 @@ class KVCacheManager:
         self.num_cached_blocks.pop(request.request_id, None)
         # Dropped so a finished request leaves nothing behind; a preempted one rehashes (cheap).
         self.req_to_block_hashes.pop(request.request_id, None)
+
+    def uncache_blocks(self, block_ids) -> None:
+        """Forget the prefix-cache entries of these blocks (a failed KV load left them garbage)."""
+        self.block_pool.uncache_blocks(block_ids)
 
     def reset_prefix_cache(self) -> bool:
         """Forget all cached prefixes; refused (False) while any request holds blocks."""

@@ -174,6 +174,24 @@ class KVTransferStats:
     num_failed_loads: int = 0
     tier_bytes: dict[str, int] = field(default_factory=dict)
 
+    @classmethod
+    def from_value(cls, value) -> KVTransferStats | None:
+        """None, a ``KVTransferStats`` or a dict of its fields (what a connector's get_stats gives)."""
+        return value if value is None or isinstance(value, cls) else cls(**value)
+
+    def merged(self, other: KVTransferStats | None, sum_gauges: bool = False) -> KVTransferStats:
+        """Counters added; ``tier_bytes`` summed (``sum_gauges``: the ranks' shards of one step)
+        or, per tier, ``other``'s (a later report replaces an earlier one)."""
+        if other is None:
+            return self
+        tiers = dict(self.tier_bytes)
+        for tier, nbytes in other.tier_bytes.items():
+            tiers[tier] = tiers.get(tier, 0) + nbytes if sum_gauges else nbytes
+        return KVTransferStats(self.num_loads + other.num_loads, self.num_saves + other.num_saves,
+                               self.bytes_loaded + other.bytes_loaded, self.bytes_saved + other.bytes_saved,
+                               self.load_seconds + other.load_seconds, self.save_seconds + other.save_seconds,
+                               self.num_failed_loads + other.num_failed_loads, tiers)
+
 
 @dataclass
 class SchedulerStats:

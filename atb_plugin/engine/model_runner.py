@@ -10,6 +10,11 @@
 
 A request whose media block is bad fails alone (``RunnerOutput.failed``); the rest of the
 batch runs.
+
+With a KV connector (docs/kv-transfer.md) its worker side wraps every step, an empty one too:
+bind the step's metadata, ``start_load_kv`` before the forward, ``wait_for_save`` after it, then
+the finished transfers, the blocks whose load failed and the stats into
+``RunnerOutput.kv_connector_output``.
 """
 
 from __future__ import annotations
@@ -25,6 +30,9 @@ import torch
 from atb_plugin.engine.config import EngineConfig
 from atb_plugin.engine.graph_runner import make_graph_runner
 from atb_plugin.engine.input_batch import InputBatch
+from atb_plugin.engine.kv_transfer.base import ConnectorContext, KVConnectorBase, KVConnectorOutput, KVConnectorRole
+from atb_plugin.engine.kv_transfer.factory import create_connector
+from atb_plugin.engine.messages import KVTransferStats
 from atb_plugin.engine.messages import LogprobsEntry, PooledData
 from atb_plugin.engine.prepare_inputs import prepare_inputs
 from atb_plugin.engine.request import Request
@@ -32,7 +40,7 @@ from atb_plugin.engine.sampler import Sampler, make_generator
 from atb_plugin.engine.scheduler import SchedulerOutput
 from atb_plugin.engine.spec_decode.loading import SpecModel
 from atb_plugin.engine.spec_decode.rejection_sampler import RejectionSampler, VerifyRequest
-from atb_plugin.distributed import tp_size
+from atb_plugin.distributed import tp_rank, tp_size
 from atb_plugin.models.interfaces import SupportsMedia, SupportsMRoPE, SupportsTokenTypes
 from atb_plugin.models.poolers import DispatchPooler, PoolingBatch
 from atb_plugin.multimodal import MediaBlockError, MultimodalPrompt
@@ -57,6 +65,15 @@ class RunnerOutput:
     # accepted drafts past the first emitted token, then the target's own), and their logprobs.
     spec_sampled: dict[str, list[int]] = field(default_factory=dict)
     spec_logprobs: dict[str, list] = field(default_factory=dict)
+    # The KV connector's report of the step (None without a connector); under TP the executor
+    # merges every rank's (kv_transfer/base.py, KVOutputAggregator).
+    kv_connector_output: KVConnectorOutput | None = None
+
+    def drop(self, request_id: str) -> None:
+        """Forget what the step produced for ``request_id`` (its KV load failed: garbage)."""
+        for results in (self.sampled, self.logprobs, self.pooled, self.prompt_logprobs, self.spec_sampled,
+                        self.spec_logprobs):
+            results.pop(request_id, None)
 
 
 # Prompt positions whose logits are computed at once: a 2048-token chunk would otherwise need
@@ -104,6 +121,12 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.block_size = config.block_size
         self.kv_caches = model.make_kv_caches(num_blocks, config.block_size)
+        # The worker side of the KV connector: this rank's shard of the cache, registered once.
+        self.kv_connector: KVConnectorBase | None = None
+        if config.kv_transfer_config is not None:
+            self.kv_connector = create_connector(config.kv_transfer_config, KVConnectorRole.WORKER, ConnectorContext(
+                config.model, config.block_size, num_blocks, tp_size(), tp_rank(), config.data_parallel_rank))
+            self.kv_connector.register_kv_caches(self.kv_caches)
         # The captured decode step: made once, over these caches, which are never reallocated.
         # NPU / CUDA: a device graph per batch size (engine/graph_runner.py); the CPU: its native
         # plan (models/native_decode.py). compilation_config says whether (enforce_eager: never).
@@ -214,6 +237,29 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         result = RunnerOutput()
         self._update_batch(output, result)
+        connector = self.kv_connector
+        if connector is None:
+            return self._run(output, result)
+        connector.bind_connector_metadata(output.kv_connector_metadata)
+        try:
+            connector.start_load_kv()  # before the forward reads the loaded blocks
+            self._run(output, result)
+            connector.wait_for_save()
+            sending, recving = connector.get_finished(set(output.finished_request_ids))
+            result.kv_connector_output = KVConnectorOutput(
+                set(sending), set(recving), set(connector.get_block_ids_with_load_errors()),
+                KVTransferStats.from_value(connector.get_stats()))
+        finally:
+            connector.clear_connector_metadata()
+        return result
+
+    def shutdown(self) -> None:
+        """Release what the KV connector's worker side holds (threads, files, registrations)."""
+        if self.kv_connector is not None:
+            self.kv_connector.shutdown()
+
+    def _run(self, output: SchedulerOutput, result: RunnerOutput) -> RunnerOutput:
+        """The step's forward and sampling (none when it schedules no rows)."""
         request_ids = [r for r in output.num_scheduled_tokens if r in self.states and r not in result.failed]
         lora_slots: list[int] = []
         if self.lora is not None:

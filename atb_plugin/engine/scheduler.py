@@ -13,6 +13,13 @@ request is never the victim while another runs).
 Pooling requests are prefill only: each is scheduled whole (never chunked: a pooler needs every
 hidden state of the prompt in one step) or waits, and the step's pooled result finishes it, so
 its KV blocks live for that one step.
+
+With a KV connector (docs/kv-transfer.md) a waiting request's prompt tokens after its device
+prefix-cache hits may come from outside (a host / disk tier, a prefill instance): they count as
+computed, their blocks are filled by the worker side before the step's forward. A load that
+fails voids the request's step (recompute from scratch, or the request fails: the config's
+kv_load_failure_policy); a finished request's blocks may outlive it until the connector has
+sent them.
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from atb_plugin.engine.kv_cache_manager import KVCacheManager
-from atb_plugin.engine.messages import EngineCoreOutput, LogprobsEntry, PooledData, SchedulerStats, SpecDecodingStats
+from atb_plugin.engine.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput
+from atb_plugin.engine.messages import (EngineCoreOutput, KVTransferStats, LogprobsEntry, PooledData, SchedulerStats,
+                                        SpecDecodingStats)
 from atb_plugin.engine.request import Request, RequestStatus
 from atb_plugin.utils import cdiv
 
@@ -61,6 +70,9 @@ class SchedulerOutput:
     # Speculative decoding: the draft tokens scheduled after each verifying request's last token
     # (its num_scheduled_tokens count them: 1 + len(drafts)); the runner verifies them.
     scheduled_spec_tokens: dict[str, list[int]] = field(default_factory=dict)
+    # The KV connector's instructions for the worker side this step (loads before the forward,
+    # saves after it): ``build_connector_meta``'s, pickled to every rank; None without a connector.
+    kv_connector_metadata: KVConnectorMetadata | None = None
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -70,11 +82,25 @@ class SchedulerOutput:
 class Scheduler:
     """``is_ready(request)``, when given, holds a waiting request back while it is False (a
     structured request whose grammar is still compiling): it keeps its place in the queue and the
-    requests behind it are admitted meanwhile."""
+    requests behind it are admitted meanwhile. ``connector``: the scheduler side of the engine's
+    KV connector, or None."""
 
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager,
-                 is_ready: Callable[[Request], bool] | None = None):
+                 is_ready: Callable[[Request], bool] | None = None, connector: KVConnectorBase | None = None):
         self.config = config
+        self.connector = connector
+        # Finished requests whose blocks the connector still reads (request id -> request), freed
+        # when a KVConnectorOutput.finished_sending names them.
+        self.pending_frees: dict[str, Request] = {}
+        # Requests whose connector load failed, recomputed from scratch: never asked again.
+        self._skip_connector: set[str] = set()
+        # Requests put back to waiting after a failed load: reported to the runners (and the
+        # ranks' mirrors) as preempted with the next step, so they drop their rows.
+        self._rolled_back: list[str] = []
+        # The connector's kv_transfer_params of requests finished since the last outputs.
+        self._finished_kv_params: dict[str, dict] = {}
+        self._external_queries = self._external_hits = 0  # tokens, since the last make_stats
+        self._kv_stats: KVTransferStats | None = None
         self.kv_cache_manager = kv_cache_manager
         self.is_ready = is_ready or (lambda request: True)
         self.waiting: deque[Request] = deque()
@@ -127,12 +153,26 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
-        self.kv_cache_manager.free(request)
+        self._skip_connector.discard(request_id)
+        delay = False
+        if self.connector is not None:
+            delay, params = self.connector.request_finished(request, self.kv_cache_manager.get_block_ids(request_id))
+            if params is not None:
+                self._finished_kv_params[request_id] = params
+        if delay:
+            self.pending_frees[request_id] = request  # its blocks stay until the connector sent them
+        else:
+            self.kv_cache_manager.free(request)
         self._finished_since_last_step.append(request_id)
         return request
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def has_pending_kv_transfers(self) -> bool:
+        """Finished requests whose blocks a connector still reads: the core keeps stepping
+        (cheap empty steps poll the workers) until they are freed."""
+        return bool(self.pending_frees)
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -184,10 +224,14 @@ class Scheduler:
                 not_ready.append(self.waiting.popleft())
                 continue
             computed_block_ids, num_cached = self.kv_cache_manager.get_computed_blocks(request)
-            num_new = self._num_new_tokens(request, budget, num_cached)
+            num_external = self._external_tokens(request, num_cached)
+            if num_external is None:  # the connector does not know yet: ask again next step
+                not_ready.append(self.waiting.popleft())
+                continue
+            num_new = self._num_new_tokens(request, budget, num_cached + num_external)
             if request.is_pooling and num_new < request.num_tokens - num_cached:
                 break  # a pooling prompt runs whole: it waits for a step with room for all of it
-            blocks = self.kv_cache_manager.allocate_slots(request, num_new, computed_block_ids)
+            blocks = self.kv_cache_manager.allocate_slots(request, num_external + num_new, computed_block_ids)
             if blocks is None:
                 break
             self.waiting.popleft()
@@ -195,8 +239,15 @@ class Scheduler:
                 request.first_scheduled_time = time.monotonic()
                 self._prefix_queries += request.num_tokens
                 self._prefix_hits += num_cached
+                if self._asks_connector(request):
+                    # vLLM's external_prefix_cache_*: the tokens after the local hit were asked for.
+                    self._external_queries += request.num_tokens - num_cached
+                    self._external_hits += num_external
             request.status = RequestStatus.RUNNING
-            request.num_computed_tokens = request.num_cached_tokens = num_cached
+            # vLLM counts both in num_cached_tokens: neither was computed here.
+            request.num_computed_tokens = request.num_cached_tokens = num_cached + num_external
+            if self.connector is not None:
+                self.connector.update_state_after_alloc(request, computed_block_ids + blocks, num_external)
             self.running.append(request)
             new_requests.append(request)
             scheduled[request.request_id] = num_new
@@ -206,8 +257,89 @@ class Scheduler:
 
         finished, self._finished_since_last_step = self._finished_since_last_step, []
         computed = {request_id: self.requests[request_id].num_computed_tokens for request_id in scheduled}
-        return SchedulerOutput(scheduled, new_requests, new_block_ids, preempted, finished, computed,
-                               scheduled_spec_tokens=spec_tokens)
+        # Rolled back after a failed load: the runners drop their rows as for a preemption (a
+        # request re-admitted in this very step comes back whole among new_requests).
+        preempted = self._rolled_back + preempted
+        self._rolled_back = []
+        output = SchedulerOutput(scheduled, new_requests, new_block_ids, preempted, finished, computed,
+                                 scheduled_spec_tokens=spec_tokens)
+        if self.connector is not None:
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        return output
+
+    # -- KV connector ----------------------------------------------------------------------------
+
+    def _asks_connector(self, request: Request) -> bool:
+        # A request owing its prompt logprobs needs every prompt position's logits computed here.
+        return (self.connector is not None and request.request_id not in self._skip_connector
+                and not request.needs_prompt_logprobs and not request.is_pooling)
+
+    def _external_tokens(self, request: Request, num_cached: int) -> int | None:
+        """Tokens after the ``num_cached`` local hits the connector delivers (0 without one),
+        cut so the last token is always computed here; None: it does not know yet."""
+        if not self._asks_connector(request):
+            return 0
+        num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_cached)
+        if num_external is None:
+            return None
+        if load_async and num_external:
+            raise NotImplementedError(
+                f"KV connector {self.connector.name}: asynchronous loads (load_async=True) are not supported by this "
+                "engine yet; load in start_load_kv (docs/kv-transfer.md)")
+        return max(0, min(num_external, request.num_tokens - 1 - num_cached))
+
+    def update_from_kv_connector_output(self, output: KVConnectorOutput | None) -> tuple[list[EngineCoreOutput], set[str]]:
+        """The workers' report of the step (merged over ranks), before the step's tokens are
+        read: frees the blocks of requests whose sending finished, and voids the step of every
+        request holding a block whose load failed. Returns the outputs of requests that failed
+        for it (kv_load_failure_policy "fail") and the ids whose step results must be dropped
+        (their tokens come from garbage KV)."""
+        if self.connector is None or output is None:
+            return [], set()
+        self.connector.update_connector_output(output)
+        if output.stats is not None:
+            self._add_kv_stats(output.stats)
+        for request_id in output.finished_sending:
+            request = self.pending_frees.pop(request_id, None)
+            if request is not None:
+                self.kv_cache_manager.free(request)
+        if not output.invalid_block_ids:
+            return [], set()
+        return self._void_failed_loads(output.invalid_block_ids)
+
+    def _void_failed_loads(self, invalid: set[int]) -> tuple[list[EngineCoreOutput], set[str]]:
+        kv = self.kv_cache_manager
+        # allocate_slots cached the blocks already: their contents are garbage, so no later
+        # request may hit them.
+        kv.uncache_blocks(invalid)
+        affected = [r for r in self.running if invalid.intersection(kv.get_block_ids(r.request_id))]
+        self._add_kv_stats(KVTransferStats(num_failed_loads=len(affected)))
+        outputs = []
+        for request in affected:
+            request_id = request.request_id
+            if self.connector.config.kv_load_failure_policy == "fail":
+                why = (f"KV connector {self.connector.name}: the KV load failed for {len(invalid)} block(s) of this "
+                       "request's prompt (kv_load_failure_policy 'fail')")
+                self.finish(request_id, RequestStatus.FINISHED_ERROR)
+                outputs.append(EngineCoreOutput(request_id, finish_reason=RequestStatus.FINISHED_ERROR.value,
+                                                error=why, kv_transfer_params=self._finished_kv_params.pop(request_id,
+                                                                                                           None)))
+                continue
+            # Recompute: back to the front of the waiting queue, its blocks freed, never asked of
+            # the connector again; its output tokens (if any) stay.
+            self.running.remove(request)
+            kv.free(request)
+            request.status = RequestStatus.PREEMPTED
+            request.num_computed_tokens = 0
+            request.spec_token_ids = []
+            self._skip_connector.add(request_id)
+            self._rolled_back.append(request_id)
+            self.waiting.appendleft(request)
+        return outputs, {request.request_id for request in affected}
+
+    def _add_kv_stats(self, stats) -> None:
+        stats = KVTransferStats.from_value(stats)
+        self._kv_stats = stats if self._kv_stats is None else self._kv_stats.merged(stats)
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
                            logprobs: dict[str, object] | None = None,
@@ -233,8 +365,8 @@ class Scheduler:
                                                 error=why))
         for request_id, num_tokens in output.num_scheduled_tokens.items():
             request = self.requests.get(request_id)
-            if request is None:
-                continue  # finished (failed, aborted) during the step
+            if request is None or request.status is not RequestStatus.RUNNING:
+                continue  # finished (failed, aborted) during the step, or rolled back (a failed KV load)
             chunk_start = request.num_computed_tokens
             drafts = output.scheduled_spec_tokens.get(request_id, ())
             tokens = emitted_tokens(request_id, sampled, spec_sampled)
@@ -278,6 +410,11 @@ class Scheduler:
                 self.finish(request_id, status)  # the one place a finished status is written
                 out.finish_reason = status.value
             outputs.append(out)
+        if self._finished_kv_params:
+            for out in outputs:
+                if out.finished:
+                    out.kv_transfer_params = self._finished_kv_params.pop(out.request_id, None)
+            self._finished_kv_params.clear()  # aborted between steps: nobody reads them
         return outputs
 
     def _count_spec(self, num_drafts: int, num_accepted: int) -> None:
@@ -307,6 +444,14 @@ class Scheduler:
                                self._prefix_queries, self._prefix_hits, self.num_preemptions - self._reported_preemptions)
         stats.spec_decoding, self._spec_stats = self._spec_stats, None
         self._prefix_queries = self._prefix_hits = 0
+        if self.connector is not None:
+            self._add_kv_stats(KVTransferStats.from_value(self.connector.get_stats()) or KVTransferStats())
+            stats.external_prefix_cache_queries, stats.external_prefix_cache_hits = (self._external_queries,
+                                                                                     self._external_hits)
+            stats.kv_transfer = self._kv_stats
+            self._external_queries = self._external_hits = 0
+            # Gauges carry over: the tiers' bytes stay what they were until a report changes them.
+            self._kv_stats = KVTransferStats(tier_bytes=dict(self._kv_stats.tier_bytes))
         self._reported_preemptions = self.num_preemptions
         return stats
 

@@ -105,6 +105,10 @@ class Worker:
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         return self.runner.execute(output)
 
+    def shutdown(self) -> None:
+        if self.runner is not None:
+            self.runner.shutdown()
+
     def propose(self, request_ids: list[str], token_ids: list[list[int]], max_drafts: list[int]) -> list[list[int]]:
         return self.proposer.propose(request_ids, token_ids, max_drafts)
 
@@ -240,6 +244,15 @@ class Rank:
         self.mirror.after(output, result)
         return result
 
+    def answer(self, result: RunnerOutput) -> RunnerOutput | None:
+        """What this rank sends back for a step: rank 0 its whole result; with a KV connector the
+        other ranks their connector's report alone (the executor merges them); else nothing."""
+        if self.rank == 0:
+            return result
+        if self.worker.runner.kv_connector is not None:
+            return RunnerOutput(kv_connector_output=result.kv_connector_output)
+        return None
+
     def propose(self, request_ids: list[str], num_tokens: list[int], max_drafts: list[int]) -> list[list[int]]:
         """A head's drafts on this rank, for sequences the mirror holds (``num_tokens``: the
         core's lengths, checked: a divergence fails loudly)."""
@@ -253,4 +266,7 @@ class Rank:
         return self.worker.propose(request_ids, token_ids, max_drafts)
 
     def close(self) -> None:
-        destroy_tensor_parallel()
+        try:
+            self.worker.shutdown()
+        finally:
+            destroy_tensor_parallel()

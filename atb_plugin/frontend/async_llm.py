@@ -348,6 +348,8 @@ class AsyncLLM:
             self.metrics.set_scheduler_stats(stats.num_running, stats.num_waiting, stats.kv_cache_usage, engine)
             self.metrics.add_prefix_cache(stats.prefix_cache_queries, stats.prefix_cache_hits, engine)
             self.metrics.add_spec_decoding(stats.spec_decoding, engine)
+            self.metrics.add_kv_transfer(stats.external_prefix_cache_queries, stats.external_prefix_cache_hits,
+                                         stats.kv_transfer, engine)
         tracked_now = {}
         for out in outputs.outputs:
             tracked = self._tracked.get(out.request_id)

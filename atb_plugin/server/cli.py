@@ -109,6 +109,14 @@ def _speculative_config(text: str) -> dict:
     return _json_object(text, "speculative_config keys", '{"method": "ngram", "num_speculative_tokens": 4}')
 
 
+def _kv_transfer_config(text: str) -> dict:
+    """``--kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+    "kv_connector_extra_config": {"cpu_bytes_to_use": 4294967296}}'``: vLLM's keys (EngineConfig
+    and the connector check them)."""
+    return _json_object(text, "kv_transfer_config keys",
+                        '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}')
+
+
 def _compilation_config(text: str) -> dict:
     """``-O`` / ``--compilation-config '{"cudagraph_mode": "FULL_DECODE_ONLY", "cudagraph_capture_sizes":
     [1, 2, 4, 8]}'``: vLLM's keys (EngineConfig checks them). vLLM's bare levels: ``-O0`` is no
@@ -202,6 +210,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("-sc", "--speculative-config", type=_speculative_config, metavar="JSON",
         help="speculative decoding, vLLM's keys: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}' "
              "(optional prompt_lookup_min / prompt_lookup_max; docs/speculative.md)")
+    add("--kv-transfer-config", type=_kv_transfer_config, metavar="JSON",
+        help="a KV connector, vLLM's keys: '{\"kv_connector\": \"OffloadingConnector\", \"kv_role\": \"kv_both\", "
+             "\"kv_connector_extra_config\": {\"cpu_bytes_to_use\": 4294967296}}' (docs/kv-transfer.md)")
+    add("--kv-offloading-size", type=float, metavar="GiB",
+        help="a host-memory tier of this many GiB under the prefix cache (the OffloadingConnector; "
+             "not with --kv-transfer-config)")
     add("--enable-lora", action="store_true",
         help="serve LoRA adapters over the model (docs/lora.md): --lora-modules, or loaded at run time")
     add("--lora-modules", nargs="+", type=_lora_module, default=[], metavar="NAME=PATH",
@@ -427,7 +441,9 @@ def parse_config(argv: list[str] | None = None) -> ServerConfig:
                           speculative_config=values["speculative_config"],
                           compilation_config=values["compilation_config"], enable_lora=values["enable_lora"],
                           max_loras=values["max_loras"], max_lora_rank=values["max_lora_rank"],
-                          max_cpu_loras=values["max_cpu_loras"])
+                          max_cpu_loras=values["max_cpu_loras"],
+                          kv_transfer_config=values["kv_transfer_config"],
+                          kv_offloading_size=values["kv_offloading_size"])
     _check_mm_modality(parser, values["limit_mm_per_prompt"], engine)
     changes = {}  # applied in one replace: each one validates the whole config again
     videos = _video_limit(parser, values["limit_mm_per_prompt"], engine)

@@ -94,6 +94,15 @@ class ServerMetrics:
             Counter, "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens.")
         self.prefix_cache_hits = per_engine(
             Counter, "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.")
+        self.external_prefix_cache_queries = per_engine(
+            Counter, "vllm:external_prefix_cache_queries",
+            "External prefix cache queries from KV connector cross-instance cache sharing, in terms of number of "
+            "queried tokens.")
+        self.external_prefix_cache_hits = per_engine(
+            Counter, "vllm:external_prefix_cache_hits",
+            "External prefix cache hits from KV connector cross-instance cache sharing, in terms of number of "
+            "cached tokens.")
+        self._kv_transfer: dict | None = None  # add_kv_transfer's series, made with a connector's first stats
         self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
         self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
         # vLLM labels it per engine too (issue 45).
@@ -160,6 +169,39 @@ class ServerMetrics:
         per_pos = self._spec["num_accepted_tokens_per_pos"]
         for position, count in enumerate(stats.num_accepted_tokens_per_pos):
             per_pos.labels(self.model_name, engine_label, str(position)).inc(count)
+
+    def add_kv_transfer(self, queries: int, hits: int, stats, engine: int = 0) -> None:
+        """Engine ``engine``'s KV connector since its last stats: tokens asked of it and delivered
+        (vLLM's external_prefix_cache_*), and its transfers (a ``KVTransferStats``; None: no
+        connector, and then no ``atb_plugin:kv_*`` series at all)."""
+        if queries:
+            self.external_prefix_cache_queries[engine].inc(queries)
+        if hits:
+            self.external_prefix_cache_hits[engine].inc(hits)
+        if stats is None:
+            return
+        if self._kv_transfer is None:
+            r, labels = self.registry, ["model_name", "engine"]
+            self._kv_transfer = {name: Counter(f"atb_plugin:kv_{name}", doc, labels, registry=r) for name, doc in (
+                ("loads", "KV loads into the device cache by the KV connector (an offload tier hit, a PD pull)."),
+                ("saves", "KV saves out of the device cache by the KV connector."),
+                ("bytes_loaded", "Bytes of KV loaded into the device cache by the KV connector."),
+                ("bytes_saved", "Bytes of KV saved out of the device cache by the KV connector."),
+                ("load_seconds", "Seconds spent loading KV through the KV connector."),
+                ("save_seconds", "Seconds spent saving KV through the KV connector."),
+                ("failed_loads", "Requests whose KV load failed (recomputed or failed by kv_load_failure_policy)."))}
+            self._kv_transfer["tier_bytes"] = Gauge("atb_plugin:kv_offload_tier_bytes",
+                                                    "Bytes of KV held by each offload tier now.",
+                                                    labels + ["tier"], registry=r)
+        engine_label = str(engine)
+        for name, field_name in (("loads", "num_loads"), ("saves", "num_saves"), ("bytes_loaded", "bytes_loaded"),
+                                 ("bytes_saved", "bytes_saved"), ("load_seconds", "load_seconds"),
+                                 ("save_seconds", "save_seconds"), ("failed_loads", "num_failed_loads")):
+            value = getattr(stats, field_name)
+            if value:
+                self._kv_transfer[name].labels(self.model_name, engine_label).inc(value)
+        for tier, nbytes in stats.tier_bytes.items():
+            self._kv_transfer["tier_bytes"].labels(self.model_name, engine_label, tier).set(nbytes)
 
     def add_prefix_cache(self, queries: int, hits: int, engine: int = 0) -> None:
         """Tokens looked up in engine ``engine``'s prefix cache and tokens found, since its last call."""

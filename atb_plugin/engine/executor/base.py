@@ -9,7 +9,9 @@ and what a failure means (docs/architecture.md, "Tensor parallelism"):
   its shard and reports the KV blocks its budget holds), then ``initialize`` with the smallest
   of those counts, so every rank holds the same cache;
 - **steps**: ``execute`` on every rank, rank 0's answer back (every rank runs the same step);
-  likewise ``propose`` where a speculative head drafts on the ranks (TP > 1);
+  likewise ``propose`` where a speculative head drafts on the ranks (TP > 1). With a KV
+  connector every rank answers (the others only their ``kv_connector_output``: each moves its
+  own shard), merged into rank 0's by a ``KVOutputAggregator``;
 - **failure**: a rank that dies or raises ends the executor: ``fail`` records why, stops every
   rank at once (the survivors wait in a collective that never ends) and raises ``RankFailed``;
   every later call raises at once with the first cause (the latch), which the core treats as its
@@ -31,6 +33,7 @@ from typing import NoReturn, Union
 import msgspec
 
 from atb_plugin.engine.config import EngineConfig
+from atb_plugin.engine.kv_transfer.base import KVOutputAggregator
 from atb_plugin.engine.model_runner import ModelRunner, RunnerOutput
 from atb_plugin.engine.scheduler import SchedulerOutput
 from atb_plugin.engine.worker import WorkerInfo
@@ -68,6 +71,8 @@ class Executor(ABC):
     def __init__(self, config: EngineConfig):
         self.config = config
         self._closed = False
+        self._kv_outputs = (KVOutputAggregator(config.tensor_parallel_size)
+                            if config.kv_transfer_config is not None else None)
         self._failure: str | None = None  # why the ranks were stopped, once one failed
         try:
             self._start_ranks()
@@ -90,7 +95,11 @@ class Executor(ABC):
         return self._rpc(method, args, what, leader_only)
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
-        return self.collective_rpc("execute", output, what=self.step_failure, leader_only=True)[0]
+        if self._kv_outputs is None:
+            return self.collective_rpc("execute", output, what=self.step_failure, leader_only=True)[0]
+        results = self.collective_rpc("execute", output, what=self.step_failure)
+        results[0].kv_connector_output = self._kv_outputs.aggregate([r.kv_connector_output for r in results])
+        return results[0]
 
     def propose(self, request_ids: list[str], num_tokens: list[int], max_drafts: list[int]) -> list[list[int]]:
         """A head's drafts, made on every rank (``Rank.propose``), rank 0's back (TP > 1)."""

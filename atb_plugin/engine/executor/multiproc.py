@@ -255,9 +255,9 @@ def run_rank(fd: int, rank: int) -> None:
                 if rank == 0:
                     conn.send_bytes(encode_message(Proposed(drafts)))
                 continue
-            result = session.execute(pickle.loads(call.scheduler_output))
-            if rank == 0:
-                conn.send_bytes(encode_message(Executed(pickle.dumps(result, protocol=pickle.HIGHEST_PROTOCOL))))
+            answer = session.answer(session.execute(pickle.loads(call.scheduler_output)))
+            if answer is not None:
+                conn.send_bytes(encode_message(Executed(pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL))))
     except EOFError:
         logger.error("the engine core is gone; rank %d exits", rank)
     except BaseException:

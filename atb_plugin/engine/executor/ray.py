@@ -86,8 +86,7 @@ class RankActor:
         return self.rank.initialize(num_blocks)
 
     def execute(self, output: SchedulerOutput) -> RunnerOutput | None:
-        result = self.rank.execute(output)
-        return result if self.rank.rank == 0 else None
+        return self.rank.answer(self.rank.execute(output))
 
     def propose(self, request_ids: list[str], num_tokens: list[int], max_drafts: list[int]) -> list[list[int]] | None:
         drafts = self.rank.propose(request_ids, num_tokens, max_drafts)

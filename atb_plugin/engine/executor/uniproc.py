@@ -32,4 +32,4 @@ class UniprocExecutor(Executor):
         return [getattr(self.worker, method)(*args)]
 
     def _stop_ranks(self, graceful: bool) -> None:
-        pass
+        self.worker.shutdown()

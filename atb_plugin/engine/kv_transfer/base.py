@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections import Counter
 from dataclasses import dataclass, field
 
 from atb_plugin.engine.kv_transfer.config import KVTransferConfig
+from atb_plugin.engine.messages import KVTransferStats
 from atb_plugin.engine.request import Request
 
 
@@ -72,16 +74,56 @@ class KVConnectorOutput:
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
+    # The worker side's transfers since its previous report (``get_stats`` of the worker role):
+    # counters, and its tiers' bytes now; summed over ranks (each rank holds its own shard).
+    stats: KVTransferStats | None = None
 
     def is_empty(self) -> bool:
         return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+
+
+class KVOutputAggregator:
+    """Merges the ranks' ``KVConnectorOutput`` of each step into one (tensor parallelism). Ranks
+    may finish a transfer in different steps, so finishes are counted across steps: a request is
+    reported finished (sending / receiving) in the step its last rank reports it. Invalid blocks
+    are the union of the step's (one rank's garbage is the request's garbage); stats are summed."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._sending: Counter[str] = Counter()
+        self._recving: Counter[str] = Counter()
+
+    def aggregate(self, outputs: list[KVConnectorOutput | None]) -> KVConnectorOutput:
+        merged = KVConnectorOutput()
+        for output in outputs:
+            if output is None:
+                continue
+            merged.invalid_block_ids |= output.invalid_block_ids
+            self._sending.update(output.finished_sending)
+            self._recving.update(output.finished_recving)
+            if output.stats is not None:
+                merged.stats = output.stats if merged.stats is None else merged.stats.merged(output.stats, sum_gauges=True)
+        for counts, done in ((self._sending, merged.finished_sending), (self._recving, merged.finished_recving)):
+            for request_id in [r for r, n in counts.items() if n >= self.world_size]:
+                done.add(request_id)
+                del counts[request_id]
+        return merged
 
 
 class KVConnectorBase(ABC):
     """Subclass, implement the abstract methods of both roles, and register the class
     (``factory.register_connector``). The defaults of the optional hooks do nothing."""
 
+    # The device prefix cache must be on (a connector that names blocks by their prefix hash).
+    requires_prefix_caching = False
+
+    @classmethod
+    def check_config(cls, config: KVTransferConfig) -> None:
+        """Validate ``config.kv_connector_extra_config`` (and the role) at start-up, before any
+        model loads: ``ValueError`` naming the bad key. Also called when the connector is built."""
+
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, context: ConnectorContext):
+        self.check_config(config)
         self.config = config
         self.role = role
         self.context = context
@@ -117,12 +159,18 @@ class KVConnectorBase(ABC):
         the ``kv_transfer_params`` to hand back with the request's final output (None: none)."""
         return False, None
 
-    def get_stats(self) -> dict[str, float]:
-        """Counters since the previous call and gauges now, by name (bytes moved, seconds,
-        tier occupancy): ``messages.KVTransferStats`` carries them to the frontend's metrics."""
-        return {}
+    def get_stats(self) -> KVTransferStats | dict | None:
+        """Counters since the previous call and gauges now (bytes moved, seconds, tier
+        occupancy) as a ``KVTransferStats`` or a dict of its fields, or None: nothing to report.
+        Both roles: the worker side's ride in ``KVConnectorOutput.stats`` (the runner asks after
+        each step), the scheduler side's are added to them in the scheduler's stats."""
+        return None
 
     # -- worker side ---------------------------------------------------------------------------
+
+    @property
+    def name(self) -> str:
+        return self.config.kv_connector
 
     def register_kv_caches(self, kv_caches: list) -> None:
         """This rank's KV cache tensors, one entry per layer (as the model made them: a

@@ -75,3 +75,23 @@ class KVTransferConfig:
         if "kv_connector" not in value:
             raise ValueError("kv_transfer_config.kv_connector is required (the connector's name)")
         return cls(**value)
+
+
+# vLLM's --kv-offloading-size: the host tier's size in GiB, a shortcut for this connector.
+OFFLOADING_CONNECTOR = "OffloadingConnector"
+
+
+def resolve_kv_transfer_config(value, kv_offloading_size: float | None) -> KVTransferConfig | None:
+    """``kv_transfer_config`` (``from_value``'s forms) or the ``kv_offloading_size`` shortcut
+    (GiB: the OffloadingConnector, kv_both, ``cpu_bytes_to_use`` = GiB * 2**30); not both."""
+    config = KVTransferConfig.from_value(value)
+    if kv_offloading_size is None:
+        return config
+    if config is not None:
+        raise ValueError("kv_offloading_size (--kv-offloading-size) and kv_transfer_config (--kv-transfer-config) "
+                         "both given: the size is a shortcut for an OffloadingConnector config; give one of them "
+                         "(the host tier's size in kv_connector_extra_config.cpu_bytes_to_use)")
+    size = kv_offloading_size
+    if isinstance(size, bool) or not isinstance(size, (int, float)) or not size > 0:
+        raise ValueError(f"kv_offloading_size (--kv-offloading-size) = {size!r}: must be a positive number of GiB")
+    return KVTransferConfig(OFFLOADING_CONNECTOR, "kv_both", {"cpu_bytes_to_use": int(size * 2**30)})
