@@ -67,6 +67,7 @@ class RecvSpec:
     to read, only acknowledge), then acknowledge ``request_id``."""
 
     request_id: str
+    remote_request_id: str  # the producer's name of it (what the acknowledgement names)
     local_block_ids: list[int]
     remote_block_ids: list[int]
     remote_engine_id: str
@@ -95,6 +96,10 @@ def _coalesce(local: list[int], remote: list[int]) -> list[tuple[int, int, int]]
 
 
 class MooncakeConnector(KVConnectorBase):
+    @classmethod
+    def check_config(cls, config: KVTransferConfig) -> None:
+        _extra_config(config)
+
     def __init__(self, config: KVTransferConfig, role: KVConnectorRole, context: ConnectorContext):
         super().__init__(config, role, context)
         self.extra = _extra_config(config)
@@ -113,7 +118,8 @@ class MooncakeConnector(KVConnectorBase):
         self._sending: dict[str, float] = {}  # request id -> when its blocks are freed unacknowledged
         self._early_acks: dict[str, float] = {}  # acknowledged before this rank learned of the request
         self._load_errors: set[int] = set()
-        self._stats = {"num_loads": 0, "bytes_loaded": 0, "load_seconds": 0.0, "num_failed_loads": 0}
+        # Failed loads are counted by the scheduler (once per request, whatever the ranks say).
+        self._stats = {"num_loads": 0, "bytes_loaded": 0, "load_seconds": 0.0}
 
     # -- scheduler side ------------------------------------------------------------------------
 
@@ -122,8 +128,8 @@ class MooncakeConnector(KVConnectorBase):
         params = request.kv_transfer_params
         if not self.config.is_consumer or not params or not params.get("do_remote_prefill"):
             return None
-        missing = [key for key in ("remote_block_ids", "remote_engine_id", "remote_host", "remote_port")
-                   if key not in params]
+        missing = [key for key in ("remote_request_id", "remote_block_ids", "remote_engine_id", "remote_host",
+                                   "remote_port") if key not in params]
         if missing:
             logger.warning("request %s: kv_transfer_params lack %s; computing its prompt here",
                            request.request_id, ", ".join(missing))
@@ -157,10 +163,14 @@ class MooncakeConnector(KVConnectorBase):
         block_size = self.context.block_size
         first = local_hits // block_size
         end = math.ceil((local_hits + num_external_tokens) / block_size) if num_external_tokens else first
-        self._pending_recv.append(RecvSpec(
-            request.request_id, list(block_ids[first:end]), list(params["remote_block_ids"][first:end]),
-            str(params["remote_engine_id"]), str(params["remote_host"]), int(params["remote_port"]),
-            int(params.get("remote_tp_size", 1))))
+        self._pending_recv.append(self._recv_spec(request, params, list(block_ids[first:end]),
+                                                  list(params["remote_block_ids"][first:end])))
+
+    @staticmethod
+    def _recv_spec(request: Request, params: dict, local_block_ids: list[int], remote_block_ids: list[int]) -> RecvSpec:
+        return RecvSpec(request.request_id, str(params["remote_request_id"]), local_block_ids, remote_block_ids,
+                        str(params["remote_engine_id"]), str(params["remote_host"]), int(params["remote_port"]),
+                        int(params.get("remote_tp_size", 1)))
 
     def build_connector_meta(self, scheduler_output) -> MooncakeConnectorMetadata:
         metadata = MooncakeConnectorMetadata(recv=self._pending_recv, send=self._pending_send)
@@ -169,6 +179,11 @@ class MooncakeConnector(KVConnectorBase):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         self._local_hits.pop(request.request_id, None)
+        unpulled = self._remote_prefill(request)
+        if unpulled is not None:
+            # Ended before it was ever scheduled (aborted while waiting): tell the producer to
+            # free its blocks now rather than after abort_timeout_s.
+            self._pending_recv.append(self._recv_spec(request, unpulled, [], []))
         params = request.kv_transfer_params
         if not self.config.is_producer or not params or not params.get("do_remote_decode"):
             return False, None
@@ -177,7 +192,7 @@ class MooncakeConnector(KVConnectorBase):
         num_blocks = math.ceil(request.num_prompt_tokens / self.context.block_size)
         self._pending_send.append(request.request_id)
         return True, {"do_remote_prefill": True, "do_remote_decode": False,
-                      "remote_engine_id": self.config.engine_id, "remote_block_ids": list(block_ids[:num_blocks]),
+                      "remote_request_id": request.request_id, "remote_engine_id": self.config.engine_id, "remote_block_ids": list(block_ids[:num_blocks]),
                       "remote_host": self.extra["host"], "remote_port": self.base_port,
                       "remote_tp_size": self.context.tensor_parallel_size,
                       "num_prompt_tokens": request.num_prompt_tokens}
@@ -261,7 +276,6 @@ class MooncakeConnector(KVConnectorBase):
                 self._stats["bytes_loaded"] += sum(lengths)
         except (MooncakeError, RuntimeError, TimeoutError, ValueError) as error:
             self._peer_layouts.pop(peer, None)  # ask again next time: the producer may have restarted
-            self._stats["num_failed_loads"] += len(wanted)
             for spec in wanted:
                 self._load_errors.update(spec.local_block_ids)
             logger.error("MooncakeConnector: pulling the KV of %s from %s:%d failed: %s",
@@ -269,7 +283,7 @@ class MooncakeConnector(KVConnectorBase):
         self._stats["load_seconds"] += time.perf_counter() - started
         # Acknowledged whatever happened: the producer frees its blocks (a failed request is
         # recomputed or failed here, never read again).
-        self._client.ack(*peer, [spec.request_id for spec in specs])
+        self._client.ack(*peer, [spec.remote_request_id for spec in specs])
 
     def _add_reads(self, remote_layout: KVLayout, spec: RecvSpec, local: list, remote: list, lengths: list) -> None:
         stride = self.layout.block_bytes
@@ -307,7 +321,9 @@ class MooncakeConnector(KVConnectorBase):
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def get_stats(self) -> dict[str, float]:
+    def get_stats(self) -> dict | None:
+        if self.role is KVConnectorRole.SCHEDULER:
+            return None
         stats = dict(self._stats)
         for key in self._stats:
             self._stats[key] = 0
