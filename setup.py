@@ -45,7 +45,8 @@ setup(
     entry_points={"console_scripts": ["atb-plugin=atb_plugin.server.cli:main"]},
     extras_require={
         # Ascend only: needs CANN's libraries to even import. Never installed in CI.
-        "npu": ["torch-npu==2.13.0"],
+        # mooncake-transfer-engine-npu: the MooncakeConnector's transport there (vllm-ascend's).
+        "npu": ["torch-npu==2.13.0", "mooncake-transfer-engine-npu==0.3.13.post1"],
         "test": [
             "pytest==9.2.0",
             "hypothesis==6.170.15",

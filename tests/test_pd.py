@@ -115,3 +115,33 @@ def test_policy_fail_answers_a_clear_5xx_and_the_consumer_lives_on(pd_run):
     assert tp2["fail_status"] == 500
     assert "KV load failed" in tp2["fail_body"] and "MooncakeConnector" in tp2["fail_body"]
     assert tp2["consumer_healthy_after"] == 200
+
+
+# -- deploy/k8s/pd.yaml ------------------------------------------------------------------------------
+
+def test_the_pd_manifests_run_a_producer_a_consumer_and_the_proxy_in_front():
+    from atb_plugin.engine.kv_transfer.config import KVTransferConfig
+    from atb_plugin.engine.kv_transfer.mooncake.connector import MooncakeConnector
+    from tests.test_deploy import documents, parsed
+
+    docs = {(doc["kind"], doc["metadata"]["name"]): doc for doc in documents()}
+    roles = {}
+    for name in ("atb-plugin-prefill", "atb-plugin-decode"):
+        (container,) = docs["Deployment", name]["spec"]["template"]["spec"]["containers"]
+        config = KVTransferConfig.from_value(parsed(container["args"]).engine.kv_transfer_config)
+        MooncakeConnector.check_config(config)
+        assert config.kv_connector == "MooncakeConnector"
+        # The address the consumers read from is the pod's own (Kubernetes expands $(POD_IP)).
+        assert config.kv_connector_extra_config["host"] == "$(POD_IP)"
+        assert any(env["name"] == "POD_IP" for env in container["env"])
+        roles[name] = config.kv_role
+        service = docs["Service", name]
+        assert service["spec"]["selector"].items() <= docs["Deployment", name]["spec"]["template"]["metadata"][
+            "labels"].items()
+    assert roles == {"atb-plugin-prefill": "kv_producer", "atb-plugin-decode": "kv_consumer"}
+    (proxy,) = docs["Deployment", "atb-plugin-pd-proxy"]["spec"]["template"]["spec"]["containers"]
+    assert proxy["command"] == ["python", "-m", "atb_plugin.server", "proxy"]
+    args = parse_args(proxy["args"])
+    assert args.prefill == ["http://atb-plugin-prefill:8000"] and args.decode == ["http://atb-plugin-decode:8000"]
+    assert args.host == "0.0.0.0" and docs["Service", "atb-plugin-pd"]["spec"]["selector"] == {
+        "app": "atb-plugin-pd-proxy"}

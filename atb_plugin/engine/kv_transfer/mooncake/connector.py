@@ -35,12 +35,14 @@ from atb_plugin.engine.request import Request, RequestStatus
 logger = logging.getLogger(__name__)
 
 # kv_connector_extra_config keys and their defaults. "host": the address the Transfer Engine and
-# the side channel advertise (and the side channel binds); "side_channel_port": rank r of data-
+# the side channel advertise (and the side channel binds); "protocol" / "device_name": the Transfer
+# Engine's transport ("tcp"; "ascend" with mooncake-transfer-engine-npu) and its device filter
+# (initialize's last argument; "" for all); "side_channel_port": rank r of data-
 # parallel rank d listens on port + d * tp_size + r (vLLM's VLLM_NIXL_SIDE_CHANNEL_PORT default);
 # "transfer_timeout_s": a transfer or a side-channel query that makes no progress for this long
 # fails (MC_TCP_PROGRESS_TIMEOUT_SEC); "abort_timeout_s": a producer frees blocks no consumer
 # acknowledged after this long (vLLM's VLLM_NIXL_ABORT_REQUEST_TIMEOUT).
-EXTRA_CONFIG_DEFAULTS = {"host": "127.0.0.1", "protocol": "tcp", "side_channel_port": 5600,
+EXTRA_CONFIG_DEFAULTS = {"host": "127.0.0.1", "protocol": "tcp", "device_name": "", "side_channel_port": 5600,
                          "transfer_timeout_s": 5.0, "abort_timeout_s": 120.0}
 
 
@@ -212,7 +214,8 @@ class MooncakeConnector(KVConnectorBase):
         num_blocks = {t.shape[0] for t in tensors}
         if len(num_blocks) != 1:
             raise ValueError(f"MooncakeConnector: KV tensors of different block counts {sorted(num_blocks)}")
-        self.transfer = MooncakeTransfer(self.extra["host"], self.extra["protocol"], self.extra["transfer_timeout_s"])
+        self.transfer = MooncakeTransfer(self.extra["host"], self.extra["protocol"], self.extra["transfer_timeout_s"],
+                                         self.extra["device_name"])
         for tensor in tensors:
             self.transfer.register_tensor(tensor)
         self.layout = KVLayout(

@@ -42,13 +42,13 @@ class MooncakeTransfer:
     """One Transfer Engine on ``host`` ("P2PHANDSHAKE": no metadata server; peers address it as
     ``session`` = "host:rpc_port"), reading from peers' registered memory into its own."""
 
-    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", timeout_s: float = 5.0):
+    def __init__(self, host: str = "127.0.0.1", protocol: str = "tcp", timeout_s: float = 5.0, device_name: str = ""):
         if timeout_s <= 0:
             raise ValueError(f"the Mooncake transfer timeout must be > 0 s, got {timeout_s}")
         # Whole seconds: the transport parses an integer.
         os.environ[_TIMEOUT_ENV] = str(max(1, int(round(timeout_s))))
         self._engine = _transfer_engine_class()()
-        self._check("initialize", self._engine.initialize(host, "P2PHANDSHAKE", protocol, ""))
+        self._check("initialize", self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name))
         self.session = f"{host}:{self._engine.get_rpc_port()}"
         # Registered local ranges, sorted by start: (start, end).
         self._starts: list[int] = []
