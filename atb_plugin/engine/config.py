@@ -379,7 +379,7 @@ class EngineConfig:
         if self.runner == "pooling":
             raise ValueError(f"kv_transfer_config ({kv.kv_connector}): KV connectors serve generative models; a "
                              "pooling model keeps no KV between requests")
-        if cls.requires_prefix_caching and not self.enable_prefix_caching:
+        if cls.needs_prefix_caching(kv) and not self.enable_prefix_caching:
             raise ValueError(f"kv_transfer_config ({kv.kv_connector}) names KV blocks by their prefix hash: it needs "
                              "enable_prefix_caching=True (drop --no-enable-prefix-caching)")
 

@@ -60,7 +60,9 @@ class EngineCore:
                 self.kv_connector = create_connector(config.kv_transfer_config, KVConnectorRole.SCHEDULER,
                                                      ConnectorContext(config.model, config.block_size,
                                                                       self.kv_cache_blocks, config.tensor_parallel_size,
-                                                                      0, config.data_parallel_rank))
+                                                                      0, config.data_parallel_rank,
+                                                                      self.executor.kv_block_bytes,
+                                                                      self.executor.kv_block_layout))
             self.scheduler = Scheduler(config.scheduler_config, self.kv_cache_manager, self.structured_output.is_ready,
                                        connector=self.kv_connector)
             # Speculative decoding: drafts are asked for here, in the core (made here, or by a head

@@ -15,12 +15,16 @@ def _extra_keys(request: Request):
     return salt if lora is None else (salt, "lora", *lora.key)
 
 
-def request_block_hashes(request: Request, block_size: int, num_tokens: int | None = None) -> list[BlockHash]:
+def request_block_hashes(request: Request, block_size: int, num_tokens: int | None = None,
+                         known: list[BlockHash] = ()) -> list[BlockHash]:
     """The prefix-cache hashes of ``request``'s full blocks (of its first ``num_tokens`` tokens):
     the names the KV cache manager caches them under, for a KV connector that keeps blocks by
-    the same names (sha256 over pickled ids: the same in every process and run)."""
+    the same names (sha256 over pickled ids: the same in every process and run). ``known``: its
+    leading hashes computed already (only the blocks after them are hashed)."""
     tokens = request.all_token_ids if num_tokens is None else request.all_token_ids[:num_tokens]
-    return hash_request_tokens(tokens, block_size, extra_keys=_extra_keys(request))
+    if len(known) >= len(tokens) // block_size:
+        return list(known[:len(tokens) // block_size])
+    return hash_request_tokens(tokens, block_size, extra_keys=_extra_keys(request), parent_hashes=known)
 
 
 class KVCacheManager:

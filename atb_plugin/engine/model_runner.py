@@ -30,7 +30,8 @@ import torch
 from atb_plugin.engine.config import EngineConfig
 from atb_plugin.engine.graph_runner import make_graph_runner
 from atb_plugin.engine.input_batch import InputBatch
-from atb_plugin.engine.kv_transfer.base import ConnectorContext, KVConnectorBase, KVConnectorOutput, KVConnectorRole
+from atb_plugin.engine.kv_transfer.base import (ConnectorContext, KVConnectorBase, KVConnectorOutput, KVConnectorRole,
+                                                kv_block_layout)
 from atb_plugin.engine.kv_transfer.factory import create_connector
 from atb_plugin.engine.messages import KVTransferStats
 from atb_plugin.engine.messages import LogprobsEntry, PooledData
@@ -125,7 +126,8 @@ class ModelRunner:
         self.kv_connector: KVConnectorBase | None = None
         if config.kv_transfer_config is not None:
             self.kv_connector = create_connector(config.kv_transfer_config, KVConnectorRole.WORKER, ConnectorContext(
-                config.model, config.block_size, num_blocks, tp_size(), tp_rank(), config.data_parallel_rank))
+                config.model, config.block_size, num_blocks, tp_size(), tp_rank(), config.data_parallel_rank,
+                *kv_block_layout(self.kv_caches)))
             self.kv_connector.register_kv_caches(self.kv_caches)
         # The captured decode step: made once, over these caches, which are never reallocated.
         # NPU / CUDA: a device graph per batch size (engine/graph_runner.py); the CPU: its native

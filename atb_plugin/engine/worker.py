@@ -19,6 +19,7 @@ import torch
 
 from atb_plugin.distributed import destroy_tensor_parallel, init_tensor_parallel
 from atb_plugin.engine.config import EngineConfig
+from atb_plugin.engine.kv_transfer.base import kv_block_layout
 from atb_plugin.engine.memory_profile import MiB, kv_bytes_per_block, kv_cache_budget, weight_bytes
 from atb_plugin.engine.model_runner import ModelRunner, RunnerOutput
 from atb_plugin.engine.request import Request
@@ -64,6 +65,9 @@ class WorkerInfo:
 
     available_kv_blocks: int  # the most KV blocks its budget holds (the null block included)
     weight_bytes: int  # its shard plus what every rank replicates, as held (packed weights are buffers)
+    # One KV block of its shard, with a KV connector configured (kv_transfer/base.py, kv_block_layout).
+    kv_block_bytes: int = 0
+    kv_block_layout: str = ""
 
 
 class Worker:
@@ -90,7 +94,9 @@ class Worker:
         # A speculative method's draft or head: loaded now, so that the KV budget counts it.
         self.spec_model = load_spec_model(self.config, self.model, self.device, load_model)
         spec_weights = weight_bytes(self.spec_model.module) if self.spec_model is not None else 0
-        return WorkerInfo(self._blocks_for_budget(), weight_bytes(self.model) + spec_weights)
+        block = (kv_block_layout(self.model.make_kv_caches(1, self.config.block_size))
+                 if self.config.kv_transfer_config is not None else (0, ""))
+        return WorkerInfo(self._blocks_for_budget(), weight_bytes(self.model) + spec_weights, *block)
 
     def initialize(self, num_blocks: int) -> str:
         """Allocate the KV cache and the runner; returns how decode steps run (``decode_capture``)."""

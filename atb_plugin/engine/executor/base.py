@@ -79,6 +79,8 @@ class Executor(ABC):
             infos: list[WorkerInfo] = self.collective_rpc("load", what=LOAD_FAILED)
             self.kv_cache_blocks = min(info.available_kv_blocks for info in infos)
             self.weight_bytes = [info.weight_bytes for info in infos]
+            # One block of a rank's KV shard (for a KV connector's scheduler side).
+            self.kv_block_bytes, self.kv_block_layout = infos[0].kv_block_bytes, infos[0].kv_block_layout
             self.decode_capture = self.collective_rpc("initialize", self.kv_cache_blocks, what=INITIALIZE_FAILED)[0]
         except BaseException:
             self.shutdown()  # after a rank failed (RankFailed) the ranks are stopped already

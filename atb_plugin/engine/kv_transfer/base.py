@@ -45,7 +45,9 @@ class KVConnectorRole(enum.Enum):
 @dataclass(frozen=True)
 class ConnectorContext:
     """What a connector learns of the engine it serves. ``num_kv_blocks``: the device KV blocks
-    (null block included) each rank holds; ``tensor_parallel_rank`` is 0 on the scheduler side."""
+    (null block included) each rank holds; ``tensor_parallel_rank`` is 0 on the scheduler side;
+    ``kv_block_bytes`` / ``kv_block_layout``: one block of one rank's shard, its bytes and its
+    layout (``kv_block_layout``: what makes two engines' blocks interchangeable)."""
 
     model: str
     block_size: int
@@ -53,6 +55,20 @@ class ConnectorContext:
     tensor_parallel_size: int = 1
     tensor_parallel_rank: int = 0
     data_parallel_rank: int = 0
+    kv_block_bytes: int = 0
+    kv_block_layout: str = ""
+
+
+def kv_block_layout(kv_caches: list) -> tuple[int, str]:
+    """``(bytes, layout)`` of one block of these KV caches (``register_kv_caches``' form: per
+    layer a tuple of tensors, or one tensor, block id first): the layout names every layer's
+    tensors' dtype and per-block shape."""
+    nbytes, parts = 0, []
+    for layer in kv_caches:
+        for tensor in layer if isinstance(layer, (tuple, list)) else (layer,):
+            nbytes += tensor[0].numel() * tensor.element_size()
+            parts.append(f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape[1:])}")
+    return nbytes, ";".join(parts)
 
 
 @dataclass
@@ -116,6 +132,12 @@ class KVConnectorBase(ABC):
 
     # The device prefix cache must be on (a connector that names blocks by their prefix hash).
     requires_prefix_caching = False
+
+    @classmethod
+    def needs_prefix_caching(cls, config: KVTransferConfig) -> bool:
+        """Whether this config needs the device prefix cache (``requires_prefix_caching``; a
+        connector stacking others asks them)."""
+        return cls.requires_prefix_caching
 
     @classmethod
     def check_config(cls, config: KVTransferConfig) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 
 from atb_plugin.engine.kv_transfer.base import ConnectorContext, KVConnectorBase, KVConnectorRole
-from atb_plugin.engine.kv_transfer.config import KVTransferConfig
+from atb_plugin.engine.kv_transfer.config import OFFLOADING_CONNECTOR, KVTransferConfig
 
 # name -> (module, class name)
 _REGISTRY: dict[str, tuple[str, str]] = {}
@@ -41,6 +41,6 @@ def create_connector(config: KVTransferConfig, role: KVConnectorRole, context: C
 
 
 # The connectors this package ships (each one file, or one folder for a transport's several).
-# Filled in as they land: register_connector("OffloadingConnector", ...), ("MooncakeConnector", ...),
-# ("MultiConnector", ...).
+register_connector(OFFLOADING_CONNECTOR, "atb_plugin.engine.kv_transfer.offloading.connector", "OffloadingConnector")
 register_connector("MooncakeConnector", "atb_plugin.engine.kv_transfer.mooncake.connector", "MooncakeConnector")
+register_connector("MultiConnector", "atb_plugin.engine.kv_transfer.multi", "MultiConnector")
