@@ -110,3 +110,29 @@ def test_consumer_reports_load_errors_never_garbage(netns_run):
     connector = _section(netns_run, "connector")
     assert connector["mismatch_errors"] == [1, 2, 3]
     assert connector["dead_producer_errors"] == [4, 5, 6] and connector["dead_producer_seconds"] < 5
+
+
+@pytest.mark.parametrize("change, why", [
+    ({"remote_block_ids": ["0", 1]}, "remote_block_ids"),
+    ({"remote_block_ids": [-1]}, "remote_block_ids"),
+    ({"remote_port": "5600"}, "remote_port"),
+    ({"remote_request_id": None}, "remote_request_id"),
+    ({"remote_tp_size": 0}, "remote_tp_size"),
+    ({"num_prompt_tokens": 9}, None),  # another tokenization: not an error, computed here
+])
+def test_a_consumer_never_trusts_malformed_params(change, why, caplog):
+    from atb_plugin.engine.request import Request
+    from atb_plugin.engine.sampling_params import SamplingParams
+
+    params = {"do_remote_prefill": True, "remote_request_id": "r", "remote_engine_id": "e", "remote_host": "h",
+              "remote_port": 5600, "remote_block_ids": [1, 2], "remote_tp_size": 1, "num_prompt_tokens": 10}
+    scheduler = MooncakeConnector(KVTransferConfig("MooncakeConnector", "kv_consumer"), KVConnectorRole.SCHEDULER,
+                                  ConnectorContext("m", 16, 8))
+    assert scheduler.get_num_new_matched_tokens(
+        Request("ok", list(range(10)), SamplingParams(), kv_transfer_params=params), 0) == (9, False)
+    request = Request("bad", list(range(10)), SamplingParams(), kv_transfer_params={**params, **change})
+    assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
+    scheduler.update_state_after_alloc(request, [3], 0)
+    assert scheduler.build_connector_meta(None).recv == []  # nothing to read for it
+    if why is not None:
+        assert why in caplog.text

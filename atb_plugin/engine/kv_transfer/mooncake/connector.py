@@ -63,6 +63,26 @@ def _extra_config(config: KVTransferConfig) -> dict:
     return merged
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _params_problem(params: dict) -> str | None:
+    """Why a consumer's ``kv_transfer_params`` cannot be used (None: they can)."""
+    for key in ("remote_request_id", "remote_engine_id", "remote_host"):
+        if not isinstance(params.get(key), str) or not params[key]:
+            return f"lack a string {key}"
+    if not _is_int(params.get("remote_port")) or not 0 < params["remote_port"] < 65536:
+        return "lack a port number remote_port"
+    blocks = params.get("remote_block_ids")
+    if not isinstance(blocks, list) or not blocks or not all(_is_int(b) and b >= 0 for b in blocks):
+        return "lack remote_block_ids (a non-empty list of block ids)"
+    for key in ("remote_tp_size", "num_prompt_tokens"):
+        if key in params and (not _is_int(params[key]) or params[key] < 1):
+            return f"have an invalid {key} {params[key]!r}"
+    return None
+
+
 @dataclass
 class RecvSpec:
     """Read ``remote_block_ids[i]`` of the producer into ``local_block_ids[i]`` (empty: nothing
@@ -130,11 +150,10 @@ class MooncakeConnector(KVConnectorBase):
         params = request.kv_transfer_params
         if not self.config.is_consumer or not params or not params.get("do_remote_prefill"):
             return None
-        missing = [key for key in ("remote_request_id", "remote_block_ids", "remote_engine_id", "remote_host",
-                                   "remote_port") if key not in params]
-        if missing:
-            logger.warning("request %s: kv_transfer_params lack %s; computing its prompt here",
-                           request.request_id, ", ".join(missing))
+        problem = _params_problem(params)
+        if problem is not None:
+            # The client's (or the proxy's) own data: never trusted to index memory.
+            logger.warning("request %s: kv_transfer_params %s; computing its prompt here", request.request_id, problem)
             return None
         expected = params.get("num_prompt_tokens")
         if expected is not None and expected != request.num_prompt_tokens:
@@ -170,9 +189,9 @@ class MooncakeConnector(KVConnectorBase):
 
     @staticmethod
     def _recv_spec(request: Request, params: dict, local_block_ids: list[int], remote_block_ids: list[int]) -> RecvSpec:
-        return RecvSpec(request.request_id, str(params["remote_request_id"]), local_block_ids, remote_block_ids,
-                        str(params["remote_engine_id"]), str(params["remote_host"]), int(params["remote_port"]),
-                        int(params.get("remote_tp_size", 1)))
+        return RecvSpec(request.request_id, params["remote_request_id"], local_block_ids, remote_block_ids,
+                        params["remote_engine_id"], params["remote_host"], params["remote_port"],
+                        params.get("remote_tp_size", 1))
 
     def build_connector_meta(self, scheduler_output) -> MooncakeConnectorMetadata:
         metadata = MooncakeConnectorMetadata(recv=self._pending_recv, send=self._pending_send)
