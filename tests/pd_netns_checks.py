@@ -15,6 +15,7 @@ Everything observed goes to OUT.json (tracebacks included), for the test to asse
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -137,13 +138,32 @@ def raw_completion(server: ServerProcess, **extra) -> httpx.Response:
     return server.post("/v1/completions", {"prompt": PROMPT, "temperature": 0, "ignore_eos": True, **extra})
 
 
-def phase_one(out: dict) -> None:
-    model = tiny_checkpoint("qwen2_vl")
-    producer, consumer = start_pair(model, policy="recompute")
+@contextlib.contextmanager
+def deployment(*args: str, policy: str):
+    """A producer, a consumer and the proxy in front, stopped at the end."""
+    producer, consumer = start_pair(tiny_checkpoint("qwen2_vl"), *args, policy=policy)
     proxy = None
     try:
-        out["reference"] = runs(producer.client())  # one instance, no connector in play
         proxy = ProxyProcess([producer.base_url], [consumer.base_url])
+        yield producer, consumer, proxy
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        producer.stop()
+        consumer.stop()
+
+
+def hand_out_then_kill(producer: ServerProcess) -> dict:
+    """The producer runs the prompt and says where its KV lies, then dies (SIGKILL, before any pull)."""
+    handed = raw_completion(producer, max_tokens=1, kv_transfer_params={"do_remote_decode": True}).json()
+    os.killpg(producer.process.pid, signal.SIGKILL)
+    producer.process.wait(10)
+    return handed.get("kv_transfer_params")
+
+
+def phase_one(out: dict) -> None:
+    with deployment(policy="recompute") as (producer, consumer, proxy):
+        out["reference"] = runs(producer.client())  # one instance, no connector in play
         out["health"] = httpx.get(proxy.base_url + "/health", timeout=10).status_code
         out["models"] = httpx.get(proxy.base_url + "/v1/models", timeout=10).json()["data"][0]["id"]
         out["pd"] = runs(proxy.client())
@@ -156,12 +176,9 @@ def phase_one(out: dict) -> None:
         out["producer_kv_usage"] = metric(producer, "vllm:kv_cache_usage_perc")
 
         # The producer dies after handing out its blocks: the consumer recomputes.
-        handed = raw_completion(producer, max_tokens=1, kv_transfer_params={"do_remote_decode": True}).json()
-        out["handed_params"] = handed.get("kv_transfer_params")
-        os.killpg(producer.process.pid, signal.SIGKILL)
-        producer.process.wait(10)
+        out["handed_params"] = hand_out_then_kill(producer)
         started = time.monotonic()
-        answer = raw_completion(consumer, max_tokens=8, kv_transfer_params=handed["kv_transfer_params"])
+        answer = raw_completion(consumer, max_tokens=8, kv_transfer_params=out["handed_params"])
         out["recompute_seconds"] = time.monotonic() - started
         out["recompute_status"] = answer.status_code
         out["recompute_text"] = answer.json()["choices"][0]["text"] if answer.status_code == 200 else answer.text
@@ -171,34 +188,17 @@ def phase_one(out: dict) -> None:
         out["dead_producer_proxy"] = {"status": answer.status_code, "body": answer.json(),
                                       "seconds": time.monotonic() - started}
         out["health_after_kill"] = httpx.get(proxy.base_url + "/health", timeout=10).status_code
-    finally:
-        if proxy is not None:
-            proxy.stop()
-        producer.stop()
-        consumer.stop()
 
 
 def phase_two(out: dict) -> None:
-    model = tiny_checkpoint("qwen2_vl")
-    producer, consumer = start_pair(model, "--tensor-parallel-size", "2", policy="fail")
-    proxy = None
-    try:
-        proxy = ProxyProcess([producer.base_url], [consumer.base_url])
+    with deployment("--tensor-parallel-size", "2", policy="fail") as (producer, consumer, proxy):
         client = proxy.client()
         out["pd"] = {"completion": completion(client, False), "chat_stream": chat(client, True)}
-        handed = raw_completion(producer, max_tokens=1, kv_transfer_params={"do_remote_decode": True}).json()
-        out["handed_params"] = handed.get("kv_transfer_params")
-        os.killpg(producer.process.pid, signal.SIGKILL)
-        producer.process.wait(10)
-        answer = raw_completion(consumer, max_tokens=8, kv_transfer_params=handed["kv_transfer_params"])
+        out["handed_params"] = hand_out_then_kill(producer)
+        answer = raw_completion(consumer, max_tokens=8, kv_transfer_params=out["handed_params"])
         out["fail_status"] = answer.status_code
         out["fail_body"] = answer.text
         out["consumer_healthy_after"] = consumer.get("/health").status_code
-    finally:
-        if proxy is not None:
-            proxy.stop()
-        producer.stop()
-        consumer.stop()
 
 
 def main(path: str) -> None:

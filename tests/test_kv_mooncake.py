@@ -4,13 +4,6 @@ listeners bind every interface), plus the config checks that need no transfer.""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
-
 import pytest
 
 from atb_plugin.engine.kv_transfer.base import ConnectorContext, KVConnectorRole
@@ -18,7 +11,7 @@ from atb_plugin.engine.kv_transfer.config import KVTransferConfig
 from atb_plugin.engine.kv_transfer.factory import connector_class
 from atb_plugin.engine.kv_transfer.mooncake.connector import MooncakeConnector, _coalesce
 from atb_plugin.engine.kv_transfer.mooncake.side_channel import KVLayout
-from tests.helpers import REPO_ROOT, netns_prefix
+from tests.helpers import checked_section, run_checks_in_netns
 
 
 def _layout(**changes) -> KVLayout:
@@ -55,25 +48,12 @@ def test_runs_coalesce_consecutive_blocks():
 @pytest.fixture(scope="module")
 def netns_run():
     pytest.importorskip("mooncake.engine", reason="pip install 'atb-plugin[kv]' (mooncake-transfer-engine-non-cuda)")
-    prefix = netns_prefix()
-    if prefix is None:
-        pytest.skip("this machine does not allow a network namespace (unshare -n): the Mooncake Transfer Engine "
-                    "binds every interface and must not run on the host's network")
-    with tempfile.TemporaryDirectory(prefix="atb-mooncake-test-") as scratch:
-        out = Path(scratch) / "out.json"
-        command = [*prefix, "sh", "-c", 'ip link set lo up && exec "$0" -m tests.kv_mooncake_netns_checks "$1"',
-                   sys.executable, str(out)]
-        run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
-                             env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), TMPDIR=scratch))
-        if not out.exists():
-            pytest.fail(f"the Mooncake checks wrote nothing (exit {run.returncode}):\n{run.stderr[-6000:]}")
-        return json.loads(out.read_text())
+    return run_checks_in_netns("tests.kv_mooncake_netns_checks",
+                               "the Mooncake Transfer Engine binds every interface and must not run on the host's network",
+                               120)
 
 
-def _section(results: dict, name: str) -> dict:
-    section = results[name]
-    assert "error" not in section, section.get("error")
-    return section
+_section = checked_section
 
 
 def test_wrapper_reads_byte_exact_between_processes(netns_run):

@@ -5,17 +5,10 @@ interface). The proxy's request shaping is checked here without servers."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
-
 import pytest
 
 from atb_plugin.server.proxy import Proxy, parse_args
-from tests.helpers import REPO_ROOT, netns_prefix
+from tests.helpers import checked_section, run_checks_in_netns
 
 CHECKS_TIMEOUT_S = 400
 
@@ -32,25 +25,12 @@ def test_proxy_needs_both_roles():
 @pytest.fixture(scope="module")
 def pd_run():
     pytest.importorskip("mooncake.engine", reason="pip install 'atb-plugin[kv]' (mooncake-transfer-engine-non-cuda)")
-    prefix = netns_prefix()
-    if prefix is None:
-        pytest.skip("this machine does not allow a network namespace (unshare -n): the Mooncake Transfer Engine "
-                    "binds every interface and must not run on the host's network")
-    with tempfile.TemporaryDirectory(prefix="atb-pd-test-") as scratch:
-        out = Path(scratch) / "out.json"
-        command = [*prefix, "sh", "-c", 'ip link set lo up && exec "$0" -m tests.pd_netns_checks "$1"',
-                   sys.executable, str(out)]
-        run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=CHECKS_TIMEOUT_S,
-                             env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), TMPDIR=scratch))
-        if not out.exists():
-            pytest.fail(f"the PD checks wrote nothing (exit {run.returncode}):\n{run.stderr[-6000:]}")
-        return json.loads(out.read_text())
+    return run_checks_in_netns("tests.pd_netns_checks",
+                               "the Mooncake Transfer Engine binds every interface and must not run on the host's network",
+                               CHECKS_TIMEOUT_S)
 
 
-def _section(results: dict, name: str) -> dict:
-    section = results[name]
-    assert "error" not in section, section.get("error")
-    return section
+_section = checked_section
 
 
 @pytest.mark.slow
