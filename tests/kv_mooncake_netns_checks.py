@@ -94,6 +94,13 @@ def check_wrapper(out: dict) -> None:
     transfer.read(session, [local.data_ptr(), local.data_ptr() + half], [remote, remote + half], [half, half])
     out["read_seconds"] = time.perf_counter() - started
     out["byte_exact"] = bool(torch.equal(local, pattern(NBYTES, 3)))
+    # More ranges than one Mooncake batch takes (it fails past ~2048): the wrapper splits them.
+    local.zero_()
+    ranges = 3000
+    size = NBYTES // ranges
+    offsets = [i * size for i in range(ranges)]
+    transfer.read(session, [local.data_ptr() + o for o in offsets], [remote + o for o in offsets], [size] * ranges)
+    out["many_ranges_exact"] = bool(torch.equal(local[:ranges * size], pattern(NBYTES, 3)[:ranges * size]))
     stray = torch.zeros(4096, dtype=torch.uint8)
     try:
         transfer.read(session, [stray.data_ptr()], [remote], [4096])
