@@ -15,7 +15,7 @@ namespace (``unshare -n``, loopback only; root, or a user namespace) unless ``--
 Modes alternate for ``--rounds`` rounds (the box is shared and noisy); medians printed; the last
 line is JSON.
 
-    python benchmarks/bench_pd.py [--rounds 2] [--short 4] [--tokens 64] [--long 3] [--long-every 1.5]
+    python benchmarks/bench_pd.py [--rounds 2] [--short 4] [--tokens 128] [--long 8] [--long-every 0.4]
 """
 
 from __future__ import annotations
@@ -82,9 +82,11 @@ def stream_gaps(base_url: str, model: str, prompt: str, tokens: int) -> list[flo
 
 def load(base_url: str, args, seed: int) -> list[float]:
     """The mixed load once: every short stream's inter-token gaps."""
-    short = [f"Describe the {WORDS[(seed + i) % len(WORDS)]} in a few sentences. " * 3 for i in range(args.short)]
-    long_prompts = [" ".join(WORDS[(seed * 7 + i + j) % len(WORDS)] for j in range(args.long_words))
-                    for i in range(args.long)]
+    short = [f"Note {seed}-{i}. " + f"Describe the {WORDS[(seed + i) % len(WORDS)]} in a few sentences. " * 3
+             for i in range(args.short)]
+    # A distinct first word per prompt and load: no prefix-cache hit ever spares a prefill.
+    long_prompts = [f"Note {seed}-{i}: " + " ".join(WORDS[(seed * 7 + i + j) % len(WORDS)]
+                                                   for j in range(args.long_words)) for i in range(args.long)]
     gaps: list[float] = []
     lock = threading.Lock()
     model = httpx.get(base_url + "/v1/models", timeout=30).json()["data"][0]["id"]
@@ -109,7 +111,7 @@ def load(base_url: str, args, seed: int) -> list[float]:
     threads = [threading.Thread(target=run_short, args=(p,)) for p in short]
     for thread in threads:
         thread.start()
-    time.sleep(0.5)  # the short streams are decoding
+    time.sleep(0.5)  # the short streams are decoding (and keep decoding while the long prompts arrive)
     longs = []
     for prompt in long_prompts:
         longs.append(threading.Thread(target=run_long, args=(prompt,)))
@@ -208,10 +210,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--short", type=int, default=4, help="short streams")
-    parser.add_argument("--tokens", type=int, default=64, help="tokens per short stream")
-    parser.add_argument("--long", type=int, default=3, help="long prompts per load")
+    parser.add_argument("--tokens", type=int, default=128, help="tokens per short stream")
+    parser.add_argument("--long", type=int, default=8, help="long prompts per load")
     parser.add_argument("--long-words", type=int, default=900)
-    parser.add_argument("--long-every", type=float, default=1.5, help="seconds between long prompts")
+    parser.add_argument("--long-every", type=float, default=0.4, help="seconds between long prompts")
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--in-netns", action="store_true", help=argparse.SUPPRESS)
