@@ -4,7 +4,9 @@ in-process dict, keyed by the prefix-cache block hash, that a test fills from a 
 (``capture``). Extra config: ``store`` (the dict's name), ``fail_loads`` (report every block it
 loads as failed, after writing zeros into it: garbage), ``delay_free_steps`` (keep a finished
 request's blocks that many steps, as a producer waiting for its consumer, and hand back
-``kv_transfer_params``), ``not_ready_steps`` (answer None that many times first)."""
+``kv_transfer_params``), ``not_ready_steps`` (answer None that many times first),
+``load_async_steps`` (load asynchronously: the copies happen, and finished_recving names the
+request, that many steps after the load was asked for)."""
 
 from __future__ import annotations
 
@@ -34,14 +36,14 @@ def _tensors(layer) -> tuple[torch.Tensor, ...]:
 
 @dataclass
 class DictMetadata(KVConnectorMetadata):
-    loads: list[tuple[int, bytes]] = field(default_factory=list)  # (device block, store key)
+    loads: list[tuple[str, int, bytes]] = field(default_factory=list)  # (request, device block, store key)
 
 
 class DictConnector(KVConnectorBase):
     @classmethod
     def check_config(cls, config) -> None:
         extra = config.kv_connector_extra_config
-        unknown = set(extra) - {"store", "fail_loads", "delay_free_steps", "not_ready_steps"}
+        unknown = set(extra) - {"store", "fail_loads", "delay_free_steps", "not_ready_steps", "load_async_steps"}
         if unknown:
             raise ValueError(f"DictConnector: unknown kv_connector_extra_config keys {sorted(unknown)}")
         if not isinstance(extra.get("store", ""), str):
@@ -56,6 +58,8 @@ class DictConnector(KVConnectorBase):
         self.fail_loads = bool(extra.get("fail_loads", False))
         self.delay_steps = int(extra.get("delay_free_steps", 0))
         self.not_ready = int(extra.get("not_ready_steps", 0))
+        self.async_steps = int(extra.get("load_async_steps", 0))
+        self._receiving: dict[str, list] = {}  # worker side: request -> [steps left, its loads]
         self._pending: list[tuple[int, bytes]] = []
         self._delayed: dict[str, int] = {}  # worker side: request id -> steps left
         self._errors: set[int] = set()
@@ -78,7 +82,7 @@ class DictConnector(KVConnectorBase):
             if block_hash not in self.store:
                 break
             found += 1
-        return found * size, False
+        return found * size, bool(self.async_steps)
 
     def update_state_after_alloc(self, request, block_ids, num_external_tokens):
         # The external tokens follow the local hits (whole blocks): blocks [local, local + n).
@@ -87,7 +91,7 @@ class DictConnector(KVConnectorBase):
             return
         hashes = request_block_hashes(request, self.context.block_size, request.num_tokens - 1)
         for i in range(local, local + num_external_tokens // self.context.block_size):
-            self._pending.append((block_ids[i], hashes[i]))
+            self._pending.append((request.request_id, block_ids[i], hashes[i]))
 
     def build_connector_meta(self, scheduler_output):
         meta, self._pending = DictMetadata(self._pending), []
@@ -104,7 +108,14 @@ class DictConnector(KVConnectorBase):
         self.kv_caches = kv_caches
 
     def start_load_kv(self):
-        for block_id, block_hash in self.metadata.loads:
+        if not self.async_steps:
+            self._copy(self.metadata.loads)
+            return
+        for load in self.metadata.loads:
+            self._receiving.setdefault(load[0], [self.async_steps, []])[1].append(load)
+
+    def _copy(self, loads):
+        for _, block_id, block_hash in loads:
             source = self.store[block_hash]
             for layer, saved in zip(self.kv_caches, source):
                 for tensor, value in zip(_tensors(layer), saved):
@@ -121,13 +132,20 @@ class DictConnector(KVConnectorBase):
         if self.delay_steps:
             for request_id in finished_request_ids:
                 self._delayed[request_id] = self.delay_steps
+        received = set()
+        for request_id, state in list(self._receiving.items()):
+            state[0] -= 1
+            if state[0] <= 0:
+                self._copy(state[1])
+                received.add(request_id)
+                del self._receiving[request_id]
         done = set()
         for request_id in list(self._delayed):
             self._delayed[request_id] -= 1
             if self._delayed[request_id] <= 0:
                 done.add(request_id)
                 del self._delayed[request_id]
-        return done, set()
+        return done, received
 
     def get_block_ids_with_load_errors(self):
         errors, self._errors = self._errors, set()

@@ -7,9 +7,11 @@ with the key's name."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -30,9 +32,14 @@ ROUNDS = [[(f"{r}-{i}", PREFIXES[i] + [3 + r, 4]) for i in range(4)] for r in ra
 SMALL = dict(kv_cache_blocks=20)
 
 
-def _engine(**kwargs) -> EngineCore:
-    return EngineCore(EngineConfig(tiny_checkpoint("qwen2"), block_size=BLOCK, max_model_len=64, num_threads=1,
+@contextlib.contextmanager
+def _engine(**kwargs) -> Iterator[EngineCore]:
+    core = EngineCore(EngineConfig(tiny_checkpoint("qwen2"), block_size=BLOCK, max_model_len=64, num_threads=1,
                                    **kwargs))
+    try:
+        yield core
+    finally:
+        core.shutdown()  # waits for the disk tier's queued writes
 
 
 def _round(core: EngineCore, requests) -> dict[str, list[int]]:
@@ -55,11 +62,8 @@ def _assert_clean(core: EngineCore) -> None:
 
 @pytest.fixture(scope="module")
 def reference() -> list[dict[str, list[int]]]:
-    core = _engine(kv_cache_blocks=400)  # every prefix fits
-    try:
+    with _engine(kv_cache_blocks=400) as core:  # every prefix fits
         return [_round(core, requests) for requests in ROUNDS]
-    finally:
-        core.shutdown()
 
 
 def _offload(size_bytes: int = 1 << 20, **extra) -> dict:
@@ -68,8 +72,7 @@ def _offload(size_bytes: int = 1 << 20, **extra) -> dict:
 
 
 def test_a_small_device_cache_hits_the_host_tier_with_the_reference_tokens(reference):
-    core = _engine(**SMALL, kv_offloading_size=1 / 1024)  # 1 MiB
-    try:
+    with _engine(**SMALL, kv_offloading_size=1 / 1024) as core:  # 1 MiB
         assert _round(core, ROUNDS[0]) == reference[0]
         first = core.make_stats()
         assert first.external_prefix_cache_hits == 0 and first.kv_transfer.num_saves > 0
@@ -80,28 +83,20 @@ def test_a_small_device_cache_hits_the_host_tier_with_the_reference_tokens(refer
         assert second.external_prefix_cache_hits == 4 * 36 and second.prefix_cache_hits == 0
         assert second.kv_transfer.num_loads == 4 * 9 and second.kv_transfer.bytes_loaded > 0
         _assert_clean(core)
-    finally:
-        core.shutdown()
     # Without the tier the same budget recomputes everything.
-    core = _engine(**SMALL)
-    try:
+    with _engine(**SMALL) as core:
         _round(core, ROUNDS[0])
         assert _round(core, ROUNDS[1]) == reference[1] and core.make_stats().prefix_cache_hits == 0
-    finally:
-        core.shutdown()
 
 
 def test_the_host_tier_evicts_the_least_recently_used_blocks(reference):
     # Room for 12 blocks: round one's last blocks survive, the first prefix's are gone.
-    core = _engine(**SMALL, kv_transfer_config=_offload(12 * 2048))
-    try:
+    with _engine(**SMALL, kv_transfer_config=_offload(12 * 2048)) as core:
         _round(core, ROUNDS[0])
         assert core.make_stats().kv_transfer.tier_bytes == {"cpu": 12 * 2048}
         assert _round(core, [ROUNDS[1][0]]) == {"1-0": reference[1]["1-0"]}
         stats = core.make_stats()
         assert stats.external_prefix_cache_hits == 0 and stats.prefix_cache_hits == 0
-    finally:
-        core.shutdown()
 
 
 def _disk_files(root: Path) -> list[Path]:
@@ -110,37 +105,28 @@ def _disk_files(root: Path) -> list[Path]:
 
 def test_the_disk_tier_survives_a_restart_and_a_corrupt_file_is_recomputed(reference, tmp_path):
     config = _offload(4 * 2048, disk_path=str(tmp_path))  # a host tier of 4 blocks: the rest on disk
-    core = _engine(**SMALL, kv_transfer_config=config)
-    try:
+    with _engine(**SMALL, kv_transfer_config=config) as core:
         assert _round(core, ROUNDS[0]) == reference[0]
-    finally:
-        core.shutdown()  # waits for the queued writes
     files = _disk_files(tmp_path)
     assert len(files) == 4 * 10  # each request's full blocks: its prefix and its tail
     # A restarted engine finds them (its host tier is empty) ...
-    core = _engine(**SMALL, kv_transfer_config=config)
-    try:
+    with _engine(**SMALL, kv_transfer_config=config) as core:
         assert core.make_stats().kv_transfer.tier_bytes["disk"] == 40 * 2048
         assert _round(core, ROUNDS[1][:2]) == {k: reference[1][k] for k in ("1-0", "1-1")}
         stats = core.make_stats()
         assert stats.external_prefix_cache_hits == 2 * 36 and stats.kv_transfer.num_loads == 18
         assert stats.kv_transfer.num_failed_loads == 0
-    finally:
-        core.shutdown()
     # ... and a corrupt one (a flipped byte) is caught by its checksum: removed, counted, recomputed.
     third = [f for f in files if f.exists()]
     victim = next(f for f in third if bytes.fromhex(f.stem) == _block_hash(PREFIXES[2], 4))
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
-    core = _engine(**SMALL, kv_transfer_config=config)
-    try:
+    with _engine(**SMALL, kv_transfer_config=config) as core:
         assert _round(core, [ROUNDS[1][2]]) == {"1-2": reference[1]["1-2"]}
         stats = core.make_stats()
         assert stats.kv_transfer.num_failed_loads == 1 and not victim.exists()
         _assert_clean(core)
-    finally:
-        core.shutdown()
 
 
 def _block_hash(prefix: list[int], index: int) -> bytes:
@@ -156,7 +142,7 @@ def test_block_names_do_not_depend_on_the_hash_seed():
             "print(request_block_hashes(Request('x', list(range(40)), None, pooling_params=None), 4)[-1].hex())")
     names = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
                             env={**os.environ, "PYTHONHASHSEED": seed}).stdout for seed in ("1", "2")}
-    assert len(names) == 1
+    assert len(names) == 1 and len(names.pop().strip()) == 64
 
 
 def test_a_multi_connector_stacks_the_host_tier_behind_another(reference):
@@ -164,15 +150,12 @@ def test_a_multi_connector_stacks_the_host_tier_behind_another(reference):
         {"kv_connector": "DictConnector", "kv_connector_module_path": "tests.kv_dict_connector",
          "kv_connector_extra_config": {"store": "empty-for-multi"}},
         _offload()]}}
-    core = _engine(**SMALL, kv_transfer_config=multi)
-    try:
+    with _engine(**SMALL, kv_transfer_config=multi) as core:
         _round(core, ROUNDS[0])
         core.make_stats()
         assert _round(core, ROUNDS[1]) == reference[1]
         assert core.make_stats().external_prefix_cache_hits == 4 * 36
         _assert_clean(core)
-    finally:
-        core.shutdown()
 
 
 @pytest.mark.parametrize("kwargs, words", [
@@ -184,27 +167,34 @@ def test_a_multi_connector_stacks_the_host_tier_behind_another(reference):
     ({"kv_transfer_config": {"kv_connector": "MultiConnector", "kv_connector_extra_config": {"connectors": [
         _offload(size_bytes="lots")]}}}, r"connectors\[0\].*cpu_bytes_to_use"),
     ({"kv_transfer_config": {"kv_connector": "MultiConnector"}}, "non-empty list"),
+    ({"kv_offloading_size": 1, "speculative_config": {"method": "draft_model", "model": str(tiny_checkpoint("qwen2")),
+                                                      "num_speculative_tokens": 2}}, "draft's own KV"),
 ])
 def test_bad_offloading_configs_name_the_key(kwargs, words):
     with pytest.raises(ValueError, match=words):
         EngineConfig(tiny_checkpoint("qwen2"), block_size=BLOCK, **kwargs)
 
 
+def test_ngram_drafts_verify_over_loaded_blocks(reference):
+    with _engine(**SMALL, kv_offloading_size=1 / 1024,
+                 speculative_config={"method": "ngram", "num_speculative_tokens": 2}) as core:
+        _round(core, ROUNDS[0])
+        assert _round(core, ROUNDS[1]) == reference[1]
+        assert core.make_stats().external_prefix_cache_hits == 4 * 36
+
+
 def test_a_host_tier_too_small_for_one_block_is_refused_at_start():
-    with pytest.raises(ValueError, match="holds no KV block"):
-        _engine(**SMALL, kv_transfer_config=_offload(size_bytes=100))
+    with pytest.raises(ValueError, match="holds no KV block"), _engine(**SMALL, kv_transfer_config=_offload(100)):
+        pass
 
 
 def test_tensor_parallel_ranks_each_offload_their_shard(reference, tmp_path):
     config = _offload(4 * 4096, disk_path=str(tmp_path))  # bytes over both ranks: 4 blocks
-    core = _engine(**SMALL, tensor_parallel_size=2, kv_transfer_config=config)
-    try:
+    with _engine(**SMALL, tensor_parallel_size=2, kv_transfer_config=config) as core:
         assert _round(core, ROUNDS[0]) == reference[0]
         assert _round(core, ROUNDS[1]) == reference[1]
         stats = core.make_stats()
         assert stats.external_prefix_cache_hits == 4 * 36 and stats.kv_transfer.num_failed_loads == 0
         # Each rank loaded its half of every block.
         assert stats.kv_transfer.bytes_loaded == 4 * 9 * 2048 and stats.kv_transfer.num_loads == 2 * 4 * 9
-    finally:
-        core.shutdown()
     assert {p.parent.parent.name for p in _disk_files(tmp_path)} == {"rank0", "rank1"}

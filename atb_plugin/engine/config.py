@@ -379,6 +379,12 @@ class EngineConfig:
         if self.runner == "pooling":
             raise ValueError(f"kv_transfer_config ({kv.kv_connector}): KV connectors serve generative models; a "
                              "pooling model keeps no KV between requests")
+        spec = self.speculative_config
+        if spec is not None and spec.method != "ngram":
+            # A draft model or head keeps KV / hidden states of its own for every position; the
+            # connector loads only the target's, so its drafts would read nothing for them.
+            raise ValueError(f"kv_transfer_config ({kv.kv_connector}) with speculative method {spec.method!r}: the "
+                             "draft's own KV is not transferred; use method 'ngram' or no speculative decoding")
         if cls.needs_prefix_caching(kv) and not self.enable_prefix_caching:
             raise ValueError(f"kv_transfer_config ({kv.kv_connector}) names KV blocks by their prefix hash: it needs "
                              "enable_prefix_caching=True (drop --no-enable-prefix-caching)")

@@ -20,11 +20,12 @@ the segments each request registered. The KV budget comes from the start-up memo
 from __future__ import annotations
 
 import logging
+import time
 
 from atb_plugin.engine.config import EngineConfig
 from atb_plugin.engine.executor import make_executor
 from atb_plugin.engine.kv_cache_manager import KVCacheManager
-from atb_plugin.engine.kv_transfer.base import ConnectorContext, KVConnectorBase, KVConnectorRole
+from atb_plugin.engine.kv_transfer.base import KV_TRANSFER_POLL_S, ConnectorContext, KVConnectorBase, KVConnectorRole
 from atb_plugin.engine.kv_transfer.factory import create_connector
 from atb_plugin.engine.messages import EngineCoreOutput, EngineCoreRequest, SchedulerStats
 from atb_plugin.engine.request import Request, RequestStatus
@@ -155,6 +156,8 @@ class EngineCore:
                 self.structured_output.remove(output.request_id)
         if not scheduled.num_scheduled_tokens:
             self.structured_output.wait_for_compile(_COMPILE_WAIT_S)
+            if self.scheduler.has_requests_receiving_kv() or self.scheduler.has_pending_kv_transfers():
+                time.sleep(KV_TRANSFER_POLL_S)
         if self.proposer is not None:
             self._propose()
         return outputs

@@ -136,13 +136,15 @@ class KVCacheManager:
     # -- allocation -------------------------------------------------------------------------
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_block_ids: list[int] | None = None
+        self, request: Request, num_new_tokens: int, computed_block_ids: list[int] | None = None,
+        delay_cache: bool = False,
     ) -> list[int] | None:
         """Make the request's blocks cover ``request.num_computed_tokens + len(computed_block_ids)
         * block_size + num_new_tokens`` tokens: take a reference on the computed (cache-hit)
         blocks, then allocate what is missing. Returns the ids of the newly allocated blocks (not
         the computed ones; possibly []), or None — having changed nothing — when the pool has too
-        few free blocks. Afterwards every full block of known tokens is hashed and cached."""
+        few free blocks. Afterwards every full block of known tokens is hashed and cached, unless
+        ``delay_cache`` (a KV connector fills them asynchronously: ``cache_blocks`` once it did)."""
         if num_new_tokens < 0:
             raise RuntimeError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         computed_blocks = [self.block_pool.blocks[i] for i in computed_block_ids or ()]
@@ -174,15 +176,21 @@ class KVCacheManager:
         req_blocks.extend(new_blocks)
         if computed_blocks:
             self.num_cached_blocks[request.request_id] = len(computed_blocks)
-
-        if self.enable_prefix_caching:
-            num_full_blocks = min(num_total_tokens, request.num_tokens) // self.block_size
-            num_cached_blocks = self.num_cached_blocks.get(request.request_id, 0)
-            if num_full_blocks > num_cached_blocks:
-                block_hashes = self._block_hashes(request, num_full_blocks * self.block_size)
-                self.block_pool.cache_full_blocks(req_blocks, block_hashes, num_cached_blocks, num_full_blocks)
-                self.num_cached_blocks[request.request_id] = num_full_blocks
+        if not delay_cache:
+            self.cache_blocks(request, num_total_tokens)
         return [block.block_id for block in new_blocks]
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Hash and cache the request's full blocks of known tokens among its first ``num_tokens``."""
+        if not self.enable_prefix_caching:
+            return
+        num_full_blocks = min(num_tokens, request.num_tokens) // self.block_size
+        num_cached_blocks = self.num_cached_blocks.get(request.request_id, 0)
+        if num_full_blocks > num_cached_blocks:
+            block_hashes = self._block_hashes(request, num_full_blocks * self.block_size)
+            self.block_pool.cache_full_blocks(self.req_to_blocks[request.request_id], block_hashes,
+                                              num_cached_blocks, num_full_blocks)
+            self.num_cached_blocks[request.request_id] = num_full_blocks
 
     def free(self, request: Request) -> None:
         """Release every block the request holds (it finished or was preempted). Tail blocks are

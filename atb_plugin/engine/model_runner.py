@@ -250,7 +250,7 @@ class ModelRunner:
             sending, recving = connector.get_finished(set(output.finished_request_ids))
             result.kv_connector_output = KVConnectorOutput(
                 set(sending), set(recving), set(connector.get_block_ids_with_load_errors()),
-                KVTransferStats.from_value(connector.get_stats()))
+                set(connector.get_stored_block_hashes()), KVTransferStats.from_value(connector.get_stats()))
         finally:
             connector.clear_connector_metadata()
         return result

@@ -37,9 +37,6 @@ logger = logging.getLogger("atb_plugin.engine_core")
 
 ADD, ABORT, STOP, READY, OUT, FAILED = b"ADD", b"ABORT", b"STOP", b"READY", b"OUT", b"FAILED"
 _IDLE_POLL_MS = 500  # while idle: how often to check that the parent is still alive
-# No request runs but a KV connector still sends finished requests' blocks: how often an empty
-# step polls the workers for the end of those transfers (their blocks are freed then).
-_TRANSFER_POLL_MS = 5
 _TRIM_INTERVAL_S = 10.0
 
 
@@ -121,8 +118,10 @@ def _loop(core, inbox, outbox, parent: int) -> None:
     poller.register(inbox, zmq.POLLIN)
     trimmer = HeapTrimmer()
     while True:
-        timeout = (0 if core.has_unfinished_requests() else
-                   _TRANSFER_POLL_MS if core.has_pending_kv_transfers() else _IDLE_POLL_MS)
+        # Finished requests whose blocks a KV connector still sends keep the loop stepping (an
+        # empty step polls the workers; EngineCore.step paces such steps).
+        busy = core.has_unfinished_requests() or core.has_pending_kv_transfers()
+        timeout = 0 if busy else _IDLE_POLL_MS
         refused: list[EngineCoreOutput] = []
         received = False
         while poller.poll(timeout):
@@ -142,7 +141,7 @@ def _loop(core, inbox, outbox, parent: int) -> None:
         if os.getppid() != parent:
             logger.error("the API process is gone; the engine core exits")
             return
-        busy = core.has_unfinished_requests() or core.has_pending_kv_transfers()
+        busy = core.has_unfinished_requests() or core.has_pending_kv_transfers()  # (new requests may have come)
         outputs = refused + (core.step() if busy else [])
         # Stats go out with every step, and after an abort too, so the gauges never go stale.
         if outputs or received:

@@ -15,6 +15,9 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    # Holding its blocks while a KV connector loads its prompt's KV asynchronously (vLLM's
+    # WAITING_FOR_REMOTE_KVS); it stays in the waiting queue until the load finished.
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED_STOPPED = "stop"  # EOS, a stop token id or a stop string
     FINISHED_LENGTH = "length"  # max_tokens or the context window
     FINISHED_ABORTED = "abort"

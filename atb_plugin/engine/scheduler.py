@@ -94,6 +94,8 @@ class Scheduler:
         self.pending_frees: dict[str, Request] = {}
         # Requests whose connector load failed, recomputed from scratch: never asked again.
         self._skip_connector: set[str] = set()
+        # Requests waiting for remote KV whose asynchronous load finished (finished_recving).
+        self._received: set[str] = set()
         # Requests put back to waiting after a failed load: reported to the runners (and the
         # ranks' mirrors) as preempted with the next step, so they drop their rows.
         self._rolled_back: list[str] = []
@@ -152,15 +154,19 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        # A request still receiving its KV: the connector writes into its blocks until it reports.
+        receiving = request.status is RequestStatus.WAITING_FOR_REMOTE_KVS and request_id not in self._received
         request.status = status
         self._skip_connector.discard(request_id)
-        delay = False
+        self._received.discard(request_id)
+        delay = receiving
         if self.connector is not None:
-            delay, params = self.connector.request_finished(request, self.kv_cache_manager.get_block_ids(request_id))
+            sending, params = self.connector.request_finished(request, self.kv_cache_manager.get_block_ids(request_id))
+            delay = delay or sending
             if params is not None:
                 self._finished_kv_params[request_id] = params
         if delay:
-            self.pending_frees[request_id] = request  # its blocks stay until the connector sent them
+            self.pending_frees[request_id] = request  # its blocks stay until the connector is done with them
         else:
             self.kv_cache_manager.free(request)
         self._finished_since_last_step.append(request_id)
@@ -223,9 +229,30 @@ class Scheduler:
             if not self.is_ready(request) or not self._has_lora_slot(request):
                 not_ready.append(self.waiting.popleft())
                 continue
-            computed_block_ids, num_cached = self.kv_cache_manager.get_computed_blocks(request)
-            num_external = self._external_tokens(request, num_cached)
-            if num_external is None:  # the connector does not know yet: ask again next step
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if request.request_id not in self._received:
+                    not_ready.append(self.waiting.popleft())  # its asynchronous load is still running
+                    continue
+                # Loaded: it holds its blocks and counts them computed; now they may be hit.
+                self._received.discard(request.request_id)
+                self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+                computed_block_ids, num_cached, num_external, load_async, loaded = [], 0, 0, False, True
+            else:
+                loaded = False
+                computed_block_ids, num_cached = self.kv_cache_manager.get_computed_blocks(request)
+                num_external, load_async = self._external_tokens(request, num_cached)
+                if num_external is None:  # the connector does not know yet: ask again next step
+                    not_ready.append(self.waiting.popleft())
+                    continue
+            if load_async:
+                # The blocks now, the tokens once finished_recving names the request: it keeps
+                # its place in the queue meanwhile, its blocks out of the prefix cache.
+                blocks = self.kv_cache_manager.allocate_slots(request, num_external, computed_block_ids,
+                                                              delay_cache=True)
+                if blocks is None:
+                    break
+                self._admitted(request, num_cached, num_external, computed_block_ids + blocks)
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 not_ready.append(self.waiting.popleft())
                 continue
             num_new = self._num_new_tokens(request, budget, num_cached + num_external)
@@ -235,23 +262,13 @@ class Scheduler:
             if blocks is None:
                 break
             self.waiting.popleft()
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-                self._prefix_queries += request.num_tokens
-                self._prefix_hits += num_cached
-                if self._asks_connector(request):
-                    # vLLM's external_prefix_cache_*: the tokens after the local hit were asked for.
-                    self._external_queries += request.num_tokens - num_cached
-                    self._external_hits += num_external
+            if not loaded:  # one that loaded asynchronously was admitted when it got its blocks
+                self._admitted(request, num_cached, num_external, computed_block_ids + blocks)
             request.status = RequestStatus.RUNNING
-            # vLLM counts both in num_cached_tokens: neither was computed here.
-            request.num_computed_tokens = request.num_cached_tokens = num_cached + num_external
-            if self.connector is not None:
-                self.connector.update_state_after_alloc(request, computed_block_ids + blocks, num_external)
             self.running.append(request)
             new_requests.append(request)
             scheduled[request.request_id] = num_new
-            new_block_ids[request.request_id] = computed_block_ids + blocks
+            new_block_ids[request.request_id] = self.kv_cache_manager.get_block_ids(request.request_id)
             budget -= num_new
         self.waiting.extendleft(reversed(not_ready))  # back in front, in their order
 
@@ -269,24 +286,38 @@ class Scheduler:
 
     # -- KV connector ----------------------------------------------------------------------------
 
+    def _admitted(self, request: Request, num_cached: int, num_external: int, block_ids: list[int]) -> None:
+        """A waiting request got its blocks: its local hits and external tokens count computed
+        (vLLM counts both in num_cached_tokens: neither was computed here), its first admission
+        counts in the prefix-cache stats, the connector learns its blocks."""
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+            self._prefix_queries += request.num_tokens
+            self._prefix_hits += num_cached
+            if self._asks_connector(request):
+                # vLLM's external_prefix_cache_*: the tokens after the local hit were asked for.
+                self._external_queries += request.num_tokens - num_cached
+                self._external_hits += num_external
+        request.num_computed_tokens = request.num_cached_tokens = num_cached + num_external
+        if self.connector is not None:
+            self.connector.update_state_after_alloc(request, block_ids, num_external)
+
     def _asks_connector(self, request: Request) -> bool:
         # A request owing its prompt logprobs needs every prompt position's logits computed here.
         return (self.connector is not None and request.request_id not in self._skip_connector
                 and not request.needs_prompt_logprobs and not request.is_pooling)
 
-    def _external_tokens(self, request: Request, num_cached: int) -> int | None:
+    def _external_tokens(self, request: Request, num_cached: int) -> tuple[int | None, bool]:
         """Tokens after the ``num_cached`` local hits the connector delivers (0 without one),
-        cut so the last token is always computed here; None: it does not know yet."""
+        cut so the last token is always computed here (None: it does not know yet), and whether
+        it loads them asynchronously."""
         if not self._asks_connector(request):
-            return 0
+            return 0, False
         num_external, load_async = self.connector.get_num_new_matched_tokens(request, num_cached)
         if num_external is None:
-            return None
-        if load_async and num_external:
-            raise NotImplementedError(
-                f"KV connector {self.connector.name}: asynchronous loads (load_async=True) are not supported by this "
-                "engine yet; load in start_load_kv (docs/kv-transfer.md)")
-        return max(0, min(num_external, request.num_tokens - 1 - num_cached))
+            return None, False
+        num_external = max(0, min(num_external, request.num_tokens - 1 - num_cached))
+        return num_external, bool(load_async and num_external)
 
     def update_from_kv_connector_output(self, output: KVConnectorOutput | None) -> tuple[list[EngineCoreOutput], set[str]]:
         """The workers' report of the step (merged over ranks), before the step's tokens are
@@ -299,24 +330,44 @@ class Scheduler:
         self.connector.update_connector_output(output)
         if output.stats is not None:
             self._add_kv_stats(output.stats)
-        for request_id in output.finished_sending:
+        voided: tuple[list[EngineCoreOutput], set[str]] = [], set()
+        if output.invalid_block_ids:  # before the receives: a failed load is no finished one
+            voided = self._void_failed_loads(output.invalid_block_ids)
+        for request_id in output.finished_sending | output.finished_recving:
             request = self.pending_frees.pop(request_id, None)
             if request is not None:
                 self.kv_cache_manager.free(request)
-        if not output.invalid_block_ids:
-            return [], set()
-        return self._void_failed_loads(output.invalid_block_ids)
+            elif request_id in output.finished_recving and self._is_receiving(request_id):
+                self._received.add(request_id)
+        return voided
+
+    def _is_receiving(self, request_id: str) -> bool:
+        request = self.requests.get(request_id)
+        return request is not None and request.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+
+    def has_requests_receiving_kv(self) -> bool:
+        """Requests waiting for an asynchronous KV load (their steps schedule nothing meanwhile)."""
+        return any(request.status is RequestStatus.WAITING_FOR_REMOTE_KVS for request in self.waiting)
 
     def _void_failed_loads(self, invalid: set[int]) -> tuple[list[EngineCoreOutput], set[str]]:
         kv = self.kv_cache_manager
         # allocate_slots cached the blocks already: their contents are garbage, so no later
         # request may hit them.
         kv.uncache_blocks(invalid)
-        affected = [r for r in self.running if invalid.intersection(kv.get_block_ids(r.request_id))]
+        for request_id, request in list(self.pending_frees.items()):
+            if invalid.intersection(kv.get_block_ids(request_id)):  # finished while loading: done now
+                del self.pending_frees[request_id]
+                kv.free(request)
+        receiving = [r for r in self.waiting if r.status is RequestStatus.WAITING_FOR_REMOTE_KVS]
+        affected = [r for r in self.running + receiving if invalid.intersection(kv.get_block_ids(r.request_id))]
         self._add_kv_stats(KVTransferStats(num_failed_loads=len(affected)))
         outputs = []
         for request in affected:
             request_id = request.request_id
+            if request.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                # Its load is over (it failed): it may be freed or end at once.
+                request.status = RequestStatus.WAITING
+                self._received.discard(request_id)
             if self.connector.config.kv_load_failure_policy == "fail":
                 why = (f"KV connector {self.connector.name}: the KV load failed for {len(invalid)} block(s) of this "
                        "request's prompt (kv_load_failure_policy 'fail')")
@@ -325,16 +376,17 @@ class Scheduler:
                                                 error=why, kv_transfer_params=self._finished_kv_params.pop(request_id,
                                                                                                            None)))
                 continue
-            # Recompute: back to the front of the waiting queue, its blocks freed, never asked of
-            # the connector again; its output tokens (if any) stay.
-            self.running.remove(request)
+            # Recompute: back to the front of the waiting queue (a receiving one keeps its place),
+            # its blocks freed, never asked of the connector again; its output tokens (if any) stay.
             kv.free(request)
-            request.status = RequestStatus.PREEMPTED
             request.num_computed_tokens = 0
             request.spec_token_ids = []
             self._skip_connector.add(request_id)
-            self._rolled_back.append(request_id)
-            self.waiting.appendleft(request)
+            if request in self.running:
+                self.running.remove(request)
+                request.status = RequestStatus.PREEMPTED
+                self._rolled_back.append(request_id)
+                self.waiting.appendleft(request)
         return outputs, {request.request_id for request in affected}
 
     def _add_kv_stats(self, stats) -> None:

@@ -148,6 +148,12 @@ class ServerMetrics:
         self.num_requests_waiting[engine].set(waiting)
         self.kv_cache_usage[engine].set(kv_usage)
 
+    def _engine_counters(self, prefix: str, docs) -> dict:
+        """Counters ``prefix + name`` labelled ``engine``, made when an engine first reports them
+        (an engine without the feature exposes none)."""
+        return {name: Counter(f"{prefix}{name}", doc, ["model_name", "engine"], registry=self.registry)
+                for name, doc in docs}
+
     def add_spec_decoding(self, stats, engine: int = 0) -> None:
         """Engine ``engine``'s speculative decoding since its last stats (a ``SpecDecodingStats``,
         or None: no drafts verified). vLLM's counters, registered with the first drafts (an
@@ -155,14 +161,13 @@ class ServerMetrics:
         if stats is None:
             return
         if self._spec is None:
-            r, labels = self.registry, ["model_name", "engine"]
-            self._spec = {name: Counter(f"vllm:spec_decode_{name}", doc, labels, registry=r) for name, doc in (
+            self._spec = self._engine_counters("vllm:spec_decode_", (
                 ("num_drafts", "Number of spec decoding drafts."),
                 ("num_draft_tokens", "Number of draft tokens."),
-                ("num_accepted_tokens", "Number of accepted tokens."))}
+                ("num_accepted_tokens", "Number of accepted tokens.")))
             self._spec["num_accepted_tokens_per_pos"] = Counter(
                 "vllm:spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
-                labels + ["position"], registry=r)
+                ["model_name", "engine", "position"], registry=self.registry)
         engine_label = str(engine)
         for name in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
             self._spec[name].labels(self.model_name, engine_label).inc(getattr(stats, name))
@@ -181,18 +186,17 @@ class ServerMetrics:
         if stats is None:
             return
         if self._kv_transfer is None:
-            r, labels = self.registry, ["model_name", "engine"]
-            self._kv_transfer = {name: Counter(f"atb_plugin:kv_{name}", doc, labels, registry=r) for name, doc in (
-                ("loads", "KV loads into the device cache by the KV connector (an offload tier hit, a PD pull)."),
-                ("saves", "KV saves out of the device cache by the KV connector."),
+            self._kv_transfer = self._engine_counters("atb_plugin:kv_", (
+                ("loads", "KV blocks loaded into the device cache by the KV connector (offload tier hits, PD pulls)."),
+                ("saves", "KV blocks saved out of the device cache by the KV connector."),
                 ("bytes_loaded", "Bytes of KV loaded into the device cache by the KV connector."),
                 ("bytes_saved", "Bytes of KV saved out of the device cache by the KV connector."),
                 ("load_seconds", "Seconds spent loading KV through the KV connector."),
                 ("save_seconds", "Seconds spent saving KV through the KV connector."),
-                ("failed_loads", "Requests whose KV load failed (recomputed or failed by kv_load_failure_policy)."))}
+                ("failed_loads", "Requests whose KV load failed (recomputed or failed by kv_load_failure_policy).")))
             self._kv_transfer["tier_bytes"] = Gauge("atb_plugin:kv_offload_tier_bytes",
                                                     "Bytes of KV held by each offload tier now.",
-                                                    labels + ["tier"], registry=r)
+                                                    ["model_name", "engine", "tier"], registry=self.registry)
         engine_label = str(engine)
         for name, field_name in (("loads", "num_loads"), ("saves", "num_saves"), ("bytes_loaded", "bytes_loaded"),
                                  ("bytes_saved", "bytes_saved"), ("load_seconds", "load_seconds"),

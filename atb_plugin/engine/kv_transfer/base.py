@@ -37,6 +37,12 @@ from atb_plugin.engine.messages import KVTransferStats
 from atb_plugin.engine.request import Request
 
 
+# A step that runs no model row while KV transfers are in flight (a request waiting for its
+# asynchronous load, blocks a producer still sends) waits this long before the next poll of the
+# workers, rather than spinning.
+KV_TRANSFER_POLL_S = 0.005
+
+
 class KVConnectorRole(enum.Enum):
     SCHEDULER = "scheduler"
     WORKER = "worker"
@@ -83,31 +89,37 @@ class KVConnectorOutput:
     """What the worker side reports after a step. ``finished_sending``: requests whose blocks the
     connector no longer reads (their delayed free may happen now); ``finished_recving``:
     requests whose asynchronous load completed; ``invalid_block_ids``: device blocks whose load
-    failed (their contents are garbage: the scheduler must neither use nor cache them). Under
-    tensor parallelism the executor merges every rank's output: a request is finished only once
-    every rank says so, and invalid blocks are the union."""
+    failed (their contents are garbage: the scheduler must neither use nor cache them);
+    ``stored_block_hashes``: blocks (by prefix-cache hash) whose asynchronous save completed (a
+    tier may offer them from now on). Under tensor parallelism the executor merges every rank's
+    output: a request is finished, a block stored, only once every rank says so, and invalid
+    blocks are the union."""
 
     finished_sending: set[str] = field(default_factory=set)
     finished_recving: set[str] = field(default_factory=set)
     invalid_block_ids: set[int] = field(default_factory=set)
+    stored_block_hashes: set[bytes] = field(default_factory=set)
     # The worker side's transfers since its previous report (``get_stats`` of the worker role):
     # counters, and its tiers' bytes now; summed over ranks (each rank holds its own shard).
     stats: KVTransferStats | None = None
 
     def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids)
+        return not (self.finished_sending or self.finished_recving or self.invalid_block_ids
+                    or self.stored_block_hashes)
 
 
 class KVOutputAggregator:
     """Merges the ranks' ``KVConnectorOutput`` of each step into one (tensor parallelism). Ranks
     may finish a transfer in different steps, so finishes are counted across steps: a request is
-    reported finished (sending / receiving) in the step its last rank reports it. Invalid blocks
-    are the union of the step's (one rank's garbage is the request's garbage); stats are summed."""
+    reported finished (sending / receiving), a block stored, in the step its last rank reports
+    it. Invalid blocks are the union of the step's (one rank's garbage is the request's garbage);
+    stats are summed."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
         self._sending: Counter[str] = Counter()
         self._recving: Counter[str] = Counter()
+        self._stored: Counter[bytes] = Counter()
 
     def aggregate(self, outputs: list[KVConnectorOutput | None]) -> KVConnectorOutput:
         merged = KVConnectorOutput()
@@ -117,9 +129,11 @@ class KVOutputAggregator:
             merged.invalid_block_ids |= output.invalid_block_ids
             self._sending.update(output.finished_sending)
             self._recving.update(output.finished_recving)
+            self._stored.update(output.stored_block_hashes)
             if output.stats is not None:
                 merged.stats = output.stats if merged.stats is None else merged.stats.merged(output.stats, sum_gauges=True)
-        for counts, done in ((self._sending, merged.finished_sending), (self._recving, merged.finished_recving)):
+        for counts, done in ((self._sending, merged.finished_sending), (self._recving, merged.finished_recving),
+                             (self._stored, merged.stored_block_hashes)):
             for request_id in [r for r, n in counts.items() if n >= self.world_size]:
                 done.add(request_id)
                 del counts[request_id]
@@ -232,6 +246,12 @@ class KVConnectorBase(ABC):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Device blocks whose load failed since the previous call."""
+        return set()
+
+    def get_stored_block_hashes(self) -> set[bytes]:
+        """Blocks (prefix-cache hashes) whose asynchronous save completed since the previous
+        call (a disk tier's background writes): reported so the scheduler side offers a block
+        only once every rank holds it."""
         return set()
 
     def shutdown(self) -> None:

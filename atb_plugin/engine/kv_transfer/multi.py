@@ -166,10 +166,10 @@ class MultiConnector(KVConnectorBase):
         return sending, recving
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        errors = set()
-        for connector in self.connectors:
-            errors |= connector.get_block_ids_with_load_errors()
-        return errors
+        return set().union(*(connector.get_block_ids_with_load_errors() for connector in self.connectors))
+
+    def get_stored_block_hashes(self) -> set[bytes]:
+        return set().union(*(connector.get_stored_block_hashes() for connector in self.connectors))
 
     def shutdown(self) -> None:
         for connector in self.connectors:

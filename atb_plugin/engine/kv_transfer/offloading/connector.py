@@ -20,6 +20,7 @@ from atb_plugin.engine.kv_cache_manager import request_block_hashes
 from atb_plugin.engine.kv_transfer.base import KVConnectorBase, KVConnectorMetadata, KVConnectorOutput, KVConnectorRole
 from atb_plugin.engine.kv_transfer.config import KVTransferConfig
 from atb_plugin.engine.kv_transfer.offloading.index import HostIndex, LRUIndex, compatibility_directory, scan
+from atb_plugin.engine.kv_transfer.offloading.store import DiskStore, HostStore
 from atb_plugin.engine.messages import KVTransferStats
 from atb_plugin.engine.request import Request
 from atb_plugin.utils import cdiv
@@ -103,10 +104,11 @@ class OffloadingConnector(KVConnectorBase):
         self._pending = OffloadingMetadata()
         if self.directory is not None:
             capacity = extra["disk_bytes_to_use"] // self.block_bytes if "disk_bytes_to_use" in extra else None
+            # Hash -> whether every rank's file of it is complete (only then is it offered).
             self.disk_index = LRUIndex(capacity)
             # A restarted engine finds the blocks an earlier one wrote (oldest first: LRU order).
             for block_hash in scan(self.directory, self.context.tensor_parallel_size):
-                for evicted, _ in self.disk_index.add(block_hash):
+                for evicted, _ in self.disk_index.add(block_hash, True):
                     self._pending.disk_removes.append(evicted)
         self._requests: dict[str, Request] = {}
         self._block_ids: dict[str, list[int]] = {}
@@ -125,7 +127,9 @@ class OffloadingConnector(KVConnectorBase):
         return hashes
 
     def _held(self, block_hash: BlockHash) -> bool:
-        return block_hash in self.host_index or (self.disk_index is not None and block_hash in self.disk_index)
+        if block_hash in self.host_index:
+            return True
+        return self.disk_index is not None and self.disk_index.entries.get(block_hash, False)
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens):
         if not self.config.is_consumer:
@@ -150,7 +154,7 @@ class OffloadingConnector(KVConnectorBase):
             block_hash, block_id = hashes[index], block_ids[index]
             if block_hash in self.host_index:
                 self._pending.host_loads.append((self.host_index.touch(block_hash), block_id))
-            elif self.disk_index is not None and block_hash in self.disk_index:
+            elif self._held(block_hash):  # on disk, every rank's file complete
                 self.disk_index.touch(block_hash)
                 self._pending.disk_loads.append((block_hash, block_id))
             else:
@@ -199,13 +203,17 @@ class OffloadingConnector(KVConnectorBase):
             if block_hash in self.disk_index:
                 self.disk_index.touch(block_hash)
                 continue
-            for evicted, _ in self.disk_index.add(block_hash):
+            for evicted, _ in self.disk_index.add(block_hash, False):  # offered once written
                 meta.disk_removes.append(evicted)
             meta.disk_writes.append((block_id, block_hash))
             self._step_saves.append(block_hash)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         saves, self._step_saves = self._step_saves, []
+        if self.disk_index is not None:
+            for block_hash in output.stored_block_hashes:
+                if block_hash in self.disk_index:
+                    self.disk_index.entries[block_hash] = True
         if not output.invalid_block_ids:
             return
         # A block that failed to load is in no tier any more (a rank lacks it, or its file was
@@ -235,8 +243,6 @@ class OffloadingConnector(KVConnectorBase):
     # -- worker side ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: list) -> None:
-        from atb_plugin.engine.kv_transfer.offloading.store import DiskStore, HostStore  # torch: worker side only
-
         self.host = HostStore(kv_caches, self.num_slots)
         if self.directory is not None:
             self.disk = DiskStore(self.directory, self.context.tensor_parallel_rank, kv_caches)
@@ -276,6 +282,9 @@ class OffloadingConnector(KVConnectorBase):
     def get_block_ids_with_load_errors(self) -> set[int]:
         errors, self._errors = self._errors, set()
         return errors
+
+    def get_stored_block_hashes(self) -> set[bytes]:
+        return self.disk.written() if self.disk is not None else set()
 
     def shutdown(self) -> None:
         if getattr(self, "disk", None) is not None:

@@ -72,6 +72,7 @@ class DiskStore:
         self.payload_bytes = sum(self.row_bytes)
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kv-disk-writer-{rank}")
         self._inflight: dict[bytes, Future] = {}
+        self._written: list[bytes] = []  # completed writes since the last written() call
         self._lock = threading.Lock()
         self.write_errors = 0
 
@@ -88,12 +89,20 @@ class DiskStore:
             with open(temporary, "wb") as file:
                 file.write(MAGIC + hashlib.sha256(payload).digest() + payload)
             os.replace(temporary, path)  # readers see a whole file or none
+            with self._lock:
+                self._written.append(block_hash)
         except OSError as error:  # a full or read-only disk: the block is simply not on disk
             self.write_errors += 1
             logger.warning("KV offload: writing %s failed: %s", path, error)
         finally:
             with self._lock:
                 self._inflight.pop(block_hash, None)
+
+    def written(self) -> set[bytes]:
+        """Blocks whose file is complete, since the previous call."""
+        with self._lock:
+            done, self._written = set(self._written), []
+        return done
 
     def _wait(self, block_hash: bytes) -> None:
         with self._lock:
