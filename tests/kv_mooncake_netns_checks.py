@@ -186,9 +186,31 @@ def check_connector(out: dict) -> None:
     worker.shutdown()
 
 
+def check_offline(out: dict) -> None:
+    """The offline LLM as a producer: kv_transfer_params in, RequestOutput.kv_transfer_params out."""
+    from atb_plugin import LLM
+    from atb_plugin.testing.tiny import tiny_checkpoint
+    from tests.server_helpers import free_port
+
+    config = {"kv_connector": "MooncakeConnector", "kv_role": "kv_producer",
+              "kv_connector_extra_config": {"side_channel_port": free_port()}}
+    greedy = SamplingParams(max_tokens=1, temperature=0.0)
+    with LLM(tiny_checkpoint("qwen2"), block_size=16, max_model_len=128, kv_transfer_config=config) as llm:
+        prompt = "The quick brown fox jumps over the lazy dog again and again"
+        handed, plain = llm.generate([prompt, prompt], greedy, kv_transfer_params=[{"do_remote_decode": True}, None])
+        out["handed"] = handed.kv_transfer_params
+        out["plain"] = plain.kv_transfer_params
+        out["prompt_tokens"] = len(handed.prompt_token_ids)
+        try:
+            llm.generate(prompt, SamplingParams(max_tokens=1, n=2), kv_transfer_params={"do_remote_decode": True})
+            out["n2"] = "accepted"
+        except ValueError as error:
+            out["n2"] = str(error)
+
+
 def main(path: str) -> None:
     results = {}
-    for name, check in (("wrapper", check_wrapper), ("connector", check_connector)):
+    for name, check in (("wrapper", check_wrapper), ("connector", check_connector), ("offline", check_offline)):
         section = results[name] = {}
         try:
             check(section)

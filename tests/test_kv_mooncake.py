@@ -117,3 +117,12 @@ def test_a_consumer_never_trusts_malformed_params(change, why, caplog):
     assert scheduler.build_connector_meta(None).recv == []  # nothing to read for it
     if why is not None:
         assert why in caplog.text
+
+
+def test_the_offline_llm_takes_and_returns_kv_transfer_params(netns_run):
+    offline = _section(netns_run, "offline")
+    assert offline["plain"] is None
+    handed = offline["handed"]
+    assert handed["do_remote_prefill"] and handed["num_prompt_tokens"] == offline["prompt_tokens"]
+    assert len(handed["remote_block_ids"]) == -(-offline["prompt_tokens"] // 16)
+    assert "kv_transfer_params with n > 1 is not supported" in offline["n2"]
