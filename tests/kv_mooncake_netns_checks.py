@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+import os
+import signal
 import sys
 import time
 import traceback
@@ -113,6 +115,16 @@ def check_wrapper(out: dict) -> None:
         out["remote_out_of_range"] = "accepted"
     except MooncakeError as error:
         out["remote_out_of_range"] = str(error)
+    # A frozen peer (SIGSTOP): the read fails after MC_TCP_PROGRESS_TIMEOUT_SEC (2 s here), not 30 s.
+    os.kill(child.pid, signal.SIGSTOP)
+    started = time.perf_counter()
+    try:
+        transfer.read(session, [local.data_ptr()], [remote], [NBYTES])
+        out["frozen_peer"] = "accepted"
+    except MooncakeError as error:
+        out["frozen_peer"] = str(error)
+    out["frozen_peer_seconds"] = time.perf_counter() - started
+    os.kill(child.pid, signal.SIGCONT)
     ours.send("go")
     child.join(10)
     started = time.perf_counter()

@@ -67,6 +67,8 @@ def test_wrapper_turns_every_sharp_edge_into_an_error(netns_run):
     assert "not in registered memory" in wrapper["unregistered_local"] and wrapper["stray_untouched"]
     assert "batch_transfer_sync_read" in wrapper["remote_out_of_range"]
     assert "batch_transfer_sync_read" in wrapper["dead_peer"] and wrapper["dead_peer_seconds"] < 5
+    # Frozen (SIGSTOP): the progress timeout (2 s in the checks), not Mooncake's default 30 s.
+    assert "batch_transfer_sync_read" in wrapper["frozen_peer"] and 1.5 < wrapper["frozen_peer_seconds"] < 10
 
 
 def test_producer_hands_out_its_blocks_and_frees_them_on_ack(netns_run):
