@@ -128,3 +128,29 @@ def test_the_offline_llm_takes_and_returns_kv_transfer_params(netns_run):
     assert handed["do_remote_prefill"] and handed["num_prompt_tokens"] == offline["prompt_tokens"]
     assert len(handed["remote_block_ids"]) == -(-offline["prompt_tokens"] // 16)
     assert "kv_transfer_params with n > 1 is not supported" in offline["n2"]
+
+
+def test_a_producer_frees_on_ack_or_after_abort_timeout():
+    import time
+
+    from atb_plugin.engine.kv_transfer.mooncake.connector import MooncakeConnectorMetadata
+
+    class Acks:  # the side channel's end, without a socket
+        acked: set = set()
+
+        def take_acked(self):
+            acked, self.acked = self.acked, set()
+            return acked
+
+    worker = MooncakeConnector(KVTransferConfig("MooncakeConnector", "kv_producer", {"abort_timeout_s": 0.05}),
+                               KVConnectorRole.WORKER, ConnectorContext("m", 16, 8))
+    worker._server = Acks()
+    worker._server.acked = {"early"}  # acknowledged before this rank heard of the request
+    assert worker.get_finished(set()) == (set(), set())
+    worker.bind_connector_metadata(MooncakeConnectorMetadata(send=["a", "b", "early"]))
+    worker.start_load_kv()
+    worker._server.acked = {"b", "stray"}
+    assert worker.get_finished(set()) == ({"b", "early"}, set())
+    time.sleep(0.1)
+    assert worker.get_finished(set()) == ({"a"}, set())  # nobody pulled it: freed after the timeout
+    assert worker._early_acks == {} and worker._sending == {}  # the stray ack expired too
