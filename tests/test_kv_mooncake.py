@@ -116,9 +116,11 @@ def test_a_consumer_never_trusts_malformed_params(change, why, caplog):
     request = Request("bad", list(range(10)), SamplingParams(), kv_transfer_params={**params, **change})
     assert scheduler.get_num_new_matched_tokens(request, 0) == (0, False)
     scheduler.update_state_after_alloc(request, [3], 0)
-    assert scheduler.build_connector_meta(None).recv == []  # nothing to read for it
+    recv = scheduler.build_connector_meta(None).recv
     if why is not None:
-        assert why in caplog.text
+        assert recv == [] and why in caplog.text  # nothing to read for it, nobody to tell
+    else:  # valid params for other tokens: nothing read, the producer told once to free its blocks
+        assert [(spec.remote_request_id, spec.local_block_ids) for spec in recv] == [("r", [])]
 
 
 def test_the_offline_llm_takes_and_returns_kv_transfer_params(netns_run):

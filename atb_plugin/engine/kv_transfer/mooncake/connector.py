@@ -157,9 +157,12 @@ class MooncakeConnector(KVConnectorBase):
             return None
         expected = params.get("num_prompt_tokens")
         if expected is not None and expected != request.num_prompt_tokens:
-            # Another tokenization than the producer's: its KV belongs to other tokens.
+            # Another tokenization than the producer's: its KV belongs to other tokens. Nothing is
+            # read; the producer hears at once that it may free its blocks.
             logger.warning("request %s: the producer ran %s prompt tokens, this instance has %d; computing here",
                            request.request_id, expected, request.num_prompt_tokens)
+            request.kv_transfer_params = {**params, "do_remote_prefill": False}
+            self._pending_recv.append(self._recv_spec(request, params, [], []))
             return None
         return params
 
