@@ -220,9 +220,50 @@ def check_offline(out: dict) -> None:
             out["n2"] = str(error)
 
 
+def check_media(out: dict) -> None:
+    """An image chat whose KV is pulled runs no vision encoder: one kv_both engine (prefix cache
+    off, so only the connector can spare positions) produces, then consumes its own blocks."""
+    import atb_plugin.multimodal.prompt as prompt_module
+    from atb_plugin import LLM
+    from atb_plugin.testing.tiny import tiny_checkpoint
+    from tests.server_helpers import data_url, free_port
+
+    calls = []
+    encode = prompt_module.encode_pixels
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return encode(*args, **kwargs)
+
+    prompt_module.encode_pixels = counted
+    chat = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(seed=3)}},
+                                         {"type": "text", "text": "What is in this picture?"}]}]
+    config = {"kv_connector": "MooncakeConnector", "kv_role": "kv_both",
+              "kv_connector_extra_config": {"side_channel_port": free_port()}}
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    try:
+        with LLM(tiny_checkpoint("qwen2_vl"), block_size=16, max_model_len=512, enable_prefix_caching=False,
+                 kv_transfer_config=config) as llm:
+            calls.clear()  # the start-up memory profile encodes too
+            (handed,) = llm.chat(chat, SamplingParams(max_tokens=1, temperature=0.0),
+                                 kv_transfer_params={"do_remote_decode": True})
+            out["producer_encoder_calls"] = len(calls)
+            calls.clear()
+            (pulled,) = llm.chat(chat, greedy, kv_transfer_params=handed.kv_transfer_params)
+            out["consumer_encoder_calls"] = len(calls)
+            out["consumer_cached"] = [pulled.num_cached_tokens, len(pulled.prompt_token_ids)]
+            calls.clear()
+            (computed,) = llm.chat(chat, greedy)
+            out["plain_encoder_calls"] = len(calls)
+            out["same_tokens"] = pulled.outputs[0].token_ids == computed.outputs[0].token_ids
+    finally:
+        prompt_module.encode_pixels = encode
+
+
 def main(path: str) -> None:
     results = {}
-    for name, check in (("wrapper", check_wrapper), ("connector", check_connector), ("offline", check_offline)):
+    for name, check in (("wrapper", check_wrapper), ("connector", check_connector), ("offline", check_offline),
+                        ("media", check_media)):
         section = results[name] = {}
         try:
             check(section)

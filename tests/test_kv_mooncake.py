@@ -156,3 +156,11 @@ def test_a_producer_frees_on_ack_or_after_abort_timeout():
     time.sleep(0.1)
     assert worker.get_finished(set()) == ({"a"}, set())  # nobody pulled it: freed after the timeout
     assert worker._early_acks == {} and worker._sending == {}  # the stray ack expired too
+
+
+def test_a_pulled_image_prompt_runs_no_vision_encoder(netns_run):
+    media = _section(netns_run, "media")
+    assert media["producer_encoder_calls"] == 1 and media["plain_encoder_calls"] == 1
+    assert media["consumer_encoder_calls"] == 0  # the KV carried the image
+    cached, prompt = media["consumer_cached"]
+    assert cached == prompt - 1 and media["same_tokens"]
