@@ -50,6 +50,23 @@ def connector(role: str, kv_role: str, port: int, engine_id: str, **extra) -> Mo
     return MooncakeConnector(config, KVConnectorRole(role), context)
 
 
+def wait_stopped(pid: int, timeout: float = 5.0) -> None:
+    """Until every thread of ``pid`` is stopped (SIGSTOP lands when each is next scheduled: on a
+    busy machine a thread may still answer a read right after kill() returns)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for task in os.listdir(f"/proc/{pid}/task"):
+            try:
+                with open(f"/proc/{pid}/task/{task}/stat") as handle:
+                    states.append(handle.read().rsplit(")", 1)[1].split()[0])
+            except OSError:
+                continue
+        if states and all(state in ("T", "t") for state in states):
+            return
+        time.sleep(0.01)
+
+
 def raw_producer(pipe) -> None:
     transfer = MooncakeTransfer(timeout_s=2)
     buffer = pattern(NBYTES, 3)
@@ -117,6 +134,7 @@ def check_wrapper(out: dict) -> None:
         out["remote_out_of_range"] = str(error)
     # A frozen peer (SIGSTOP): the read fails after MC_TCP_PROGRESS_TIMEOUT_SEC (2 s here), not 30 s.
     os.kill(child.pid, signal.SIGSTOP)
+    wait_stopped(child.pid)
     started = time.perf_counter()
     try:
         transfer.read(session, [local.data_ptr()], [remote], [NBYTES])
