@@ -32,6 +32,8 @@ setup(
         "prometheus-client==0.26.0",
         "pyzmq==27.3.0",
         "msgspec==0.22.0",
+        # `atb-plugin proxy` (prefill/decode disaggregation) talks to the instances with it.
+        "httpx==0.28.1",
         # Structured output: xgrammar's runtime. xgrammar itself (0.2.8) is installed by
         # scripts/bootstrap.sh with --no-deps: its Linux wheel requires triton (for its CUDA
         # kernels; several hundred MB) which the CPU path never imports. Its other requirements
@@ -43,7 +45,8 @@ setup(
     entry_points={"console_scripts": ["atb-plugin=atb_plugin.server.cli:main"]},
     extras_require={
         # Ascend only: needs CANN's libraries to even import. Never installed in CI.
-        "npu": ["torch-npu==2.13.0"],
+        # mooncake-transfer-engine-npu: the MooncakeConnector's transport there (vllm-ascend's).
+        "npu": ["torch-npu==2.13.0", "mooncake-transfer-engine-npu==0.3.13.post1"],
         "test": [
             "pytest==9.2.0",
             "hypothesis==6.170.15",
@@ -63,6 +66,10 @@ setup(
             # scripts/run_tests.sh lints the tree (ruff.toml) before the whole suite.
             "ruff==0.17.6",
         ],
+        # The MooncakeConnector's transport on CPU hosts (prefill/decode disaggregation,
+        # docs/kv-transfer.md); it loads Debian's libibverbs1 (scripts/bootstrap.sh installs it).
+        # On Ascend vllm-ascend uses mooncake-transfer-engine-npu (needs CANN): see the docs.
+        "kv": ["mooncake-transfer-engine-non-cuda==0.3.13.post1"],
         # --distributed-executor-backend ray: ranks as Ray actors, across nodes (engine/executor/ray.py).
         # Pinned: the executor uses Ray's placement-group and actor APIs, and every node of a
         # cluster must run the same Ray version. scripts/bootstrap.sh installs it for the tests.

@@ -25,6 +25,47 @@ def run_python(code: str, timeout: float = 60) -> subprocess.CompletedProcess:
     )
 
 
+def netns_prefix() -> list[str] | None:
+    """``unshare`` into a new network namespace (as root; else with a user namespace mapping us
+    to root), or None where this machine does not allow it. What runs there must raise ``lo``
+    (``ip link set lo up``) and can reach nothing but 127.0.0.1: for services that bind every
+    interface whatever they are told (Ray, the Mooncake Transfer Engine)."""
+    if shutil.which("unshare") is None or shutil.which("ip") is None:
+        return None
+    prefix = ["unshare", "-n"] if os.geteuid() == 0 else ["unshare", "-rn"]
+    probe = subprocess.run([*prefix, "ip", "link", "set", "lo", "up"], capture_output=True)
+    return prefix if probe.returncode == 0 else None
+
+
+def run_checks_in_netns(module: str, why: str, timeout: float) -> dict:
+    """Run ``python -m module OUT.json`` in a network namespace of its own (loopback only) and
+    return what it wrote there; skipped (with ``why`` the checks need one) where this machine
+    allows no namespace. A run that writes nothing fails with its output's tail."""
+    import json
+    import tempfile
+
+    import pytest
+
+    prefix = netns_prefix()
+    if prefix is None:
+        pytest.skip(f"this machine does not allow a network namespace (unshare -n): {why}")
+    with tempfile.TemporaryDirectory(prefix="atb-netns-test-") as scratch:
+        out = Path(scratch) / "out.json"
+        command = [*prefix, "sh", "-c", f'ip link set lo up && exec "$0" -m {module} "$1"', sys.executable, str(out)]
+        run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout,
+                             env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), TMPDIR=scratch))
+        if not out.exists():
+            pytest.fail(f"{module} wrote nothing (exit {run.returncode}):\n{run.stdout[-4000:]}\n{run.stderr[-6000:]}")
+        return json.loads(out.read_text())
+
+
+def checked_section(results: dict, name: str) -> dict:
+    """One section of a ``run_checks_in_netns`` report, which must hold no traceback."""
+    section = results[name]
+    assert "error" not in section, section.get("error")
+    return section
+
+
 def shm_path(name: str) -> str:
     return os.path.join("/dev/shm", name)
 

@@ -16,12 +16,6 @@ prompt, shipping them, and a remote rank's reader (including a handle the core c
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -31,44 +25,20 @@ import shm
 from atb_plugin.engine.config import EngineConfig, check_executor_backend
 from atb_plugin.multimodal.shipped import media_handles, read_shared_memory, ship, shipped_reader
 from atb_plugin.testing.tiny import tiny_checkpoint
+from tests.helpers import checked_section, run_checks_in_netns
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 CLUSTER_TIMEOUT_S = 900
 
 
-def _unshare_prefix() -> list[str] | None:
-    """``unshare`` into a new network namespace (as root; else with a user namespace mapping us
-    to root), or None where this machine does not allow it."""
-    if shutil.which("unshare") is None or shutil.which("ip") is None:
-        return None
-    prefix = ["unshare", "-n"] if os.geteuid() == 0 else ["unshare", "-rn"]
-    probe = subprocess.run([*prefix, "ip", "link", "set", "lo", "up"], capture_output=True)
-    return prefix if probe.returncode == 0 else None
-
-
 @pytest.fixture(scope="module")
 def cluster_run():
     pytest.importorskip("ray")
-    prefix = _unshare_prefix()
-    if prefix is None:
-        pytest.skip("this machine does not allow a network namespace (unshare -n): the Ray cluster must not "
-                    "run on the host's network")
-    with tempfile.TemporaryDirectory(prefix="atb-ray-test-") as scratch:
-        out = Path(scratch) / "out.json"
-        command = [*prefix, "sh", "-c", 'ip link set lo up && exec "$0" -m tests.ray_netns_checks "$1"',
-                   sys.executable, str(out)]
-        run = subprocess.run(command, cwd=REPO_ROOT, capture_output=True, text=True, timeout=CLUSTER_TIMEOUT_S,
-                             env=dict(os.environ, PYTHONPATH=str(REPO_ROOT), TMPDIR=scratch))
-        if not out.exists():
-            pytest.fail(f"the Ray checks wrote nothing (exit {run.returncode}):\n{run.stdout[-4000:]}\n"
-                        f"{run.stderr[-6000:]}")
-        return json.loads(out.read_text())
+    return run_checks_in_netns("tests.ray_netns_checks", "the Ray cluster must not run on the host's network",
+                               CLUSTER_TIMEOUT_S)
 
 
-def _section(results: dict, name: str) -> dict:
-    section = results[name]
-    assert "error" not in section, section.get("error")
-    return section
+_section = checked_section
 
 
 @pytest.mark.slow

@@ -262,16 +262,19 @@ class AsyncLLM:
 
     def generate(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams | PoolingParams,
                  deadlines: Deadlines | None = None,
-                 lora_request: LoRARequest | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+                 lora_request: LoRARequest | None = None,
+                 kv_transfer_params: dict | None = None) -> AsyncIterator[tuple[int, RequestOutput]]:
         """Run one prompt (``params.n`` choices): its requests reach the core now, before the
         first ``anext`` (a stream whose body never starts still ends them, and releases the
         prompt's lease, when they finish). The iterator yields (choice index, that choice's
         RequestOutput) as each steps, until all are finished. Closing it early aborts them all;
         a failing choice (an engine or worker death) ends them all with that exception, and so
         does a limit of ``deadlines`` (``RequestTimeoutError``, counted in the metrics).
-        ``lora_request``: the adapter its choices run through (None: the base model)."""
+        ``lora_request``: the adapter its choices run through (None: the base model);
+        ``kv_transfer_params``: for the engine's KV connector (docs/kv-transfer.md)."""
         queue: asyncio.Queue = asyncio.Queue()
-        return self._outputs(self._add(request_id, prompt, params, queue, lora_request), queue, deadlines)
+        return self._outputs(self._add(request_id, prompt, params, queue, lora_request, kv_transfer_params), queue,
+                             deadlines)
 
     async def _outputs(self, requests: list, queue: asyncio.Queue,
                        deadlines: Deadlines | None) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -311,12 +314,12 @@ class AsyncLLM:
             await stream.aclose()
 
     def _add(self, request_id: str, prompt: PreparedPrompt, params, queue: asyncio.Queue,
-             lora_request: LoRARequest | None = None) -> list:
+             lora_request: LoRARequest | None = None, kv_transfer_params: dict | None = None) -> list:
         if self.dead_reason is not None:
             self.release(prompt)
             raise EngineDeadError()
         try:
-            requests, _ = self.processor.make_requests(request_id, prompt, params, lora_request)
+            requests, _ = self.processor.make_requests(request_id, prompt, params, lora_request, kv_transfer_params)
         except InvalidRequestError:
             self.release(prompt)
             raise

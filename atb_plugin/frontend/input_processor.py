@@ -408,19 +408,30 @@ class InputProcessor:
             self._checked_loras.add(lora_request.key)
 
     def make_requests(self, request_id: str, prompt: PreparedPrompt, params: SamplingParams | PoolingParams,
-                      lora_request: LoRARequest | None = None) -> tuple[list[EngineCoreRequest], ParentRequest | None]:
+                      lora_request: LoRARequest | None = None,
+                      kv_transfer_params: dict | None = None) -> tuple[list[EngineCoreRequest], ParentRequest | None]:
         """The engine requests of one prompt: one, or with n > 1 one per choice (ids
         ``parallel_sampling.child_request_id``, seeds seed + i), all reading the prompt's
-        segments and running through ``lora_request``'s adapter (checked: ``check_lora``); the
+        segments and running through ``lora_request``'s adapter (checked: ``check_lora``), with
+        ``kv_transfer_params`` for its KV connector (docs/kv-transfer.md); the
         ``ParentRequest`` merges the choices back (None without fan-out)."""
         self.check_lora(lora_request)
+        if kv_transfer_params is not None:
+            if not isinstance(kv_transfer_params, dict):
+                raise InvalidRequestError(f"kv_transfer_params must be a JSON object, got "
+                                          f"{type(kv_transfer_params).__name__}", param="kv_transfer_params")
+            if fans_out(params):
+                # n choices would pull (or hand out) one prompt's remote blocks n times: the
+                # producer frees them at the first acknowledgement.
+                raise InvalidRequestError("kv_transfer_params with n > 1 is not supported", param="kv_transfer_params")
         parent = ParentRequest(request_id, params) if fans_out(params) else None
         children = parent.children if parent is not None else [(request_id, params)]
         instances = (prompt.shm_instance,) if prompt.shm_instance else ()
         pooling = isinstance(params, PoolingParams)
         return [EngineCoreRequest(child_id, list(prompt.ids), None if pooling else child_params, self.eos_token_ids,
                                   instances, pooling_params=child_params if pooling else None,
-                                  token_type_start=prompt.token_type_start, lora_request=lora_request)
+                                  token_type_start=prompt.token_type_start, lora_request=lora_request,
+                                  kv_transfer_params=kv_transfer_params)
                 for child_id, child_params in children], parent
 
     def score_mode(self, activation: bool | None = None) -> tuple[str, PoolingParams]:

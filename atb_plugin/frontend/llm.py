@@ -85,12 +85,15 @@ class LLMEngine:
         return PreparedPrompt(list(ids), Lease(request_id), self.shm_store.instance_id, token_type_start)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams | PoolingParams,
-                    prompt=None, token_type_start: int | None = None, lora_request: LoRARequest | None = None):
+                    prompt=None, token_type_start: int | None = None, lora_request: LoRARequest | None = None,
+                    kv_transfer_params: dict | None = None):
         """Queue one prompt's request(s) (n > 1: its children), through ``lora_request``'s adapter
-        when given; returns the ``ParentRequest`` that merges their choices, or None. The
-        prompt's segments (leased to ``request_id``) are released when the last of them ends."""
+        when given, with ``kv_transfer_params`` for the KV connector; returns the
+        ``ParentRequest`` that merges their choices, or None. The prompt's segments (leased to
+        ``request_id``) are released when the last of them ends."""
         requests, parent = self.input_processor.make_requests(
-            request_id, self.prepared(request_id, prompt_token_ids, token_type_start), params, lora_request)
+            request_id, self.prepared(request_id, prompt_token_ids, token_type_start), params, lora_request,
+            kv_transfer_params)
         self.tracker.add(requests, prompt, Lease(request_id))
         return parent
 
@@ -153,22 +156,28 @@ class LLM:
         return self.input_processor.default_sampling_params()
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
-                 lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+                 lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+                 kv_transfer_params: dict | list[dict | None] | None = None) -> list[RequestOutput]:
         """``lora_request``: one adapter for every prompt, or a list of them (None: the base
-        model), one per prompt (the engine needs ``enable_lora=True``)."""
+        model), one per prompt (the engine needs ``enable_lora=True``). ``kv_transfer_params``:
+        for the engine's KV connector (docs/kv-transfer.md), one dict for every prompt or a list;
+        a request's final output carries what the connector hands back
+        (``RequestOutput.kv_transfer_params``)."""
         single = isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], (int, dict)))
         if not single and not (isinstance(prompts, (list, tuple)) and prompts):
             raise ValueError(f"prompts must be a string, a list of token ids, a list of MindIE items, or a "
                              f"non-empty list of those; got {type(prompts).__name__}")
         prompts = [prompts] if single else list(prompts)
-        return self._run(prompts, sampling_params, self.input_processor.prompt_ids, lora_request)
+        return self._run(prompts, sampling_params, self.input_processor.prompt_ids, lora_request, kv_transfer_params)
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None, *,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
              tools: list | None = None, mm_processor_kwargs: dict | None = None,
-             lora_request: LoRARequest | list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+             lora_request: LoRARequest | list[LoRARequest | None] | None = None,
+             kv_transfer_params: dict | list[dict | None] | None = None) -> list[RequestOutput]:
         """One conversation or a list of them, through the checkpoint's chat template (with
-        ``chat_template_kwargs`` and ``tools`` as the server's chat route passes them)."""
+        ``chat_template_kwargs`` and ``tools`` as the server's chat route passes them);
+        ``lora_request`` and ``kv_transfer_params`` as ``generate`` takes them."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise ValueError(f"messages must be a conversation (a non-empty list of message dicts) or a list of "
                              f"conversations; got {type(messages).__name__}")
@@ -178,7 +187,7 @@ class LLM:
         return self._run(conversations, sampling_params, functools.partial(
             self.input_processor.chat_ids, add_generation_prompt=add_generation_prompt,
             chat_template_kwargs=chat_template_kwargs, tools=tools, mm_processor_kwargs=mm_processor_kwargs),
-            lora_request)
+            lora_request, kv_transfer_params)
 
     # -- pooling ---------------------------------------------------------------------------------
 
@@ -247,7 +256,7 @@ class LLM:
             pooled_data(output)  # a failed one raises
         return outputs
 
-    def _run(self, prompts, params_list, to_ids, lora_requests=None) -> list:
+    def _run(self, prompts, params_list, to_ids, lora_requests=None, kv_transfer_params=None) -> list:
         """Add every prompt (``to_ids(prompt, request_id)`` -> ids, or ``(ids, token_type_start)``)
         with its params (and adapter) and step until all finished; returns their final outputs in
         order. A prompt with ``n > 1`` runs as n child requests merged into one output
@@ -257,10 +266,8 @@ class LLM:
         if not isinstance(params_list, (list, tuple)) or len(params_list) != len(prompts):
             raise ValueError(f"params must be one SamplingParams / PoolingParams or a list of them, one per "
                              f"prompt ({len(prompts)})")
-        if not isinstance(lora_requests, (list, tuple)):
-            lora_requests = [lora_requests] * len(prompts)
-        elif len(lora_requests) != len(prompts):
-            raise ValueError(f"lora_request must be one LoRARequest or a list of them, one per prompt ({len(prompts)})")
+        lora_requests = _per_prompt(lora_requests, len(prompts), "lora_request", "LoRARequest")
+        kv_transfer_params = _per_prompt(kv_transfer_params, len(prompts), "kv_transfer_params", "dict")
         for lora in dict.fromkeys(lora_requests):  # each adapter checked before anything is queued
             self.input_processor.check_lora(lora)
         kind = PoolingParams if isinstance(params_list[0], PoolingParams) else SamplingParams
@@ -275,7 +282,7 @@ class LLM:
         added: list[str] = []  # the engine's request ids (a parent's children in its place)
         finished: dict[str, RequestOutput] = {}
         try:
-            for prompt, params, lora in zip(prompts, params_list, lora_requests):
+            for prompt, params, lora, kv_params in zip(prompts, params_list, lora_requests, kv_transfer_params):
                 request_id = str(next(self._ids))
                 try:
                     ids = to_ids(prompt, request_id)
@@ -289,7 +296,7 @@ class LLM:
                     processor.release(request_id)  # segments the builder made before failing
                     raise
                 order.append(request_id)
-                parent = engine.add_request(request_id, ids, params, prompt, token_type_start, lora)
+                parent = engine.add_request(request_id, ids, params, prompt, token_type_start, lora, kv_params)
                 if parent is not None:
                     parents[request_id] = parent
                 added += parent.child_ids if parent is not None else [request_id]
@@ -316,3 +323,12 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _per_prompt(value, count: int, name: str, kind: str) -> list:
+    """One value for every prompt, or a list of them, one per prompt."""
+    if not isinstance(value, (list, tuple)):
+        return [value] * count
+    if len(value) != count:
+        raise ValueError(f"{name} must be one {kind} or a list of them, one per prompt ({count})")
+    return list(value)

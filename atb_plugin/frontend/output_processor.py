@@ -53,6 +53,9 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: one entry per prompt token (None for the first), from the
     # first output on; None when not asked for (or before the prompt has been computed).
     prompt_logprobs: list[LogprobsEntry | None] | None = None
+    # On the final output, what the request's KV connector handed back (a PD producer: where the
+    # consumer finds the prompt's KV; docs/kv-transfer.md); None otherwise.
+    kv_transfer_params: dict | None = None
 
 
 @dataclass
@@ -73,6 +76,7 @@ class _RequestState:
     num_cached_tokens: int = 0
     queue_time: float | None = None
     prompt_logprobs: list[LogprobsEntry | None] | None = None
+    kv_transfer_params: dict | None = None
 
 
 @dataclass
@@ -133,6 +137,8 @@ class OutputProcessor:
                 state.queue_time = out.queue_time
             if out.prompt_logprobs is not None:
                 state.prompt_logprobs = out.prompt_logprobs
+            if out.kv_transfer_params is not None:
+                state.kv_transfer_params = out.kv_transfer_params
             finish_reason = out.finish_reason
             if finish_reason is None and state.detokenizer.stopped_by is not None:
                 finish_reason = "stop"
@@ -170,7 +176,7 @@ class OutputProcessor:
             delta, list(new_ids), delta_logprobs)
         output = RequestOutput(state.request_id, state.prompt, state.prompt_token_ids, [completion],
                                finish_reason is not None, error, state.num_cached_tokens, state.queue_time,
-                               state.prompt_logprobs)
+                               state.prompt_logprobs, state.kv_transfer_params)
         if finish_reason is not None and self.on_finish is not None:
             self.on_finish(output)
         return output

@@ -468,14 +468,15 @@ async def respond(raw: Request, generation: Generation, make_dialect, prompt: Pr
         raise
     dialect = make_dialect(params.n)
     limits = deadlines(service_of(raw).config, req, start)
-    lora = generation.lora_request
+    lora, kv_params = generation.lora_request, req.kv_transfer_params
     if not req.stream:
-        outputs = await until_answered(raw, last_outputs(llm.generate(request_id, prompt, params, limits, lora)))
+        outputs = await until_answered(raw, last_outputs(llm.generate(request_id, prompt, params, limits, lora,
+                                                                      kv_params)))
         failed = next((o for o in outputs if o.outputs[0].finish_reason == "error"), None)
         if failed is not None:
             raise APIError(500, f"the request failed: {failed.error}")
         return JSONResponse(dialect.response(outputs).model_dump(exclude_none=True))
-    choices = llm.generate(request_id, prompt, params, limits, lora)
+    choices = llm.generate(request_id, prompt, params, limits, lora, kv_params)
 
     async def events():
         for chunk in dialect.first_chunks():

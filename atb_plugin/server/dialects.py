@@ -153,7 +153,8 @@ class ChatDialect(_Dialect):
                 finish_reason=self._finish_reason(completion.finish_reason, has_calls)))
         return protocol.ChatCompletionResponse(id=self.request_id, created=self.created, model=self.model,
                                                choices=choices, usage=usage_of(outputs),
-                                               prompt_logprobs=self._prompt_logprobs(outputs[0]))
+                                               prompt_logprobs=self._prompt_logprobs(outputs[0]),
+                                               kv_transfer_params=outputs[0].kv_transfer_params)
 
     # -- streams ---------------------------------------------------------------------------------------
 
@@ -286,7 +287,8 @@ class CompletionDialect(_Dialect):
                 logprobs=self._logprobs(output, completion.logprobs, 0, self.echo is not None),
                 prompt_logprobs=self._prompt_logprobs(output)))
         return protocol.CompletionResponse(id=self.request_id, created=self.created, model=self.model,
-                                           choices=choices, usage=usage_of(outputs))
+                                           choices=choices, usage=usage_of(outputs),
+                                           kv_transfer_params=outputs[0].kv_transfer_params)
 
     def _chunk(self, choices, usage_info=None) -> protocol.CompletionStreamResponse:
         return protocol.CompletionStreamResponse(id=self.request_id, created=self.created, model=self.model,

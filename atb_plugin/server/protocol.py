@@ -254,7 +254,6 @@ _NEUTRAL_ONLY: dict[str, tuple[Callable[[Any], bool], str]] = {
     "logits_processors": (_empty, "null"),
     "priority": (_zero, "0"),
     "cache_salt": (_none, "null"),
-    "kv_transfer_params": (_none, "null"),
     "vllm_xargs": (_empty, "null"),
     "return_tokens_as_token_ids": (_falsy, "false"),
     "return_token_ids": (_falsy, "false"),
@@ -356,7 +355,9 @@ class _GenerationRequest(OpenAIBaseModel):
     logits_processors: Any = None
     priority: int | None = 0
     cache_salt: Any = None
-    kv_transfer_params: Any = None
+    # KV connectors (docs/kv-transfer.md): a PD proxy's {"do_remote_decode": true} to a producer,
+    # or the producer's answer to a consumer; handed to the engine request as given.
+    kv_transfer_params: dict[str, Any] | None = None
     vllm_xargs: Any = None
     return_tokens_as_token_ids: bool | None = None
     return_token_ids: bool | None = None
@@ -955,6 +956,7 @@ class ChatCompletionResponse(OpenAIBaseModel):
     system_fingerprint: str | None = None
     usage: UsageInfo
     prompt_logprobs: list[dict[str, PromptLogprob] | None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a PD producer's: where its KV lies
 
 
 class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
@@ -1010,6 +1012,7 @@ class CompletionResponse(OpenAIBaseModel):
     choices: list[CompletionResponseChoice]
     system_fingerprint: str | None = None
     usage: UsageInfo
+    kv_transfer_params: dict[str, Any] | None = None  # a PD producer's: where its KV lies
 
 
 class CompletionResponseStreamChoice(OpenAIBaseModel):

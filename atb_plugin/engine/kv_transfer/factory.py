@@ -42,4 +42,5 @@ def create_connector(config: KVTransferConfig, role: KVConnectorRole, context: C
 
 # The connectors this package ships (each one file, or one folder for a transport's several).
 register_connector(OFFLOADING_CONNECTOR, "atb_plugin.engine.kv_transfer.offloading.connector", "OffloadingConnector")
+register_connector("MooncakeConnector", "atb_plugin.engine.kv_transfer.mooncake.connector", "MooncakeConnector")
 register_connector("MultiConnector", "atb_plugin.engine.kv_transfer.multi", "MultiConnector")
