@@ -32,7 +32,7 @@ native grouped experts (csrc/moe_kernels.c) over the model's own stacked float32
 the eager ``ops.fused_moe`` within float32 rounding (docs/moe-decode.md). bfloat16 experts and a
 rank holding only some experts stay eager, and say why.
 
-Tensor parallelism (docs/architecture.md, "Tensor parallelism"): a rank's plan holds its shard
+Tensor parallelism (docs/architecture.md, "Tensor-parallel ranks"): a rank's plan holds its shard
 (its heads, KV heads and intermediate features, as its eager layers hold them) and sums each
 row-parallel output over the ranks inside the native call, through the group's shared-memory
 exchange (csrc/tp_allreduce.c, the same rounds as ``distributed.all_reduce``, the same sum in the
