@@ -162,7 +162,7 @@ def _group_member(rank: int, port: int, model_dir: str, rows: list[int], iters: 
     from atb_plugin.engine.worker import RankPlacement, _bind_cpu_threads, load_model
     from atb_plugin.ops import cpu_native
 
-    config = EngineConfig(model_dir, tensor_parallel_size=TP, num_threads=TP)
+    config = EngineConfig(model_dir, tensor_parallel_size=TP, num_threads=TP, dtype="float32")
     free = sorted(os.sched_getaffinity(0))
     # As a rank binds itself: num_threads // TP threads, its own cores.
     _bind_cpu_threads(config, RankPlacement.on_one_node(rank, TP))
@@ -301,8 +301,10 @@ def main() -> None:
             if side in EAGER_SIDES and llms[BASE].engine.core.executor.decode_capture != "captured":
                 del sides[side]  # nothing captured to compare with: the same engine as TP=1 1t
                 continue
+            # float32 on every side: dtype "auto" is chosen per engine by measurement at the engine's
+            # thread count (TP=1 1t may get bfloat16 where TP=2's num_threads=2 gets float32).
             llms[side] = LLM(scratch if padded else src, max_num_seqs=max(1, args.batch),
-                             max_num_batched_tokens=2048, **kwargs)
+                             max_num_batched_tokens=2048, dtype="float32", **kwargs)
         prompts = [llms[BASE].router.input_builder.make_context(0, chat) for chat in chats(max(1, args.batch))]
         threads = {side: kwargs["num_threads"] if kwargs.get("tensor_parallel_size", 1) == 1 else 1
                    for side, (_, kwargs, _) in sides.items()}
