@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from shm import exchange as shm_exchange
 
-__all__ = ["TPShard", "all_gather", "all_reduce", "destroy_tensor_parallel", "divide", "expert_parallel",
-           "init_tensor_parallel", "kv_heads_per_rank", "tp_rank", "tp_size"]
+__all__ = ["TPShard", "all_gather", "all_gather_object", "all_reduce", "destroy_tensor_parallel", "divide",
+           "expert_parallel", "init_tensor_parallel", "kv_heads_per_rank", "native_exchange", "tp_rank", "tp_size"]
 
 
 #: Bytes of one rank's exchange slot: a decode step's hidden states (256 x 4096 fp32) or a
@@ -101,6 +101,23 @@ def tp_size() -> int:
 def expert_parallel() -> bool:
     """Whether this group splits MoE experts across its ranks (``--enable-expert-parallel``)."""
     return _group.expert_parallel
+
+
+def native_exchange() -> tuple[shm_exchange.ShmExchange, float] | None:
+    """This rank's shared-memory exchange and the group's timeout (seconds), for a collective run
+    from native code on the same segment (the captured decode step's all-reduce:
+    models/native_decode.py); None outside a group or where the group has no exchange."""
+    return None if _group.exchange is None else (_group.exchange, _group.timeout_s)
+
+
+def all_gather_object(obj) -> list:
+    """Every rank's ``obj`` (picklable), in rank order, through the backend (a one-time
+    agreement, not a per-step collective); ``[obj]`` at size 1."""
+    if _group.size == 1:
+        return [obj]
+    gathered = [None] * _group.size
+    dist.all_gather_object(gathered, obj)
+    return gathered
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

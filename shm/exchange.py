@@ -6,7 +6,7 @@ copy and a few cache-line reads (the numbers are in benchmarks/RESULTS.md, "Tens
 
 Layout of the segment (one per group, mapped read-write by every member)::
 
-    member r's control line, 64 bytes each:   int64 round published, int64 pid
+    member r's control line, 64 bytes each:   int64 round published, int64 pid, int64 aborted
     2 x size slots of slot_bytes:             [parity][member] payload
 
 A round: write the payload into this round's parity slot, publish the round number, wait until
@@ -18,8 +18,13 @@ program order for other cores to see (TSO); on weaker memory models a fence woul
 that Python cannot issue, so ``supported()`` is false there and callers keep their collective.
 
 Members wait by spinning, yielding the core each turn; every half second of waiting they check
-that the others' processes still exist (a dead member is an error naming its pid, not a hang)
-and whether ``timeout_s`` has passed. The segment file is unlinked once every member has mapped
+that the others' processes still exist (a dead member is an error naming its pid, not a hang),
+that none has set its abort flag, and whether ``timeout_s`` has passed.
+
+The captured decode step's all-reduce (atb_plugin/ops/csrc/tp_allreduce.c) runs the same rounds
+from C on the same segment (``address``): each member's round lives in its control line, not in
+this object, so the rounds of Python and C calls form one sequence. A member whose native step
+fails sets its abort flag there, so that the others stop waiting for it at once. The segment file is unlinked once every member has mapped
 it (``unlink``), so nothing is left in ``/dev/shm`` whatever happens to the processes later.
 """
 
@@ -58,9 +63,11 @@ class ShmExchange:
         control = np.frombuffer(self._map, dtype=np.int64, count=size * _LINE // 8).reshape(size, _LINE // 8)
         self._rounds = control[:, 0]
         self._pids = control[:, 1]
+        self._aborted = control[:, 2]
         self._slots = np.frombuffer(self._map, dtype=np.uint8, offset=size * _LINE).reshape(2, size, slot_bytes)
-        self._round = int(self._rounds[rank])
         self._pids[rank] = os.getpid()
+        #: The segment's address in this process, for the native all-reduce (valid until ``close``).
+        self.address = control.ctypes.data
 
     @classmethod
     def create(cls, rank: int, size: int, slot_bytes: int) -> "ShmExchange":
@@ -103,11 +110,10 @@ class ShmExchange:
         n = payload.nbytes
         if n > self.slot_bytes:
             raise ValueError(f"a payload of {n} bytes does not fit a slot of {self.slot_bytes}")
-        round_ = self._round + 1
+        round_ = int(self._rounds[self.rank]) + 1  # only this member writes it (here or from C)
         slots = self._slots[round_ & 1]
         slots[self.rank, :n] = payload.reshape(-1).view(np.uint8)
         self._rounds[self.rank] = round_  # after the payload: the flag the others wait for
-        self._round = round_
         for peer in range(self.size):
             if peer != self.rank and self._rounds[peer] < round_:
                 self._wait(peer, round_, timeout_s)
@@ -126,12 +132,15 @@ class ShmExchange:
                 if pid and not _alive(pid):
                     raise RuntimeError(f"tensor-parallel rank {peer} (pid {pid}) exited while rank {self.rank} "
                                        f"waited for it in a collective")
+                if self._aborted[peer]:
+                    raise RuntimeError(f"tensor-parallel rank {peer} (pid {pid}) failed its step while rank "
+                                       f"{self.rank} waited for it in a collective")
                 if now - start > timeout_s:
                     raise TimeoutError(f"tensor-parallel rank {peer} did not reach the collective within "
                                        f"{timeout_s:.0f} s (rank {self.rank} waited)")
 
     def close(self) -> None:
-        self._rounds = self._pids = self._slots = None
+        self._rounds = self._pids = self._aborted = self._slots = None
         try:
             self._map.close()
         except BufferError:  # a caller still holds a view; the mapping goes with the process

@@ -84,12 +84,14 @@ def _expected(found: dict[str, bool]) -> dict[str, str]:
 # -- what Python and C share --------------------------------------------------------------------
 
 STRUCTS = {"decode_linear": cpu_native.DecodeLinear, "decode_moe": cpu_native.DecodeMoe, "decode_layer": cpu_native.DecodeLayer,
-           "decode_model": cpu_native.DecodeModel}
+           "decode_model": cpu_native.DecodeModel, "decode_tp": cpu_native.DecodeTP}
 
 
 def _constants() -> dict[str, int]:
     return {"PANEL": cpu_native.PANEL, "DOT_SPLIT_ROWS": cpu_native.DOT_SPLIT_ROWS, "LINEAR_F32": cpu_native.LINEAR_F32, "LINEAR_BF16": cpu_native.LINEAR_BF16,
             "LINEAR_W8A16": cpu_native.LINEAR_W8A16, "LINEAR_W8A8_DYNAMIC": cpu_native.LINEAR_W8A8_DYNAMIC,
+            "TP_PEER_EXITED": cpu_native.TP_PEER_EXITED, "TP_TIMED_OUT": cpu_native.TP_TIMED_OUT,
+            "TP_PEER_ABORTED": cpu_native.TP_PEER_ABORTED,
             **{f"FEATURE_{name.upper()}": 1 << i for i, name in enumerate(cpu_native.FEATURES)}}
 
 

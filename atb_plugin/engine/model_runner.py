@@ -151,10 +151,6 @@ class ModelRunner:
         elif platform.device_graphs() is not None:
             self.graphs, self.decode_capture = make_graph_runner(model, self.kv_caches, config, platform, self.device,
                                                                  isinstance(model, SupportsMRoPE))
-        elif tp_size() > 1:
-            # One native call per layer would still need two all-reduces inside it: the captured
-            # step runs whole layers without collectives, so tensor-parallel ranks run eagerly.
-            self.decode_capture = "eager (tensor parallel)"
         elif self.target_hidden is not None and self.target_hidden.reads_layers:
             self.decode_capture = "eager (EAGLE-3 reads intermediate layers)"
         elif not platform.captures_decode_step:

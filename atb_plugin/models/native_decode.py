@@ -32,6 +32,14 @@ native grouped experts (csrc/moe_kernels.c) over the model's own stacked float32
 the eager ``ops.fused_moe`` within float32 rounding (docs/moe-decode.md). bfloat16 experts and a
 rank holding only some experts stay eager, and say why.
 
+Tensor parallelism (docs/architecture.md, "Tensor-parallel ranks"): a rank's plan holds its shard
+(its heads, KV heads and intermediate features, as its eager layers hold them) and sums each
+row-parallel output over the ranks inside the native call, through the group's shared-memory
+exchange (csrc/tp_allreduce.c, the same rounds as ``distributed.all_reduce``, the same sum in the
+same order): a rank's decode step is one native call, with the embedding's all-reduce before it
+and the logits' all-gather after it in Python, and bit-identical to its eager TP step. Every rank
+captures or none does (``_agree``): a rank must never wait in an all-reduce the others do not enter.
+
 Unlike a CUDA graph, the batch size is an argument, not part of the capture: no buckets, no
 padded rows. What is captured are pointers, so the weights and caches must not move after
 ``capture``: they are made once per engine and never reallocated. Only decode-only steps run
@@ -45,6 +53,7 @@ import ctypes
 
 import torch
 
+from atb_plugin.distributed import all_gather_object, native_exchange, tp_rank, tp_size
 from atb_plugin.models.moe import SparseMoeBlock
 from atb_plugin.ops import AttentionMetadata, cpu_native
 
@@ -58,7 +67,7 @@ class NativeDecodeStep:
     ``__call__(embeds, cos, sin, metadata)`` runs it and returns the final hidden states."""
 
     def __init__(self, library, model, kv_caches, max_rows: int, linears: list[list[cpu_native.LinearOperands]],
-                 lora=None):
+                 lora=None, tp: cpu_native.DecodeTP | None = None):
         config = model.config
         self.library, self.kv_caches, self.max_rows = library, kv_caches, max_rows
         self.hidden, self.head_dim = config.hidden_size, config.head_dim
@@ -73,13 +82,19 @@ class NativeDecodeStep:
             entry.qkv, entry.o, entry.gate_up, entry.down = (self._linear(o) for o in operands[:4])
             entry.key_cache, entry.value_cache = self._address(key_cache), self._address(value_cache)
             self._qwen3_parts(entry, layer, operands[4:])
+        # This rank's shard under tensor parallelism (the whole model without): its eager layers' sizes.
+        attention = model.layers[0].self_attn
+        dense = [layer.mlp for layer in model.layers if not isinstance(layer.mlp, SparseMoeBlock)]
+        self.tp = tp  # kept alive with the plan, which points at it
         self.plan = cpu_native.DecodeModel(
-            num_layers=len(model.layers), hidden=config.hidden_size, heads=config.num_attention_heads,
-            kv_heads=config.num_key_value_heads, head_dim=config.head_dim,
-            intermediate=config.intermediate_size, block_size=self.block_size,
+            num_layers=len(model.layers), hidden=config.hidden_size, heads=attention.num_heads,
+            kv_heads=attention.num_kv_heads, head_dim=config.head_dim,
+            intermediate=dense[0].intermediate_size if dense else config.intermediate_size // tp_size(),
+            block_size=self.block_size,
             kv_bf16=int(kv_caches[0][0].dtype == torch.bfloat16), eps=config.rms_norm_eps,
             scale=model.layers[0].self_attn.scale, layers=self._layers,
-            final_norm=self._address(model.norm.weight.to(torch.float32).contiguous()))
+            final_norm=self._address(model.norm.weight.to(torch.float32).contiguous()),
+            tp=None if tp is None else ctypes.pointer(tp))
         self.scratch = cpu_native.decode_scratch(library, self.plan, max_rows)
         self._lora(lora)
 
@@ -249,7 +264,41 @@ def _lora_operands(layers):
 def capture(model, kv_caches, max_rows: int) -> tuple[NativeDecodeStep | None, str]:
     """A ``NativeDecodeStep`` over ``model`` (a ``decoder.DecoderModel``) and its caches, or None
     and why the decode step stays eager (a dtype or layout the plan cannot hold; no native kernels).
-    The model runner asks only on a platform that ``captures_decode_step``."""
+    The model runner asks only on a platform that ``captures_decode_step``; under tensor
+    parallelism every rank asks, and all get the same answer (``_agree``)."""
+    step, outcome = _capture(model, kv_caches, max_rows)
+    return (step, outcome) if tp_size() == 1 else _agree(step, outcome)
+
+
+def _agree(step: NativeDecodeStep | None, outcome: str) -> tuple[NativeDecodeStep | None, str]:
+    """Every rank's capture, or none: a captured rank runs its all-reduces inside its native step,
+    so the ranks must agree on which steps run captured, and a rank must never wait in a native
+    all-reduce the others do not enter. The first refusing rank's reason, on every rank."""
+    outcomes = all_gather_object(outcome)
+    refused = next((rank for rank, said in enumerate(outcomes) if said != "captured"), None)
+    if refused is None:
+        return step, outcome
+    return None, outcomes[refused] if refused == tp_rank() else f"tensor-parallel rank {refused}: {outcomes[refused]}"
+
+
+def _tp_operands(hidden: int, max_rows: int) -> tuple[cpu_native.DecodeTP | None, int] | str:
+    """This rank's exchange for the plan's all-reduces and the rows its slots hold at ``hidden``
+    float32 features (None, ``max_rows`` without tensor parallelism), or why it has none."""
+    if tp_size() == 1:
+        return None, max_rows
+    found = native_exchange()
+    if found is None:
+        return ("tensor parallel without the shared-memory exchange (ranks on several nodes, or a CPU whose store "
+                "order it cannot rely on): the plan has no collective of its own")
+    exchange, timeout_s = found
+    rows = min(max_rows, exchange.slot_bytes // (4 * hidden))
+    if rows < 1:
+        return f"hidden size {hidden} in float32 does not fit the exchange's {exchange.slot_bytes}-byte slots"
+    return cpu_native.DecodeTP(exchange.address, exchange.rank, exchange.size, exchange.slot_bytes, timeout_s), rows
+
+
+def _capture(model, kv_caches, max_rows: int) -> tuple[NativeDecodeStep | None, str]:
+    """``capture`` on this rank alone."""
     weight = model.embed_tokens.weight
     library = cpu_native.linear_library(weight.device)  # None off the CPU or with the torch ops chosen
     if library is None:
@@ -273,4 +322,7 @@ def capture(model, kv_caches, max_rows: int) -> tuple[NativeDecodeStep | None, s
     if split and min(split) <= 1:
         return None, "the linear layers' forms for one row are not the panels"
     max_rows = min([max_rows, *(rows - 1 for rows in split)])
-    return NativeDecodeStep(library, model, kv_caches, max_rows, linears, _lora_operands(model.layers)), "captured"
+    tp = _tp_operands(model.config.hidden_size, max_rows)
+    if isinstance(tp, str):
+        return None, tp
+    return NativeDecodeStep(library, model, kv_caches, tp[1], linears, _lora_operands(model.layers), tp[0]), "captured"

@@ -98,7 +98,8 @@ _AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 # isa_*.c files hold the variants of the dispatch table (csrc/dispatch.c), each compiled for its own
 # set whatever the probe says, so one library holds them all and the table picks what executes.
 # Elsewhere only the base files and isa_portable.c are built, all with -march=native.
-UNITS = {"cpu_kernels.c": None, "int8_driver.c": None, "dispatch.c": None, "lora_kernels.c": None, "moe_kernels.c": None, "isa_portable.c": (),
+UNITS = {"cpu_kernels.c": None, "int8_driver.c": None, "dispatch.c": None, "lora_kernels.c": None, "moe_kernels.c": None,
+         "tp_allreduce.c": None, "isa_portable.c": (),
          "isa_avx2.c": _AVX2, "isa_avx512.c": _AVX512, "isa_avx_vnni.c": (*_AVX2, "-mavxvnni"),
          "isa_avx512_vnni.c": (*_AVX512, "-mavx512vnni"), "isa_avx512_bf16.c": (*_AVX512, "-mavx512bf16"),
          "isa_amx.c": ()}
@@ -224,6 +225,7 @@ _SIGNATURES = {  # name: (restype, argtypes), as in csrc/ (cpu_kernels.c, int8_d
     "quantize_rows_s8": (None, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR]),
     "w8a8_dynamic_linear_f32": (_INT, [_PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT]),
     "lora_apply_f32": (_INT, [_PTR, _I64, _PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _INT]),
+    "tp_all_reduce_f32": (_INT, [_PTR, _PTR, _I64]),
 }
 
 
@@ -747,12 +749,27 @@ class DecodeLoRA(ctypes.Structure):
     _fields_ = [("rank", _I64), ("row_slots", _PTR), ("h", _PTR), ("linears", ctypes.POINTER(LoRASlots))]
 
 
+class DecodeTP(ctypes.Structure):
+    """This rank's place in its tensor-parallel group's shared-memory exchange, as ``decode_tp``
+    in csrc/cpu_kernels.h: the segment's address (``shm.exchange.ShmExchange.address``), the
+    rank, the group's size, the slots' bytes, how long a rank waits for another (seconds);
+    ``failed_peer`` is the C side's answer when a collective fails."""
+    _fields_ = [("segment", _PTR), ("rank", _I64), ("size", _I64), ("slot_bytes", _I64), ("timeout_s", ctypes.c_double),
+                ("failed_peer", _I64)]
+
+
+# tp_all_reduce_f32's / decode_step_f32's failures of the group, as TP_* in csrc/cpu_kernels.h.
+TP_PEER_EXITED, TP_TIMED_OUT, TP_PEER_ABORTED = 2, 3, 4
+
+
 class DecodeModel(ctypes.Structure):
     """The decoder's sizes and its layers, as ``decode_model`` in csrc/cpu_kernels.h (``kv_bf16``:
-    the KV caches hold bfloat16, else float32; ``lora``: NULL, or the step's adapters)."""
+    the KV caches hold bfloat16, else float32; ``lora``: NULL, or the step's adapters; ``tp``:
+    NULL, or this rank's tensor-parallel exchange, the sizes then being this rank's shard)."""
     _fields_ = [("num_layers", _I64), ("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64),
                 ("intermediate", _I64), ("block_size", _I64), ("kv_bf16", _I64), ("eps", _F32), ("scale", _F32),
-                ("layers", ctypes.POINTER(DecodeLayer)), ("final_norm", _PTR), ("lora", ctypes.POINTER(DecodeLoRA))]
+                ("layers", ctypes.POINTER(DecodeLayer)), ("final_norm", _PTR), ("lora", ctypes.POINTER(DecodeLoRA)),
+                ("tp", ctypes.POINTER(DecodeTP))]
 
 
 def lora_slots(a: torch.Tensor, b: list[torch.Tensor]) -> LoRASlots | str:
@@ -808,8 +825,34 @@ def decode_step(library, model: DecodeModel, embeds: torch.Tensor, cos: torch.Te
                                      block_tables.stride(0), seq_lens.data_ptr(), scratch.data_ptr(),
                                      torch.get_num_threads())
     if failed:
-        raise MemoryError("the CPU decode kernel could not allocate its scratch buffer")
+        raise tp_failure(model.tp.contents, failed) if failed > 1 else MemoryError(
+            "the CPU decode kernel could not allocate its scratch buffer")
     return out
+
+
+def tp_failure(tp: DecodeTP, failed: int) -> Exception:
+    """The error a failed native collective (``failed``: TP_*) raises in this rank, naming the
+    rank it waited for, as the Python exchange names it (shm/exchange.py)."""
+    peer, rank = tp.failed_peer, tp.rank
+    if failed == TP_TIMED_OUT:
+        return TimeoutError(f"tensor-parallel rank {peer} did not reach the collective within {tp.timeout_s:.0f} s "
+                            f"(rank {rank} waited, in the captured decode step)")
+    what = "exited" if failed == TP_PEER_EXITED else "failed its step"
+    return RuntimeError(f"tensor-parallel rank {peer} {what} while rank {rank} waited for it in a collective "
+                        "(the captured decode step)")
+
+
+def tp_all_reduce(library, tp: DecodeTP, x: torch.Tensor) -> torch.Tensor:
+    """``x`` (contiguous float32 CPU) summed over the group in place, by the captured step's
+    all-reduce (csrc/tp_allreduce.c): one round of the group's exchange, as
+    ``distributed.all_reduce`` makes one."""
+    if x.dtype != torch.float32 or not x.is_contiguous() or x.numel() * 4 > tp.slot_bytes:
+        raise ValueError(f"tp_all_reduce: {x.dtype} {tuple(x.shape)} (contiguous={x.is_contiguous()}) for slots of "
+                         f"{tp.slot_bytes} bytes")
+    failed = library.tp_all_reduce_f32(ctypes.addressof(tp), x.data_ptr(), x.numel())
+    if failed:
+        raise tp_failure(tp, failed)
+    return x
 
 
 def moe_experts(library, x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,

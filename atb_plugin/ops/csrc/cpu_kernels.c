@@ -157,6 +157,10 @@ int linear_bf16w(const void *x, int x_bf16, int64_t M, int64_t K, int64_t x_stri
  *               x = rms_norm(residual)            residual += down(silu_and_mul(gate_up(x)))
  *   out = rms_norm(residual)
  *
+ * Under tensor parallelism (m->tp set) the sizes are this rank's shard (its heads, KV heads and
+ * intermediate features), and each `residual += linear(...)` adds the linear's output summed over
+ * the ranks (tp_allreduce.c), as the eager layers all-reduce it.
+ *
  * With LoRA adapters (m->lora set for a step with adapted rows), each of the four linear layers'
  * outputs gets each adapted row's adapter added right after the layer, as the eager LoRALinear
  * adds it (lora_kernels.c). A step without adapted rows has m->lora NULL: the base step as it was.
@@ -267,17 +271,21 @@ static void write_kv(void *cache, int64_t index, const float *v, int64_t n, int 
     for (int64_t i = 0; i < n; i++) row[i] = float_to_bf16(v[i]);
 }
 
-/* embeds, out (rows, hidden); cos, sin (rows, head_dim); slots (rows) int64, -1 = do not write;
- * block_tables, seq_lens as paged_decode_f32 takes them. The caller has checked every slot and
- * block id against the caches. Returns 0, or 1 when a kernel's scratch allocation failed. */
-int decode_step_f32(const decode_model *m, const float *embeds, float *out, int64_t rows, const float *cos,
-                    const float *sin, const int64_t *slots, const int32_t *block_tables, int64_t table_stride,
-                    const int32_t *seq_lens, float *scratch, int num_threads) {
+/* proj (rows * hidden) = its sum over the tensor-parallel group, where the step has one (the
+ * eager layers' all_reduce after o_proj and after the MLP). Returns 0 or TP_*. */
+static int reduce_rows(const decode_model *m, float *proj, int64_t n) {
+    return m->tp ? tp_all_reduce_f32(m->tp, proj, n) : 0;
+}
+
+static int decode_layers(const decode_model *m, const float *embeds, float *out, int64_t rows, const float *cos,
+                         const float *sin, const int64_t *slots, const int32_t *block_tables, int64_t table_stride,
+                         const int32_t *seq_lens, float *scratch, int num_threads) {
     const int64_t H = m->hidden, D = m->head_dim, I = m->intermediate;
     const int64_t q_size = m->heads * D, kv_size = m->kv_heads * D, qkv_n = q_size + 2 * kv_size;
     float *x = scratch, *qkv = x + rows * H, *q = qkv + rows * qkv_n, *k = q + rows * q_size;
     float *a = k + rows * kv_size, *proj = a + rows * q_size, *gate_up = proj + rows * H, *act = gate_up + rows * 2 * I;
     float *stream = act + rows * I; /* (rows, hidden): the residual stream */
+    int failed;
     memcpy(stream, embeds, sizeof(float) * rows * H);
     for (int64_t l = 0; l < m->num_layers; l++) {
         const decode_layer *L = m->layers + l;
@@ -300,6 +308,7 @@ int decode_step_f32(const decode_model *m, const float *embeds, float *out, int6
             return 1;
         if (decode_linear_rows(&L->o, a, rows, q_size, proj, H, num_threads) ||
             decode_lora_rows(m, l, 1, a, rows, q_size, proj, H, num_threads)) return 1;
+        if ((failed = reduce_rows(m, proj, rows * H))) return failed;
         add_rows(stream, proj, rows * H);
         cpu_kernels.rms_norm(stream, H, L->post_norm, x, rows, H, m->eps, num_threads);
         if (L->moe) {
@@ -311,8 +320,23 @@ int decode_step_f32(const decode_model *m, const float *embeds, float *out, int6
             if (decode_linear_rows(&L->down, act, rows, I, proj, H, num_threads) ||
                 decode_lora_rows(m, l, 3, act, rows, I, proj, H, num_threads)) return 1;
         }
+        if ((failed = reduce_rows(m, proj, rows * H))) return failed;
         add_rows(stream, proj, rows * H);
     }
     cpu_kernels.rms_norm(stream, H, m->final_norm, out, rows, H, m->eps, num_threads);
     return 0;
+}
+
+/* embeds, out (rows, hidden); cos, sin (rows, head_dim); slots (rows) int64, -1 = do not write;
+ * block_tables, seq_lens as paged_decode_f32 takes them. The caller has checked every slot and
+ * block id against the caches. Returns 0, 1 when a kernel's scratch allocation failed, or TP_*
+ * when the tensor-parallel group failed (m->tp->failed_peer: which rank). A rank whose step
+ * fails marks it in the exchange (tp_abort), so that no other rank waits for it. */
+int decode_step_f32(const decode_model *m, const float *embeds, float *out, int64_t rows, const float *cos,
+                    const float *sin, const int64_t *slots, const int32_t *block_tables, int64_t table_stride,
+                    const int32_t *seq_lens, float *scratch, int num_threads) {
+    const int failed = decode_layers(m, embeds, out, rows, cos, sin, slots, block_tables, table_stride, seq_lens,
+                                     scratch, num_threads);
+    if (failed && m->tp) tp_abort(m->tp);
+    return failed;
 }

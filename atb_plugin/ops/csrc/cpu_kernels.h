@@ -9,6 +9,8 @@
  *                   the captured decode step
  *   lora_kernels.c  the adapters' grouped shrink / expand (multi-LoRA rows, bgmv)
  *   moe_kernels.c   the captured step's sparse MoE layer: routing and the grouped expert GEMMs
+ *   tp_allreduce.c  the captured step's all-reduce over the tensor-parallel ranks' shared-memory
+ *                   exchange (shm/exchange.py's protocol, from C)
  *   int8_driver.c   the one int8 linear driver (W8A16 and W8A8): blocks of weight rows, threads,
  *                   scratch, scales; its inner kernel comes from the table
  *   dispatch.c      the table and the variants, best first
@@ -127,12 +129,26 @@ typedef struct {
     const lora_linear *linears;
 } decode_lora;
 
+/* This rank's place in a tensor-parallel group's shared-memory exchange (cpu_native.DecodeTP;
+ * the segment's layout: shm/exchange.py). `failed_peer`: written by tp_all_reduce_f32 when it
+ * returns an error, the rank it was waiting for. */
+typedef struct {
+    void *segment;
+    int64_t rank, size, slot_bytes;
+    double timeout_s;
+    int64_t failed_peer;
+} decode_tp;
+
+/* tp_all_reduce_f32's answers past 0 (and decode_step_f32's: 1 is a kernel's failed scratch). */
+enum { TP_PEER_EXITED = 2, TP_TIMED_OUT = 3, TP_PEER_ABORTED = 4 };
+
 typedef struct {
     int64_t num_layers, hidden, heads, kv_heads, head_dim, intermediate, block_size, kv_bf16;
     float eps, scale;
     const decode_layer *layers;
     const float *final_norm;
     const decode_lora *lora; /* NULL: no row of this step is adapted */
+    decode_tp *tp;           /* NULL: one rank; else the row-parallel outputs are summed over the group */
 } decode_model;
 
 /* ---- the dispatch table ----------------------------------------------------------------------
@@ -210,6 +226,11 @@ void linear_f32(const float *x, int64_t M, int64_t K, int64_t x_stride, const fl
                 const float *bias, float *y, int64_t y_stride, int num_threads);
 int lora_apply_f32(const lora_linear *L, int64_t rank, const float *x, int64_t rows, int64_t K, int64_t x_stride,
                    const int32_t *row_slots, float *h, float *y, int64_t y_stride, int num_threads);
+/* tp_allreduce.c: x (n floats) = its sum over the group, in rank order (0 or TP_*); tp_abort
+ * marks this rank's step as failed, so that the others stop waiting for it. */
+int tp_all_reduce_f32(decode_tp *tp, float *x, int64_t n);
+void tp_abort(const decode_tp *tp);
+
 /* moe_kernels.c: the grouped experts of a sparse layer, and the plain (K, N) GEMM they run per expert. */
 int64_t moe_scratch_floats(int64_t rows, int64_t hidden, int64_t num_experts, int64_t top_k, int64_t intermediate);
 void moe_experts_f32(const float *x, const float *logits, int64_t rows, int64_t H, int64_t E, int64_t k,
