@@ -122,6 +122,13 @@ class GraphRunner:
             metadata = self._metadata(size)
             self._dummy_step(size)
             self._forward(size, metadata)  # warm-up: lazy caches and workspaces made outside the graph
+            if self.platform.name == "cuda":
+                # The graph path's own kernels (torch_kernels.captured_decode's masked SDPA) once
+                # more outside the graph: CUDA loads kernel modules lazily, and a first load inside
+                # the capture invalidates it (seen with an explicit kv_cache_blocks, where no memory
+                # profile had run them). Not on the NPU: its graph path needs a live capture.
+                with capture(GraphParams(update_stream)):
+                    self._forward(size, metadata)
             self.graphs_api.synchronize()
             self._dummy_step(size)
             params = GraphParams(update_stream)

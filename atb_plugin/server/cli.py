@@ -27,7 +27,6 @@ from atb_plugin.multimodal.limits import LIMIT_FIELDS, MediaLimits
 from atb_plugin.multimodal.wire import DEFAULT_WIRE_DTYPE, WIRE_DTYPES
 from atb_plugin.pooling.config import CONVERT_TYPES, RUNNER_TYPES
 from atb_plugin.models.quantization.config import METHODS as QUANTIZATION_METHODS
-from atb_plugin.server import proxy
 from atb_plugin.server.config import ServerConfig, default_tokenizer_workers
 from atb_plugin.server.tls import CERT_REQS, TLSSettings
 from atb_plugin.utils import available_cores
@@ -573,6 +572,10 @@ def serve(config: ServerConfig) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "proxy":  # the PD proxy (docs/kv-transfer.md)
+        # Imported here, as serve() imports the app: parsing a config (tests, the launch
+        # script) needs neither uvicorn nor fastapi.
+        from atb_plugin.server import proxy
+
         return proxy.main(argv[1:])
     if argv and argv[0] == "serve":
         argv = argv[1:]
