@@ -150,7 +150,7 @@ def test_a_delayed_free_keeps_the_blocks_until_sent_and_returns_the_params(refer
 
 @pytest.mark.parametrize("kwargs, words", [
     ({"kv_transfer_config": {"kv_connector": "Nope"}}, "unknown; registered"),
-    ({"kv_transfer_config": '{"kv_connector": "DictConnector"'}, "not valid JSON"),
+    ({"kv_transfer_config": '{"kv_connector": "DictConnector"'}, "is not JSON"),
     ({"kv_transfer_config": {"kv_connector": "DictConnector", "kv_role": "both"}}, "kv_role"),
     ({"kv_transfer_config": {"kv_connector": "DictConnector", "kv_connector_module_path": "tests.kv_dict_connector",
                              "kv_connector_extra_config": {"bogus": 1}}}, "bogus"),

@@ -294,7 +294,10 @@ def test_the_many_frames_video_never_delays_a_text_chat(server):
 
 def test_a_media_worker_killed_mid_decode_fails_only_its_request(server):
     text = [{"role": "user", "content": "Say something."}]
-    slow = data_url(many_frames_video_bytes(500_000))  # under the budget: seconds of decoding
+    # Under the budget (600,000 frames) and as close to it as is safe: seconds of decoding, so the
+    # kill lands mid-decode even when the text chat is slow to answer (a decode that finished first
+    # gets the context-length 400 instead).
+    slow = data_url(many_frames_video_bytes(590_000))
     with _HealthWatch(server) as health:
         video, outcome = _in_background(_chat, server, video_chat(slow))
         answer = _chat(server, text)

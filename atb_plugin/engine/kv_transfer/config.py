@@ -6,9 +6,10 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from dataclasses import dataclass, field, fields
+
+from atb_plugin.utils import json_object
 
 # vLLM's roles: a producer saves / sends KV (a prefill instance), a consumer loads / receives it
 # (a decode instance), "kv_both" does both (an offloading tier is written and read by one engine).
@@ -63,9 +64,9 @@ class KVTransferConfig:
             return value
         if isinstance(value, str):
             try:
-                value = json.loads(value)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"kv_transfer_config (--kv-transfer-config) is not valid JSON: {error}") from None
+                value = json_object(value)
+            except ValueError as error:
+                raise ValueError(f"kv_transfer_config (--kv-transfer-config) {error}") from None
         if not isinstance(value, dict):
             raise ValueError(f"kv_transfer_config must be a JSON object, got {type(value).__name__}")
         known = {f.name for f in fields(cls)}
