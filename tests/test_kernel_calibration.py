@@ -438,6 +438,26 @@ def test_dtype_auto_takes_bfloat16_where_measured_faster_and_says_so(monkeypatch
     assert EngineConfig(model=str(model), pack_weights=False).dtype == "float32"
 
 
+def test_dtype_auto_is_measured_as_one_tensor_parallel_rank_runs(monkeypatch):
+    # Each of TP ranks runs its shard on num_threads // TP threads (engine/worker.py): measuring the
+    # whole model on every thread could pick a dtype no rank measured faster.
+    from atb_plugin.engine.config import EngineConfig, decoder_linear_layers
+    from atb_plugin.platform.cpu import CpuPlatform
+
+    asked = []
+    monkeypatch.setattr(CpuPlatform, "measured_dtype", lambda self, dtype, layers, declared, threads: (
+        asked.append((layers, threads)) or (dtype, "recorded")))
+    model = tiny_checkpoint("qwen2")
+    config = json.loads((model / "config.json").read_text())
+    for tp in (1, 2):
+        EngineConfig(model=str(model), num_threads=2, tensor_parallel_size=tp)
+    (whole, whole_threads), (shard, shard_threads) = asked
+    assert (whole_threads, shard_threads) == (2, 1)
+    assert whole == decoder_linear_layers(config) and len(shard) == len(whole)
+    qkv, o, gate_up, down = whole[:4]
+    assert shard[:4] == [(qkv[0] // 2, qkv[1]), (o[0], o[1] // 2), (gate_up[0] // 2, gate_up[1]), (down[0], down[1] // 2)]
+
+
 def test_dtype_auto_does_not_time_a_small_model(monkeypatch, caplog):
     from atb_plugin.engine.config import EngineConfig
 

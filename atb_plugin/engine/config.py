@@ -28,7 +28,7 @@ from atb_plugin.multimodal.wire import DEFAULT_WIRE_DTYPE, check_wire_dtype
 from atb_plugin.pooling.config import resolve_runner, sentence_transformers_max_len
 from atb_plugin.platform import platform_for
 from atb_plugin.platform.base import DTYPES as TORCH_DTYPES
-from atb_plugin.utils import available_cores
+from atb_plugin.utils import available_cores, cdiv
 
 logger = logging.getLogger(__name__)
 
@@ -63,11 +63,13 @@ def _check_int(name: str, value, low: int, high: int | None = None) -> None:
         raise ValueError(f"EngineConfig.{name} = {value}: must be {bound}")
 
 
-def decoder_linear_layers(hf_config: dict) -> list[tuple[int, int]]:
+def decoder_linear_layers(hf_config: dict, tensor_parallel_size: int = 1) -> list[tuple[int, int]]:
     """``(out, in)`` of a decoder's linear layers as its config.json sizes them: per layer the fused
-    QKV, O, fused gate-up and down projections, then the LM head (empty where it does not say).
-    What ``dtype="auto"`` is measured on (``Platform.measured_dtype``): the sizes, not the biases or
-    an MoE's routing, decide which dtype runs faster."""
+    QKV, O, fused gate-up and down projections, then the LM head (empty where it does not say);
+    with tensor parallelism, one rank's shard of each (column-parallel layers split their outputs,
+    row-parallel ones their inputs). What ``dtype="auto"`` is measured on
+    (``Platform.measured_dtype``): the sizes, not the biases or an MoE's routing, decide which
+    dtype runs faster."""
     def size(key: str, default=None):
         value = registry.config_value(hf_config, key, default)
         return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
@@ -78,7 +80,9 @@ def decoder_linear_layers(hf_config: dict) -> list[tuple[int, int]]:
         return []
     head_dim = size("head_dim") or hidden // heads
     q, kv = heads * head_dim, (size("num_key_value_heads") or heads) * head_dim
-    return [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)] * layers + [(vocab, hidden)]
+    tp = tensor_parallel_size
+    return ([(cdiv(q + 2 * kv, tp), hidden), (hidden, cdiv(q, tp)), (cdiv(2 * inter, tp), hidden),
+             (hidden, cdiv(inter, tp))] * layers + [(cdiv(vocab, tp), hidden)])
 
 
 def head_size(hf_config: dict) -> int | None:
@@ -320,7 +324,11 @@ class EngineConfig:
         dtype, block_size = platform.check_engine_config(self.dtype, self.block_size, head_size(hf_config))
         if self.dtype == "auto" and self.runner == "generate" and self.quantization is None and self.pack_weights:
             declared = registry.config_value(hf_config, "torch_dtype") or registry.config_value(hf_config, "dtype")
-            dtype, why = platform.measured_dtype(dtype, decoder_linear_layers(hf_config), declared, self.num_threads)
+            # Measured as one rank runs: its shard of each layer, on its share of the threads
+            # (engine/worker.py gives each of the TP ranks num_threads // TP).
+            tp = self.tensor_parallel_size
+            dtype, why = platform.measured_dtype(dtype, decoder_linear_layers(hf_config, tp), declared,
+                                                 max(1, self.num_threads // tp))
             logger.info("dtype auto: %s (%s)", dtype, why)
         check_tensor_parallel(hf_config, self.tensor_parallel_size, self.enable_expert_parallel)
         devices = platform.device_count()
