@@ -33,8 +33,7 @@ from atb_plugin.engine.input_batch import InputBatch
 from atb_plugin.engine.kv_transfer.base import (ConnectorContext, KVConnectorBase, KVConnectorOutput, KVConnectorRole,
                                                 kv_block_layout)
 from atb_plugin.engine.kv_transfer.factory import create_connector
-from atb_plugin.engine.messages import KVTransferStats
-from atb_plugin.engine.messages import LogprobsEntry, PooledData
+from atb_plugin.engine.messages import KVTransferStats, LogprobsEntry, PooledData
 from atb_plugin.engine.prepare_inputs import prepare_inputs
 from atb_plugin.engine.request import Request
 from atb_plugin.engine.sampler import Sampler, make_generator

@@ -381,15 +381,13 @@ class Scheduler:
                 continue
             # Recompute: back to the front of the waiting queue (a receiving one keeps its place),
             # its blocks freed, never asked of the connector again; its output tokens (if any) stay.
-            kv.free(request)
-            request.num_computed_tokens = 0
-            request.spec_token_ids = []
             self._skip_connector.add(request_id)
             if request in self.running:
                 self.running.remove(request)
-                request.status = RequestStatus.PREEMPTED
                 self._rolled_back.append(request_id)
-                self.waiting.appendleft(request)
+                self._requeue(request)
+            else:
+                self._release_for_recompute(request)
         return outputs, {request.request_id for request in affected}
 
     def _add_kv_stats(self, stats) -> None:
@@ -535,11 +533,19 @@ class Scheduler:
 
     def _preempt(self, request: Request) -> None:
         self.num_preemptions += 1
-        self.kv_cache_manager.free(request)
+        self._requeue(request)
+
+    def _requeue(self, request: Request) -> None:
+        """A request taken off ``running`` (preempted, or its KV load failed) goes back to the
+        front of the waiting queue, to be recomputed."""
+        self._release_for_recompute(request)
         request.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(request)
+
+    def _release_for_recompute(self, request: Request) -> None:
+        self.kv_cache_manager.free(request)
         request.num_computed_tokens = 0  # recompute from scratch (the prefix cache may help)
         request.spec_token_ids = []  # proposed again once it decodes
-        self.waiting.appendleft(request)
 
 
 def emitted_tokens(request_id: str, sampled: dict[str, int], spec_sampled: dict[str, list[int]] | None) -> list[int]:
